@@ -1,0 +1,139 @@
+"""Engine configuration: one small frozen dataclass per concern.
+
+Each component receives only the part it needs. ``EngineArgs`` is the flat, user-facing
+bundle (Python keyword arguments and CLI flags map one-to-one to its fields); it validates
+and splits itself into the per-concern configs. Validation raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.utils import parse_size
+
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and how.
+
+    ``dtype`` ``auto`` takes the checkpoint's dtype. ``max_model_len`` ``None`` takes the
+    model's ``max_position_embeddings``.
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    device: str = "auto"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache shape and capacity.
+
+    Capacity comes from ``kv_cache_memory`` (bytes) when set; otherwise, on CUDA, from
+    ``gpu_memory_utilization`` after a profiling forward pass, and on CPU from a 4 GiB default.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; "
+                f"choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits per engine step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+
+_SIZE_FIELDS = {"kv_cache_memory"}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine option in one flat place; ``kvserve`` CLI flags are its field names.
+
+    ``kv_cache_memory`` accepts a size string (``4GiB``) or bytes.
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(self.model, self.dtype, self.max_model_len, self.device, self.seed)
+
+    def cache_config(self) -> CacheConfig:
+        mem = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
+        return CacheConfig(self.block_size, mem, self.gpu_memory_utilization, self.kv_cache_dtype)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            self.max_num_batched_tokens, self.max_num_seqs, self.enable_chunked_prefill
+        )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
+        """Add one ``--flag`` per field (``max_num_seqs`` → ``--max-num-seqs``)."""
+        for f in dataclasses.fields(cls):
+            if f.name == "extra":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "model":
+                parser.add_argument(flag, default=model_default, help="model directory")
+                continue
+            default = f.default
+            if isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif f.name in _SIZE_FIELDS or default is None:
+                conv = str if f.name in _SIZE_FIELDS else int
+                parser.add_argument(flag, type=conv, default=default)
+            else:
+                parser.add_argument(flag, type=type(default), default=default)
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{n: getattr(ns, n) for n in names})

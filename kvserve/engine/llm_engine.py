@@ -1,0 +1,309 @@
+"""LLMEngine: owns model, KV cache, scheduler; ``step()`` = schedule → run → postprocess."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.manager import KVCacheManager
+from kvserve.model.attention import TorchPagedAttention
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import load_model, resolve_dtype
+from kvserve.model.spec import ModelSpec, load_model_spec
+from kvserve.model.tokenizer import Tokenizer, load_tokenizer
+from kvserve.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from kvserve.sampling import SamplingParams
+from kvserve.sched.scheduler import Scheduler
+from kvserve.utils import format_size, parse_dtype, resolve_device
+
+logger = logging.getLogger("kvserve")
+
+_CPU_DEFAULT_KV_MEMORY = 4 * 1024**3
+
+
+class EngineError(ValueError):
+    """A request or configuration the engine cannot serve; the message says why."""
+
+
+class LLMEngine:
+    """Synchronous engine. Not thread-safe: one caller drives ``add_request``/``step``."""
+
+    def __init__(self, args: EngineArgs):
+        self.model_config: ModelConfig = args.model_config()
+        self.cache_config: CacheConfig = args.cache_config()
+        self.scheduler_config: SchedulerConfig = args.scheduler_config()
+        self.device = resolve_device(self.model_config.device)
+        torch.manual_seed(self.model_config.seed)
+        self._rng = random.Random(self.model_config.seed)
+        self.spec: ModelSpec = load_model_spec(self.model_config.model)
+        self.tokenizer: Tokenizer | None = load_tokenizer(self.model_config.model)
+        self.dtype = resolve_dtype(self.model_config.dtype, self.spec, self.device)
+        self.max_model_len = self.model_config.max_model_len or self.spec.max_position_embeddings
+        if self.max_model_len > self.spec.max_position_embeddings:
+            logger.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d",
+                self.max_model_len,
+                self.spec.max_position_embeddings,
+            )
+        self.model: LlamaForCausalLM = load_model(
+            self.model_config.model,
+            self.spec,
+            self.dtype,
+            self.device,
+            TorchPagedAttention(),
+            self.max_model_len,
+        )
+        kv_dtype = (
+            self.dtype
+            if self.cache_config.kv_cache_dtype == "auto"
+            else parse_dtype(self.cache_config.kv_cache_dtype)
+        )
+        self.kv_spec = KVCacheSpec(
+            self.spec.num_layers,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            kv_dtype,
+            self.cache_config.block_size,
+        )
+        num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(num_blocks, self.cache_config.block_size)
+        if not self.kv.can_ever_fit(self.max_model_len):
+            raise EngineError(
+                f"the KV cache holds {self.kv.capacity_tokens} tokens, fewer than max_model_len "
+                f"{self.max_model_len}; raise kv_cache_memory or lower max_model_len"
+            )
+        from kvserve.engine.model_runner import ModelRunner
+
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_spec.allocate(num_blocks, self.device),
+            self.kv,
+            self.device,
+            self.spec.sliding_window,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._log_capacity()
+
+    # ---- capacity -------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        mem = self.cache_config.kv_cache_memory
+        if mem is None:
+            mem = self._profile_cuda_memory() if self.device.type == "cuda" else None
+        if mem is None:
+            mem = _CPU_DEFAULT_KV_MEMORY
+        blocks = self.kv_spec.num_blocks_for(mem)
+        if blocks <= 0:
+            raise EngineError(
+                f"kv_cache_memory {format_size(mem)} is smaller than one KV block "
+                f"({format_size(self.kv_spec.bytes_per_block)})"
+            )
+        return blocks
+
+    def _profile_cuda_memory(self) -> int:
+        """Bytes left for KV after a max-size forward pass, under gpu_memory_utilization."""
+        from kvserve.model.attention import AttentionMetadata, PrefillChunk
+
+        n = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tmp_spec = KVCacheSpec(
+            self.kv_spec.num_layers,
+            self.kv_spec.num_kv_heads,
+            self.kv_spec.head_dim,
+            self.kv_spec.dtype,
+            self.kv_spec.block_size,
+        )
+        blocks = -(-n // tmp_spec.block_size)
+        caches = tmp_spec.allocate(blocks, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=pos.clone(), prefills=[PrefillChunk(0, n, n, None, None)]
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, caches, meta)
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.cache_config.gpu_memory_utilization) - peak
+
+    def _log_capacity(self) -> None:
+        tokens = self.kv.capacity_tokens
+        logger.info(
+            "KV cache: %d bytes/token, %d blocks × %d tokens = %d tokens (%s, %s); "
+            "max concurrency at max_model_len %d: %.2fx",
+            self.kv_spec.bytes_per_token,
+            self.kv.num_blocks,
+            self.kv.block_size,
+            tokens,
+            format_size(self.kv.num_blocks * self.kv_spec.bytes_per_block),
+            str(self.kv_spec.dtype).removeprefix("torch."),
+            self.max_model_len,
+            tokens / self.max_model_len,
+        )
+
+    # ---- requests -------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise EngineError(
+                f"{self.model_config.model} has no tokenizer.json; pass prompt token ids"
+            )
+        return self.tokenizer.encode(prompt)
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        seed: int | None = None,
+    ) -> Request:
+        """Validate and queue one sequence. Raises EngineError for what can never be served."""
+        if request_id in self.requests:
+            raise EngineError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise EngineError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise EngineError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if len(ids) + max_tokens > self.max_model_len:
+            raise EngineError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request has {len(ids)} prompt tokens + max_tokens {max_tokens} = "
+                f"{len(ids) + max_tokens}"
+            )
+        if not self.kv.can_ever_fit(len(ids) + max_tokens):
+            raise EngineError(
+                f"the request needs {self.kv.blocks_needed(len(ids) + max_tokens)} KV blocks, "
+                f"the whole cache has {self.kv.num_blocks}"
+            )
+        req_seed = seed if seed is not None else params.seed
+        if req_seed is None:
+            req_seed = self._rng.getrandbits(63)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            seed=req_seed,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids(),
+            prompt=text,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks at once; no-op for unknown/finished ids."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch. Returns outputs of requests that got a token or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.run(sched.scheduled)
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = result.tokens.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            if req.request_id in result.logprobs:
+                req.output_logprobs.append(result.logprobs[req.request_id])
+            self._check_stop(req, token)
+            outputs.append(self._output(req))
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        status: RequestStatus | None = None
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif not p.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and p.stop_strings and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, p.skip_special_tokens)
+            for stop in p.stop_strings:
+                at = text.find(stop, max(0, len(req.output_text) - len(stop)))
+                if at >= 0:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                    text = text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
+                    break
+            req.output_text = text
+        if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(req, status)
+
+    def _output(self, req: Request) -> RequestOutput:
+        p = req.params
+        if (
+            p.detokenize
+            and self.tokenizer is not None
+            and not (p.stop_strings and req.stop_reason in p.stop_strings)
+        ):
+            ids = req.output_token_ids
+            if req.status is RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int):
+                ids = ids[:-1] if not p.include_stop_str_in_output else ids
+            req.output_text = self.tokenizer.decode(ids, p.skip_special_tokens)
+        finish = req.status.value if req.is_finished else None
+        completion = CompletionOutput(
+            index=0,
+            text=req.output_text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=finish,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.output_logprobs) if p.logprobs is not None else None,
+        )
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if KV bookkeeping is inconsistent (tests call this)."""
+        self.kv.check_integrity()
+        live = {r.request_id for r in self.scheduler.running}
+        if self.kv.num_requests() > len(live):
+            raise AssertionError("blocks are held by requests that are not running")
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "bytes_per_token": self.kv_spec.bytes_per_token,
+            "num_blocks": self.kv.num_blocks,
+            "block_size": self.kv.block_size,
+            "max_model_len": self.max_model_len,
+        }

@@ -1,0 +1,159 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged cache, samples.
+
+Batch token order: every request with exactly one new token (decodes) first, then the
+prefill chunks. ``run`` returns one sampled token per request whose chunk reaches the end
+of its known tokens; a partial prefill chunk samples nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kv.manager import KVCacheManager
+from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.request import Request
+from kvserve.sampling import SampleRow, sample
+from kvserve.sched.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens (and optional logprobs) keyed by request id."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, dict]
+
+
+class ModelRunner:
+    """Owns the KV tensors; builds per-step metadata; runs forward + sampling."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        kv: KVCacheManager,
+        device: torch.device,
+        sliding_window: int | None,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        self.window = sliding_window
+        self.keep_logits = False  # tests set this to inspect raw logits
+        self.last_logits: dict[str, torch.Tensor] = {}
+
+    def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prefill_mask(self, computed: int, n: int) -> torch.Tensor | None:
+        if computed == 0 and self.window is None:
+            return None
+        q_pos = torch.arange(computed, computed + n).unsqueeze(1)
+        k_pos = torch.arange(computed + n).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if self.window is not None:
+            mask &= k_pos > q_pos - self.window
+        return mask.view(1, 1, n, computed + n).to(self.device)
+
+    def build(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Input ids, positions, attention metadata and the rows to sample (batch order)."""
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        sample_rows: list[int] = []
+        for s in batch:
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            table_list = self.kv.block_table(req.request_id)
+            table = torch.tensor(table_list, dtype=torch.long)
+            tok_start = len(ids)
+            all_ids = req.all_token_ids
+            ids.extend(all_ids[start : start + n])
+            positions.append(torch.arange(start, start + n))
+            slots.append(self._slots(table, start, start + n))
+            if n == 1:
+                decode_tables.append(table_list)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(
+                    PrefillChunk(
+                        tok_start,
+                        tok_start + n,
+                        start + n,
+                        None if start == 0 else self._slots(table, 0, start + n).to(self.device),
+                        self._prefill_mask(start, n),
+                    )
+                )
+            if start + n == req.num_tokens:
+                sample_rows.append(len(ids) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device), num_decodes=len(decode_lens)
+        )
+        if decode_lens:
+            meta.decode_slot_idx, meta.decode_mask = self._decode_meta(decode_tables, decode_lens)
+        meta.prefills = prefills
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.cat(positions).to(self.device)
+        return input_ids, pos, meta, sample_rows
+
+    def _decode_meta(
+        self, tables: list[list[int]], lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        max_len = max(lens)
+        max_blocks = max(len(t) for t in tables)
+        padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = torch.arange(max_len)
+        idx = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        lens_t = torch.tensor(lens).unsqueeze(1)
+        mask = pos.unsqueeze(0) < lens_t
+        if self.window is not None:
+            mask &= pos.unsqueeze(0) > (lens_t - 1 - self.window)
+        need_mask = self.window is not None or min(lens) != max_len
+        mask_t = mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
+        return idx.to(self.device), mask_t
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledRequest]) -> StepResult:
+        batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, rows = self.build(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampled = [
+            s.request
+            for s in batch
+            if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
+        ]
+        if not sampled:
+            return StepResult({}, {})
+        logits = self.model.compute_logits(hidden[rows])
+        result = sample(logits, [self._row(r) for r in sampled])
+        if self.keep_logits:
+            self.last_logits = {r.request_id: logits[i].clone() for i, r in enumerate(sampled)}
+        tokens = {r.request_id: t for r, t in zip(sampled, result.token_ids, strict=True)}
+        logprobs = {
+            r.request_id: lp
+            for r, lp in zip(sampled, result.logprobs, strict=True)
+            if lp is not None
+        }
+        return StepResult(tokens, logprobs)
+
+    @staticmethod
+    def _row(req: Request) -> SampleRow:
+        params = req.params
+        suppress: tuple[int, ...] = ()
+        if len(req.output_token_ids) < params.min_tokens:
+            eos = () if params.ignore_eos else req.eos_token_ids
+            suppress = tuple(set(eos) | set(params.stop_token_ids or ()))
+        return SampleRow(params, req.seed, req.num_tokens, suppress)

@@ -1,0 +1,1 @@
+"""Model loading, Llama-family modules, attention backends and the tokenizer."""

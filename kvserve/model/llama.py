@@ -1,0 +1,213 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over flattened tokens and paged KV.
+
+Differences between the families are flags on ``ModelSpec``: QKV bias (Qwen2), q/k RMSNorm
+per head (Qwen3), sliding window (Mistral, handled by the attention metadata), tied
+embeddings. Q/K/V and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.rope import RotaryEmbedding
+from kvserve.model.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale = spec.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.inter = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, positions, x, rope, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# HF parameter name suffix → (our parameter, shard index among the fused pieces)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head. ``forward`` returns final hidden states ``[T, H]``."""
+
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = (
+            None
+            if spec.tie_word_embeddings
+            else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        )
+        self.rope: RotaryEmbedding | None = None
+
+    def init_rope(self, device: torch.device, max_positions: int) -> None:
+        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert self.rope is not None, "init_rope() must be called before forward()"
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, self.rope, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        """HF checkpoint tensor names this model needs, with their shapes."""
+        s = self.spec
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        out: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (s.vocab_size, s.hidden_size)
+        }
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = (s.hidden_size,)
+            out[p + "post_attention_layernorm.weight"] = (s.hidden_size,)
+            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                out[p + f"self_attn.{name}.weight"] = (rows, s.hidden_size)
+                if s.attention_bias:
+                    out[p + f"self_attn.{name}.bias"] = (rows,)
+            out[p + "self_attn.o_proj.weight"] = (s.hidden_size, q)
+            if s.o_proj_bias:
+                out[p + "self_attn.o_proj.bias"] = (s.hidden_size,)
+            if s.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = (s.head_dim,)
+                out[p + "self_attn.k_norm.weight"] = (s.head_dim,)
+            for name, shape in (
+                ("gate_proj", (s.intermediate_size, s.hidden_size)),
+                ("up_proj", (s.intermediate_size, s.hidden_size)),
+                ("down_proj", (s.hidden_size, s.intermediate_size)),
+            ):
+                out[p + f"mlp.{name}.weight"] = shape
+                if s.mlp_bias:
+                    out[p + f"mlp.{name}.bias"] = (shape[0],)
+        out["model.norm.weight"] = (s.hidden_size,)
+        if not s.tie_word_embeddings:
+            out["lm_head.weight"] = (s.vocab_size, s.hidden_size)
+        return out
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF tensor into place (slicing fused projections).
+
+        Returns False when the name is not a parameter of this model (the caller decides
+        whether that is an error). Shapes must already have been checked.
+        """
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            return True
+        if hf_name == "lm_head.weight" and self.lm_head is None:
+            return True  # tied checkpoints sometimes carry a copy
+        name = hf_name.removeprefix("model.")
+        if not hasattr(self, "_params"):
+            self._params = dict(self.named_parameters())
+        params = self._params
+        for hf_part, (ours, shard) in _FUSED.items():
+            if f".{hf_part}." in f".{name}":
+                target = params.get(name.replace(hf_part, ours))
+                if target is None:
+                    return False
+                sizes = self._fused_sizes(ours)
+                offset = sum(sizes[:shard])
+                with torch.no_grad():
+                    target[offset : offset + sizes[shard]].copy_(tensor)
+                return True
+        target = params.get(name)
+        if target is None:
+            return False
+        with torch.no_grad():
+            target.copy_(tensor)
+        return True
+
+    def _fused_sizes(self, ours: str) -> list[int]:
+        s = self.spec
+        if ours == "self_attn.qkv_proj":
+            kv = s.num_kv_heads * s.head_dim
+            return [s.num_heads * s.head_dim, kv, kv]
+        return [s.intermediate_size, s.intermediate_size]

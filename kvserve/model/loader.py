@@ -1,0 +1,115 @@
+"""Load an HF-format checkpoint directory (single or sharded safetensors) into our model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kvserve.model.attention import AttentionBackend
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.spec import ModelConfigError, ModelSpec
+from kvserve.utils import parse_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint's tensors do not match its config; the message names file and tensor."""
+
+
+def resolve_dtype(requested: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """``auto`` → the checkpoint's dtype (float32 if it names none); else the named dtype."""
+    if requested != "auto":
+        return parse_dtype(requested)
+    if spec.torch_dtype is None:
+        return torch.float32
+    try:
+        return parse_dtype(str(spec.torch_dtype))
+    except ValueError:
+        raise ModelConfigError(
+            f"config.json: field 'dtype'={spec.torch_dtype!r} is not supported; "
+            "pass dtype=float32|float16|bfloat16"
+        ) from None
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name → safetensors file, from the shard index if there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightLoadError(f"{index}: unreadable shard index ({e!r})") from None
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in set(files.values()):
+            if not path.is_file():
+                raise WeightLoadError(f"{index}: names shard {path.name} which does not exist")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise WeightLoadError(f"{model_dir}: no *.safetensors files (only safetensors is loaded)")
+    files = {}
+    for path in shards:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                files[name] = path
+    return files
+
+
+def load_model(
+    model_dir: str | Path,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_positions: int,
+) -> LlamaForCausalLM:
+    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint.
+
+    Raises ``WeightLoadError`` naming the file and tensor when a tensor is missing, has the
+    wrong shape, or is not part of the architecture.
+    """
+    model_dir = Path(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec, backend)
+    model = model.to_empty(device=device).to(dtype)
+    expected = model.expected_weights()
+    files = checkpoint_files(model_dir)
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise WeightLoadError(
+            f"{model_dir}: checkpoint lacks {len(missing)} tensor(s) the config requires, "
+            f"e.g. {missing[:3]}"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    with tqdm(total=len(files), desc="Loading weights", unit="tensor", leave=False) as bar:
+        for path, names in sorted(by_file.items()):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in names:
+                    _load_one(model, expected, path, name, f.get_slice(name), dtype)
+                    bar.update(1)
+    model.init_rope(device, max_positions)
+    model.eval()
+    return model
+
+
+def _load_one(model, expected, path: Path, name: str, tslice, dtype: torch.dtype) -> None:
+    shape = tuple(tslice.get_shape())
+    if name in expected and shape != expected[name]:
+        raise WeightLoadError(
+            f"{path}: tensor {name!r} has shape {list(shape)}, config implies "
+            f"{list(expected[name])}"
+        )
+    tensor = tslice[:]
+    if not model.load_weight(name, tensor.to(dtype)):
+        raise WeightLoadError(
+            f"{path}: tensor {name!r} is not part of {model.spec.architecture} "
+            "with this config.json"
+        )

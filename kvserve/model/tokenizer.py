@@ -1,0 +1,104 @@
+"""Tokenizer from an HF directory (``tokenizer.json`` + ``tokenizer_config.json``).
+
+Uses the ``tokenizers`` library directly and renders the chat template with Jinja2 in a
+sandbox, as HF does. Returns None from ``load_tokenizer`` when the directory has no
+``tokenizer.json`` (then only token-id prompts can be served).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Encode/decode and chat-template rendering for one model."""
+
+    def __init__(self, tok: HFTokenizer, config: dict[str, Any], source: Path):
+        self._tok = tok
+        self.source = source
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_token_id = None if self.eos_token is None else tok.token_to_id(self.eos_token)
+        self._add_bos = bool(config.get("add_bos_token", False))
+        self.bos_token_id = None if self.bos_token is None else tok.token_to_id(self.bos_token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if (
+            add_special_tokens
+            and self._add_bos
+            and self.bos_token_id is not None
+            and (not ids or ids[0] != self.bos_token_id)
+        ):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render messages to a prompt string. Raises ValueError without a template."""
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError(
+                f"{self.source}: tokenizer_config.json has no 'chat_template'; "
+                "pass chat_template= or use generate() with a plain prompt"
+            )
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from None
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """Load the tokenizer of ``model_dir``; None when it has no ``tokenizer.json``."""
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    cfg_path = model_dir / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if cfg_path.is_file():
+        try:
+            config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    template_file = model_dir / "chat_template.jinja"
+    if "chat_template" not in config and template_file.is_file():
+        config["chat_template"] = template_file.read_text()
+    return Tokenizer(HFTokenizer.from_file(str(path)), config, model_dir)

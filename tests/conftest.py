@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random-weight checkpoints built with HF transformers.
+
+Every architecture the engine supports gets a model saved with ``save_pretrained`` plus a
+real BPE tokenizer, so the tests compare against the reference implementation itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.tiny_model import build_tokenizer
+
+VOCAB = 512
+
+
+def _configs() -> dict[str, object]:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    return {
+        # GQA, Llama-3 rope scaling, untied embeddings
+        "llama": LlamaConfig(
+            **common,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        # MQA, tied embeddings, sliding window shorter than the test prompts
+        "mistral": MistralConfig(
+            **common, num_key_value_heads=1, tie_word_embeddings=True, sliding_window=12
+        ),
+        # QKV bias, GQA
+        "qwen2": Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
+        # q/k norm, explicit head_dim != hidden/heads, MHA
+        "qwen3": Qwen3Config(
+            **common, num_key_value_heads=4, head_dim=24, tie_word_embeddings=False
+        ),
+    }
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def build_hf_model(kind: str, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random-weight ``kind`` model (seeded) with a tokenizer into ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    config = _configs()[kind]
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # make biases and norms non-trivial so they are really tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    build_tokenizer(out, VOCAB)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {k: build_hf_model(k, root / k) for k in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
+
+
+@pytest.fixture
+def copy_model(tmp_path: Path):  # noqa: ANN201
+    """Copy a model directory so a test may corrupt it."""
+
+    def _copy(src: Path) -> Path:
+        dst = tmp_path / src.name
+        shutil.copytree(src, dst)
+        return dst
+
+    return _copy
