@@ -1,0 +1,57 @@
+"""Helpers shared by tests: drive an engine by hand and compare with HF transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling import SamplingParams
+
+
+def make_engine(model_dir: Path, **kwargs) -> LLMEngine:  # noqa: ANN003
+    kwargs.setdefault("kv_cache_memory", "8MiB")
+    return LLMEngine(EngineArgs(model=str(model_dir), **kwargs))
+
+
+def random_prompts(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Step until idle (bounded); returns output token ids per finished request."""
+    done: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def hf_model(model_dir: Path):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+    """HF ``generate`` with EOS disabled, so it runs exactly ``max_new_tokens``."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -1,0 +1,97 @@
+"""The sampler: filters, determinism per (seed, position), distribution, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.sampling import SampleRow, SamplingParams, position_seed, sample
+
+V = 50
+
+
+def _logits(seed: int = 0, rows: int = 1) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def _row(**kw) -> SampleRow:  # noqa: ANN003
+    seed, pos = kw.pop("seed", 1), kw.pop("position", 0)
+    return SampleRow(SamplingParams(**kw), seed, pos)
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = _logits()
+    top = int(logits.argmax())
+    for kw in ({"temperature": 0}, {"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        for pos in range(5):
+            assert sample(logits.clone(), [_row(position=pos, **kw)]).token_ids == [top], kw
+
+
+def test_top_k_and_top_p_never_pick_outside_their_set():
+    logits = _logits(3)
+    order = logits[0].argsort(descending=True).tolist()
+    probs = logits[0].softmax(-1)[order]
+    nucleus = int((probs.cumsum(0) < 0.5).sum()) + 1
+    for pos in range(200):
+        t = sample(logits.clone(), [_row(position=pos, top_k=3)]).token_ids[0]
+        assert t in order[:3]
+        t = sample(logits.clone(), [_row(position=pos, top_p=0.5)]).token_ids[0]
+        assert t in order[:nucleus]
+
+
+def test_draw_depends_only_on_seed_and_position():
+    logits = _logits(1, rows=3)
+    a = sample(logits.clone(), [_row(seed=7, position=p) for p in (4, 5, 6)]).token_ids
+    b = [sample(logits[i : i + 1].clone(), [_row(seed=7, position=p)]).token_ids[0]
+         for i, p in enumerate((4, 5, 6))]
+    assert a == b
+    draws = {sample(_logits(1), [_row(seed=s, position=0)]).token_ids[0] for s in range(40)}
+    assert len(draws) > 3  # different seeds really differ
+
+
+def test_sampling_follows_the_distribution():
+    logits = _logits(5)
+    probs = logits[0].softmax(-1)
+    n = 4000
+    counts = torch.zeros(V)
+    for pos in range(n):
+        counts[sample(logits.clone(), [_row(position=pos)]).token_ids[0]] += 1
+    # total variation distance between empirical and true distributions
+    tv = 0.5 * (counts / n - probs).abs().sum().item()
+    assert tv < 0.06
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks():
+    logits = _logits(2)
+    res = sample(logits.clone(), [_row(temperature=0, logprobs=3)])
+    entry = res.logprobs[0]
+    lp = logits[0].log_softmax(-1)
+    tok = res.token_ids[0]
+    assert entry[tok].rank == 1
+    assert entry[tok].logprob == pytest.approx(lp[tok].item(), abs=1e-5)
+    assert len(entry) == 3
+    assert sorted(e.rank for e in entry.values()) == [1, 2, 3]
+
+
+def test_position_seed_mixes():
+    assert position_seed(1, 2) != position_seed(2, 1)
+    assert position_seed(1, 2) == position_seed(1, 2)
+    assert 0 <= position_seed(2**62, 10**9) < 2**63
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n must"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_params_raise(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
