@@ -15,6 +15,7 @@ from typing import Any
 from kvserve.utils import parse_size
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,9 @@ class ModelConfig:
     """Which checkpoint to load and how.
 
     ``dtype`` ``auto`` takes the checkpoint's dtype. ``max_model_len`` ``None`` takes the
-    model's ``max_position_embeddings``.
+    model's ``max_position_embeddings``. ``attention_backend`` ``auto`` uses the C++ paged
+    decode kernel on CPU when it builds, else the portable PyTorch (SDPA) path; ``torch``
+    forces the latter, ``cpu`` requires the former.
     """
 
     model: str
@@ -30,6 +33,16 @@ class ModelConfig:
     max_model_len: int | None = None
     device: str = "auto"
     seed: int = 0
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} is not one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class EngineArgs:
     max_model_len: int | None = None
     device: str = "auto"
     seed: int = 0
+    attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
@@ -103,7 +117,14 @@ class EngineArgs:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(self.model, self.dtype, self.max_model_len, self.device, self.seed)
+        return ModelConfig(
+            self.model,
+            self.dtype,
+            self.max_model_len,
+            self.device,
+            self.seed,
+            self.attention_backend,
+        )
 
     def cache_config(self) -> CacheConfig:
         mem = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)

@@ -12,10 +12,13 @@ LENGTHS = [1, 15, 16, 17, 40]  # one token, around one block, more than two bloc
 ATOL = 1e-4
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_hf_for_prefill_and_every_decode_step(model_dirs, arch):
+def test_logits_match_hf_for_prefill_and_every_decode_step(model_dirs, arch, backend):
     """Chunked prefill is forced (24-token budget): chunks, decodes and mixes all occur."""
-    engine = make_engine(model_dirs[arch], max_num_batched_tokens=24)
+    engine = make_engine(
+        model_dirs[arch], max_num_batched_tokens=24, attention_backend=backend
+    )
     engine.runner.keep_logits = True
     prompts = random_prompts(LENGTHS)
     for i, p in enumerate(prompts):

@@ -12,7 +12,8 @@ import torch
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.manager import KVCacheManager
-from kvserve.model.attention import TorchPagedAttention
+from kvserve.model.attention import CpuPagedAttention, TorchPagedAttention
+from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model, resolve_dtype
 from kvserve.model.spec import ModelSpec, load_model_spec
@@ -56,7 +57,7 @@ class LLMEngine:
             self.spec,
             self.dtype,
             self.device,
-            TorchPagedAttention(),
+            self._attention_backend(),
             self.max_model_len,
         )
         kv_dtype = (
@@ -90,6 +91,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.requests: dict[str, Request] = {}
         self._log_capacity()
+
+    def _attention_backend(self) -> TorchPagedAttention:
+        choice = self.model_config.attention_backend
+        block_size = self.cache_config.block_size
+        if choice == "torch" or (choice == "auto" and self.device.type != "cpu"):
+            return TorchPagedAttention(block_size)
+        if self.device.type != "cpu":
+            raise EngineError("attention_backend 'cpu' needs device cpu")
+        if load_cpu_kernels():
+            return CpuPagedAttention(block_size, self.spec.sliding_window)
+        if choice == "cpu":
+            raise EngineError("attention_backend 'cpu': the C++ kernel failed to build")
+        return TorchPagedAttention(block_size)
 
     # ---- capacity -------------------------------------------------------------------
     def _num_blocks(self) -> int:

@@ -91,7 +91,7 @@ class ModelRunner:
                         tok_start,
                         tok_start + n,
                         start + n,
-                        None if start == 0 else self._slots(table, 0, start + n).to(self.device),
+                        None if start == 0 else table.to(self.device),
                         self._prefill_mask(start, n),
                     )
                 )
@@ -101,7 +101,10 @@ class ModelRunner:
             slot_mapping=torch.cat(slots).to(self.device), num_decodes=len(decode_lens)
         )
         if decode_lens:
-            meta.decode_slot_idx, meta.decode_mask = self._decode_meta(decode_tables, decode_lens)
+            meta.decode_block_tables, meta.decode_mask = self._decode_meta(
+                decode_tables, decode_lens
+            )
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
         meta.prefills = prefills
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
@@ -110,20 +113,19 @@ class ModelRunner:
     def _decode_meta(
         self, tables: list[list[int]], lens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        max_len = max(lens)
         max_blocks = max(len(t) for t in tables)
         padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
         for i, t in enumerate(tables):
             padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        pos = torch.arange(max_len)
-        idx = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        max_len = max_blocks * self.block_size
+        pos = torch.arange(max_len).unsqueeze(0)
         lens_t = torch.tensor(lens).unsqueeze(1)
-        mask = pos.unsqueeze(0) < lens_t
+        mask = pos < lens_t
         if self.window is not None:
-            mask &= pos.unsqueeze(0) > (lens_t - 1 - self.window)
-        need_mask = self.window is not None or min(lens) != max_len
+            mask &= pos > (lens_t - 1 - self.window)
+        need_mask = self.window is not None or any(n != max_len for n in lens)
         mask_t = mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
-        return idx.to(self.device), mask_t
+        return padded.to(self.device), mask_t
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledRequest]) -> StepResult:

@@ -23,15 +23,16 @@ class PrefillChunk:
     """One sequence's chunk of new tokens in a step.
 
     ``start``/``end`` index the batch's token dimension; ``context_len`` is the sequence
-    length after this chunk (cached tokens + new). ``slot_idx`` lists the cache slots of
+    length after this chunk (cached tokens + new). ``block_table`` lists the blocks holding
     all ``context_len`` tokens, or is None when the chunk is the whole sequence so far
-    (then the chunk's own K/V are used directly). ``mask`` is None for plain causal.
+    (then the chunk's own K/V are used directly). ``mask`` ``[1, 1, new, keys]`` is None
+    for plain causal attention.
     """
 
     start: int
     end: int
     context_len: int
-    slot_idx: torch.Tensor | None
+    block_table: torch.Tensor | None
     mask: torch.Tensor | None
 
 
@@ -41,8 +42,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_decodes: int = 0
-    decode_slot_idx: torch.Tensor | None = None  # [num_decodes, max_len]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_len], True = attend
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], 0-padded
+    decode_lens: torch.Tensor | None = None  # [num_decodes] context length incl. new token
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -63,9 +65,22 @@ class AttentionBackend(Protocol):
 class TorchPagedAttention:
     """Portable backend (CPU and CUDA) built on ``scaled_dot_product_attention``.
 
-    Decodes are batched: their context is gathered from the cache by slot index into a
-    padded tensor with a validity mask. Prefill chunks run one sequence at a time.
+    Decodes are batched: their context is gathered from the cache block by block
+    (``index_select`` of whole blocks, several times faster on CPU than gathering
+    tokens) into a padded tensor with a validity mask. Prefill chunks run one sequence at
+    a time.
     """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def _gather(
+        self, cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``[B, Hkv, nb * block_size, D]`` context of each row's blocks."""
+        _, h, d = cache.shape
+        blocks = cache.view(-1, self.block_size, h, d).index_select(0, tables.flatten())
+        return blocks.view(tables.shape[0], -1, h, d).transpose(1, 2).to(dtype)
 
     def forward(
         self,
@@ -80,25 +95,17 @@ class TorchPagedAttention:
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            idx = meta.decode_slot_idx
-            kd = k_cache[idx].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_cache[idx].to(q.dtype).transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-            o = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-            )
-            out[:nd] = o.squeeze(2)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self.decode(q[: meta.num_decodes], kv_cache, meta, scale)
         for p in meta.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            if p.slot_idx is None:
-                kp, vp = k[p.start : p.end], v[p.start : p.end]
+            if p.block_table is None:
+                kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
             else:
-                kp = k_cache[p.slot_idx].to(q.dtype)
-                vp = v_cache[p.slot_idx].to(q.dtype)
-            kp = kp.transpose(0, 1).unsqueeze(0)
-            vp = vp.transpose(0, 1).unsqueeze(0)
+                n = p.context_len
+                kp = self._gather(k_cache, p.block_table.unsqueeze(0), q.dtype)[:, :, :n]
+                vp = self._gather(v_cache, p.block_table.unsqueeze(0), q.dtype)[:, :, :n]
             o = F.scaled_dot_product_attention(
                 qp,
                 kp,
@@ -110,3 +117,37 @@ class TorchPagedAttention:
             )
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention of one new token per sequence, ``q`` ``[B, Hq, D]`` → ``[B, Hq, D]``."""
+        tables = meta.decode_block_tables
+        kd = self._gather(kv_cache[0], tables, q.dtype)
+        vd = self._gather(kv_cache[1], tables, q.dtype)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Decodes through the C++ kernel that reads K/V in place from the blocks (no copy).
+
+    Prefill chunks use the inherited SDPA path. Construct only after
+    ``load_cpu_kernels()`` returned True.
+    """
+
+    def __init__(self, block_size: int, sliding_window: int | None):
+        super().__init__(block_size)
+        self.window = sliding_window or 0
+
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        _, _, h, d = kv_cache.shape
+        k = kv_cache[0].view(-1, self.block_size, h, d)
+        v = kv_cache[1].view(-1, self.block_size, h, d)
+        return torch.ops.kvserve.paged_decode(
+            q, k, v, meta.decode_block_tables, meta.decode_lens, scale, self.window
+        )

@@ -1,0 +1,141 @@
+// Paged decode attention for the CPU: one query token per sequence, K/V read in place from
+// the block cache (no gathered copy), float accumulation, GQA-aware (each KV head's rows are
+// read once for all query heads that share it). Registered as torch.ops.kvserve.paged_decode.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
+inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
+
+template <typename qt, typename ct>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                   double scale, int64_t window) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, MB = tables.size(1);
+  const qt* qp = q.data_ptr<qt>();
+  const ct* kp = k_cache.data_ptr<ct>();
+  const ct* vp = v_cache.data_ptr<ct>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  qt* op = out.data_ptr<qt>();
+  const int64_t row = Hkv * D;  // elements per cache slot
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start;
+      scores.assign(G * n, 0.f);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = load(qp, (b * Hq + h * G + g) * D + d) * static_cast<float>(scale);
+      for (int64_t t = start; t < len; ++t) {
+        const int64_t slot = tp[b * MB + t / BS] * BS + t % BS;
+        const ct* krow = kp + slot * row + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * load(krow, d);
+          scores[g * n + (t - start)] = s;
+        }
+      }
+      std::vector<float> denom(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+        float sum = 0.f;
+        for (int64_t i = 0; i < n; ++i) {
+          sg[i] = std::exp(sg[i] - m);
+          sum += sg[i];
+        }
+        denom[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = start; t < len; ++t) {
+        const int64_t slot = tp[b * MB + t / BS] * BS + t % BS;
+        const ct* vrow = vp + slot * row + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + (t - start)];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * load(vrow, d);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          store(op, (b * Hq + h * G + g) * D + d, acc[g * D + d] / denom[g]);
+    }
+  });
+}
+
+template <typename qt>
+void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& t, const at::Tensor& l, at::Tensor& o, double s,
+                    int64_t w) {
+  switch (k.scalar_type()) {
+    case at::kFloat: return decode_kernel<qt, float>(q, k, v, t, l, o, s, w);
+    case at::kBFloat16: return decode_kernel<qt, c10::BFloat16>(q, k, v, t, l, o, s, w);
+    case at::kHalf: return decode_kernel<qt, c10::Half>(q, k, v, t, l, o, s, w);
+    default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k.scalar_type());
+  }
+}
+
+// q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks] int64;
+// lens [B] int64 (context length incl. the new token); window <= 0 means no window.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& tables,
+                        const at::Tensor& lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad rank");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU only");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: heads not divisible");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
+              "paged_decode: tables/lens must be int64");
+  auto qc = q.contiguous();
+  auto kc = k_cache.contiguous();
+  auto vc = v_cache.contiguous();
+  auto tc = tables.contiguous();
+  auto lc = lens.contiguous();
+  auto out = at::empty_like(qc);
+  switch (qc.scalar_type()) {
+    case at::kFloat: dispatch_cache<float>(qc, kc, vc, tc, lc, out, scale, window); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, out, scale, window); break;
+    case at::kHalf: dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, out, scale, window); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", qc.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
+        "float scale, int window) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+}
