@@ -53,7 +53,7 @@ def _configs() -> dict[str, object]:
         "qwen2": Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
         # q/k norm, explicit head_dim != hidden/heads, MHA
         "qwen3": Qwen3Config(
-            **common, num_key_value_heads=4, head_dim=24, tie_word_embeddings=False
+            **common, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False
         ),
     }
 
@@ -89,7 +89,7 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
 
 
 @pytest.fixture
-def copy_model(tmp_path: Path):  # noqa: ANN201
+def copy_model(tmp_path: Path):
     """Copy a model directory so a test may corrupt it."""
 
     def _copy(src: Path) -> Path:

@@ -11,7 +11,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling import SamplingParams
 
 
-def make_engine(model_dir: Path, **kwargs) -> LLMEngine:  # noqa: ANN003
+def make_engine(model_dir: Path, **kwargs) -> LLMEngine:
     kwargs.setdefault("kv_cache_memory", "8MiB")
     return LLMEngine(EngineArgs(model=str(model_dir), **kwargs))
 
@@ -37,13 +37,13 @@ def run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[int
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
 
-def hf_model(model_dir: Path):  # noqa: ANN201
+def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF ``generate`` with EOS disabled, so it runs exactly ``max_new_tokens``."""
     with torch.no_grad():
         out = model.generate(

@@ -15,7 +15,7 @@ from kvserve.utils import parse_size
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir):  # noqa: ANN001, ANN201
+def llm(llama_dir):
     return LLM(model=str(llama_dir), kv_cache_memory="8MiB", block_size=16)
 
 
@@ -101,8 +101,17 @@ def test_cli_flags_map_one_to_one_to_engine_args():
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser, model_default=None)
     ns = parser.parse_args(
-        ["--model", "m", "--kv-cache-memory", "1GiB", "--max-num-seqs", "7",
-         "--no-enable-chunked-prefill", "--block-size", "32"]
+        [
+            "--model",
+            "m",
+            "--kv-cache-memory",
+            "1GiB",
+            "--max-num-seqs",
+            "7",
+            "--no-enable-chunked-prefill",
+            "--block-size",
+            "32",
+        ]
     )
     args = EngineArgs.from_cli(ns)
     assert args.cache_config().kv_cache_memory == 2**30
@@ -116,23 +125,51 @@ def test_cli_flags_map_one_to_one_to_engine_args():
 def test_cli_generate_matches_offline_api(llm, llama_dir):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "generate", "--model", str(llama_dir),
-         "--kv-cache-memory", "8MiB", "--prompt", "class Foo:", "--max-tokens", "7",
-         "--ignore-eos"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "generate",
+            "--model",
+            str(llama_dir),
+            "--kv-cache-memory",
+            "8MiB",
+            "--prompt",
+            "class Foo:",
+            "--max-tokens",
+            "7",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    expected = llm.generate("class Foo:", SamplingParams(temperature=0, max_tokens=7,
-                                                         ignore_eos=True))[0].outputs[0].text
+    expected = (
+        llm.generate("class Foo:", SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
     assert proc.stdout == expected + "\n"
     assert "bytes/token" in proc.stderr and "max concurrency" in proc.stderr
 
 
 def test_cli_reports_bad_model_dir_cleanly(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "generate", "--model", str(tmp_path),
-         "--prompt", "x"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--prompt",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "config.json: not found" in proc.stderr and "Traceback" not in proc.stderr

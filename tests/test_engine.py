@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import greedy, make_engine, random_prompts, run_to_end
+
 from kvserve.engine.llm_engine import EngineError
 from kvserve.sampling import SamplingParams
 
@@ -105,8 +105,11 @@ def test_same_seed_same_tokens_whatever_the_batch(llama_dir):
         busy.add_request(f"p{i}", p, SamplingParams(temperature=1.2, max_tokens=5))
     assert run_to_end(busy)["t"] == solo
     other_seed = make_engine(llama_dir)
-    other_seed.add_request("t", target, SamplingParams(temperature=1.0, top_p=0.9, seed=43,
-                                                        max_tokens=24, ignore_eos=True))
+    other_seed.add_request(
+        "t",
+        target,
+        SamplingParams(temperature=1.0, top_p=0.9, seed=43, max_tokens=24, ignore_eos=True),
+    )
     assert run_to_end(other_seed)["t"] != solo
 
 
@@ -116,10 +119,14 @@ def test_stop_token_ids_eos_and_min_tokens(llama_dir):
     engine.add_request("free", prompt, greedy(12))
     free_run = run_to_end(engine)["free"]
     stop_tok = free_run[4]
-    engine.add_request("stop", prompt, SamplingParams(temperature=0, max_tokens=12,
-                                                      stop_token_ids=[stop_tok]))
-    engine.add_request("min", prompt, SamplingParams(temperature=0, max_tokens=12,
-                                                     stop_token_ids=[stop_tok], min_tokens=8))
+    engine.add_request(
+        "stop", prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok])
+    )
+    engine.add_request(
+        "min",
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok], min_tokens=8),
+    )
     outs = {}
     while engine.has_unfinished_requests():
         for o in engine.step():

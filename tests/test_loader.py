@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
+from helpers import greedy, make_engine, random_prompts, run_to_end
 from safetensors.torch import load_file, save_file
 
-from helpers import greedy, make_engine, random_prompts, run_to_end
 from kvserve.model.loader import WeightLoadError
 from kvserve.model.spec import ModelConfigError, load_model_spec
 
 
-def _edit_config(model_dir, **changes):  # noqa: ANN001, ANN003
+def _edit_config(model_dir, **changes):
     path = model_dir / "config.json"
     cfg = json.loads(path.read_text())
     for k, v in changes.items():
@@ -29,8 +29,10 @@ def test_sharded_checkpoint_loads_identically(llama_dir, copy_model):
     tensors = load_file(d / "model.safetensors")
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half],
-              "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for fname, part in shards.items():
         save_file({n: tensors[n] for n in part}, d / fname)
     (d / "model.safetensors").unlink()
@@ -99,5 +101,5 @@ def test_unknown_tensor_is_an_error(llama_dir, copy_model):
 def test_no_weights_at_all(llama_dir, copy_model):
     d = copy_model(llama_dir)
     (d / "model.safetensors").unlink()
-    with pytest.raises(WeightLoadError, match="no \\*.safetensors"):
+    with pytest.raises(WeightLoadError, match=r"no \*\.safetensors"):
         make_engine(d)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
 from conftest import ARCHS
+from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
 
 LENGTHS = [1, 15, 16, 17, 40]  # one token, around one block, more than two blocks
 ATOL = 1e-4
@@ -16,9 +15,7 @@ ATOL = 1e-4
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_hf_for_prefill_and_every_decode_step(model_dirs, arch, backend):
     """Chunked prefill is forced (24-token budget): chunks, decodes and mixes all occur."""
-    engine = make_engine(
-        model_dirs[arch], max_num_batched_tokens=24, attention_backend=backend
-    )
+    engine = make_engine(model_dirs[arch], max_num_batched_tokens=24, attention_backend=backend)
     engine.runner.keep_logits = True
     prompts = random_prompts(LENGTHS)
     for i, p in enumerate(prompts):

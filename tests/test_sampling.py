@@ -14,7 +14,7 @@ def _logits(seed: int = 0, rows: int = 1) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-def _row(**kw) -> SampleRow:  # noqa: ANN003
+def _row(**kw) -> SampleRow:
     seed, pos = kw.pop("seed", 1), kw.pop("position", 0)
     return SampleRow(SamplingParams(**kw), seed, pos)
 
@@ -42,8 +42,10 @@ def test_top_k_and_top_p_never_pick_outside_their_set():
 def test_draw_depends_only_on_seed_and_position():
     logits = _logits(1, rows=3)
     a = sample(logits.clone(), [_row(seed=7, position=p) for p in (4, 5, 6)]).token_ids
-    b = [sample(logits[i : i + 1].clone(), [_row(seed=7, position=p)]).token_ids[0]
-         for i, p in enumerate((4, 5, 6))]
+    b = [
+        sample(logits[i : i + 1].clone(), [_row(seed=7, position=p)]).token_ids[0]
+        for i, p in enumerate((4, 5, 6))
+    ]
     assert a == b
     draws = {sample(_logits(1), [_row(seed=s, position=0)]).token_ids[0] for s in range(40)}
     assert len(draws) > 3  # different seeds really differ

