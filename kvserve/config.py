@@ -23,9 +23,9 @@ class ModelConfig:
     """Which checkpoint to load and how.
 
     ``dtype`` ``auto`` takes the checkpoint's dtype. ``max_model_len`` ``None`` takes the
-    model's ``max_position_embeddings``. ``attention_backend`` ``auto`` uses the C++ paged
-    decode kernel on CPU when it builds, else the portable PyTorch (SDPA) path; ``torch``
-    forces the latter, ``cpu`` requires the former.
+    model's ``max_position_embeddings``. ``attention_backend`` ``auto`` uses the C++ CPU kernels
+    (paged decode attention, fused RMSNorm/RoPE/SiLU) on CPU when they build, else the
+    portable PyTorch (SDPA) path; ``torch`` forces the latter, ``cpu`` requires the former.
     """
 
     model: str

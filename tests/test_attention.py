@@ -48,3 +48,39 @@ def test_decode_kernel_matches_sdpa_path(dtype, window, heads):
     got = CpuPagedAttention(BS, window).decode(q, cache, meta, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_ops_match_pytorch_ops(dtype):
+    """The C++ element-wise kernels round like the unfused PyTorch code."""
+    from kvserve.model.ops import CpuKernelOps, TorchOps
+
+    assert load_cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    ref, fused = TorchOps(), CpuKernelOps()
+    x = torch.randn(37, 96, generator=g).to(dtype)
+    res = torch.randn(37, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    tol = 0 if dtype == torch.float32 else 1e-2
+
+    def close(a: torch.Tensor, b: torch.Tensor, rel: float) -> None:
+        diff = (a.float() - b.float()).abs().max().item()
+        assert diff <= rel * max(1.0, b.float().abs().max().item()), diff
+
+    close(fused.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), max(tol, 1e-6))
+    out_f, res_f = fused.add_rms_norm(x, res.clone(), w, 1e-5)
+    out_r, res_r = ref.add_rms_norm(x, res.clone(), w, 1e-5)
+    assert torch.equal(res_f, res_r)
+    close(out_f, out_r, max(tol, 1e-6))
+    gu = torch.randn(37, 2 * 48, generator=g).to(dtype)
+    close(fused.silu_and_mul(gu), ref.silu_and_mul(gu), max(tol, 1e-6))
+    qkv = torch.randn(37, (6 + 2 * 2) * 16, generator=g).to(dtype)
+    positions = torch.randint(0, 100, (37,), generator=g)
+    cos = torch.randn(128, 16, generator=g).to(dtype)
+    sin = torch.randn(128, 16, generator=g).to(dtype)
+    q = qkv[:, : 6 * 16].view(37, 6, 16)
+    k = qkv[:, 6 * 16 : 8 * 16].view(37, 2, 16)
+    q_r, k_r = ref.rope(positions, q.clone(), k.clone(), cos, sin)
+    q_f, k_f = fused.rope(positions, q, k, cos, sin)
+    close(q_f, q_r, max(tol, 1e-6))
+    close(k_f, k_r, max(tol, 1e-6))

@@ -20,6 +20,7 @@ from kvserve.model.attention import (
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model, resolve_dtype
+from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.spec import ModelSpec, load_model_spec
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.request import CompletionOutput, Request, RequestOutput, RequestStatus
@@ -56,12 +57,14 @@ class LLMEngine:
                 self.max_model_len,
                 self.spec.max_position_embeddings,
             )
+        backend, ops = self._kernels()
         self.model: LlamaForCausalLM = load_model(
             self.model_config.model,
             self.spec,
             self.dtype,
             self.device,
-            self._attention_backend(),
+            backend,
+            ops,
             self.max_model_len,
         )
         kv_dtype = (
@@ -96,25 +99,30 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._log_capacity()
 
-    def _attention_backend(self) -> TorchPagedAttention:
+    def _kernels(self) -> tuple[TorchPagedAttention, TorchOps]:
+        """Attention backend and element-wise ops for ``attention_backend`` on this device.
+
+        ``cpu`` (and ``auto`` on a CPU device) uses the C++ kernels: paged decode attention
+        (for head dims it is built for) and the fused RMSNorm/RoPE/SiLU ops.
+        """
         choice = self.model_config.attention_backend
         block_size = self.cache_config.block_size
         if choice == "torch" or (choice == "auto" and self.device.type != "cpu"):
-            return TorchPagedAttention(block_size)
+            return TorchPagedAttention(block_size), TorchOps()
         if self.device.type != "cpu":
             raise EngineError("attention_backend 'cpu' needs device cpu")
-        if self.spec.head_dim not in CPU_KERNEL_HEAD_DIMS:
+        if not load_cpu_kernels():
             if choice == "cpu":
-                raise EngineError(
-                    f"attention_backend 'cpu' supports head_dim {CPU_KERNEL_HEAD_DIMS}, "
-                    f"the model has {self.spec.head_dim}"
-                )
-            return TorchPagedAttention(block_size)
-        if load_cpu_kernels():
-            return CpuPagedAttention(block_size, self.spec.sliding_window)
+                raise EngineError("attention_backend 'cpu': the C++ kernels failed to build")
+            return TorchPagedAttention(block_size), TorchOps()
+        if self.spec.head_dim in CPU_KERNEL_HEAD_DIMS:
+            return CpuPagedAttention(block_size, self.spec.sliding_window), CpuKernelOps()
         if choice == "cpu":
-            raise EngineError("attention_backend 'cpu': the C++ kernel failed to build")
-        return TorchPagedAttention(block_size)
+            raise EngineError(
+                f"attention_backend 'cpu' supports head_dim {CPU_KERNEL_HEAD_DIMS}, "
+                f"the model has {self.spec.head_dim}"
+            )
+        return TorchPagedAttention(block_size), CpuKernelOps()
 
     # ---- capacity -------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -150,7 +158,9 @@ class LLMEngine:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=pos.clone(), prefills=[PrefillChunk(0, n, n, None, None)]
+            slot_mapping=pos.clone(),
+            max_position=n - 1,
+            prefills=[PrefillChunk(0, n, n, None, None)],
         )
         with torch.inference_mode():
             hidden = self.model(ids, pos, caches, meta)

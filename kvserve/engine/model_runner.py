@@ -98,7 +98,9 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device), num_decodes=len(decode_lens)
+            slot_mapping=torch.cat(slots).to(self.device),
+            max_position=max(s.request.num_computed_tokens + s.num_new_tokens for s in batch) - 1,
+            num_decodes=len(decode_lens),
         )
         if decode_lens:
             meta.decode_block_tables, meta.decode_mask = self._decode_meta(

@@ -41,6 +41,7 @@ class AttentionMetadata:
     """Per-step description of where each token's K/V goes and what it attends to."""
 
     slot_mapping: torch.Tensor
+    max_position: int = 0  # largest position in the batch (sizes the rope tables)
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], 0-padded
     decode_lens: torch.Tensor | None = None  # [num_decodes] context length incl. new token

@@ -1,6 +1,7 @@
 """C++ CPU kernels, compiled on first use with the local compiler and cached by torch.
 
-``load_cpu_kernels()`` returns True when ``torch.ops.kvserve.paged_decode`` is available.
+``load_cpu_kernels()`` returns True when ``torch.ops.kvserve`` has the paged decode
+attention and the fused element-wise ops (RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE).
 A machine without a working compiler/ninja gets False (and a logged reason); callers then
 fall back to the portable PyTorch path.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / n for n in ("paged_decode.cpp", "fused_ops.cpp")]
 
 
 @functools.cache
@@ -31,7 +32,10 @@ def load_cpu_kernels() -> bool:
             is_python_module=False,
             verbose=False,
         )
-        return hasattr(torch.ops.kvserve, "paged_decode")
+        return all(
+            hasattr(torch.ops.kvserve, op)
+            for op in ("paged_decode", "rms_norm", "add_rms_norm", "silu_and_mul", "rope")
+        )
     except Exception as e:
         logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
         return False

@@ -12,25 +12,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.ops import TorchOps
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.model.spec import ModelSpec
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: TorchOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
@@ -43,16 +48,17 @@ class Attention(nn.Module):
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
         self.backend = backend
+        self.ops = ops
 
     def forward(
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -63,34 +69,50 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(positions, q, k)
+        q, k = self.ops.rope(positions, q, k, *rope)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, ops: TorchOps):
         super().__init__()
         self.inter = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
-        super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, backend)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+    """Pre-norm block; carries the residual stream separately so adds fuse into norms."""
 
-    def forward(self, positions, x, rope, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.self_attn = Attention(spec, backend, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.mlp = MLP(spec, ops)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(block output, residual)``; the layer's true output is their sum."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(positions, h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 # HF parameter name suffix → (our parameter, shard index among the fused pieces)
@@ -107,12 +129,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head. ``forward`` returns final hidden states ``[T, H]``."""
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps | None = None):
         super().__init__()
+        ops = ops or TorchOps()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, backend, ops) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.lm_head = (
             None
             if spec.tie_word_embeddings
@@ -132,9 +157,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         assert self.rope is not None, "init_rope() must be called before forward()"
         x = self.embed_tokens(input_ids)
+        tables = self.rope.tables(x.dtype, meta.max_position)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, self.rope, cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, tables, cache, meta)
+        assert residual is not None
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from kvserve.model.attention import AttentionBackend
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.ops import TorchOps
 from kvserve.model.spec import ModelConfigError, ModelSpec
 from kvserve.utils import parse_dtype
 
@@ -67,6 +68,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     backend: AttentionBackend,
+    ops: TorchOps,
     max_positions: int,
 ) -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint.
@@ -76,7 +78,7 @@ def load_model(
     """
     model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, backend)
+        model = LlamaForCausalLM(spec, backend, ops)
     model = model.to_empty(device=device).to(dtype)
     expected = model.expected_weights()
     files = checkpoint_files(model_dir)

@@ -30,10 +30,10 @@ def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by absolute position.
+    """Precomputed cos/sin tables ``[positions, head_dim]`` indexed by absolute position.
 
-    ``apply`` rotates query and key tensors of shape ``[tokens, heads, head_dim]``; the
-    table grows on demand when a position beyond it is seen.
+    Tables are computed in float32 and cast to the compute dtype (as HF does); they grow
+    on demand when ``tables`` is asked for a position beyond them.
     """
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_positions: int, device: torch.device):
@@ -48,24 +48,10 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos(), emb.sin()
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, dtype: torch.dtype, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` in ``dtype`` covering positions ``0 .. max_position``."""
+        if max_position >= self.cos.shape[0]:
+            self._build(2 * max_position)
         if dtype not in self._cast:
-            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+            self._cast[dtype] = (self.cos.to(dtype).contiguous(), self.sin.to(dtype).contiguous())
         return self._cast[dtype]
-
-    def apply(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            self._build(int(positions.max()) * 2)
-        cos_t, sin_t = self._tables(q.dtype)
-        cos = cos_t[positions].unsqueeze(1)
-        sin = sin_t[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin

@@ -172,7 +172,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 
 }  // namespace
 
-TORCH_LIBRARY(kvserve, m) {
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
         "float scale, int window) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));

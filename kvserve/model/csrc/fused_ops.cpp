@@ -1,0 +1,187 @@
+// Fused element-wise ops for the CPU decode/prefill path. Each replaces 5-10 small ATen ops
+// (and their dispatch overhead and temporaries). Rounding follows the unfused PyTorch code
+// exactly: every intermediate that PyTorch would store in the input dtype is rounded to it.
+// Registered as torch.ops.kvserve.{rms_norm, add_rms_norm, silu_and_mul, rope}.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Conversions that vectorize: bf16 <-> float by bit shifts (round to nearest even, the
+// same result as c10::BFloat16 for finite values); Half goes through c10 (rare on CPU).
+inline float to_f(float v) { return v; }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+inline float to_f(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T>
+inline T from_f(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
+}
+template <typename T>
+inline float rnd(float v) {  // round to T and back, as storing in a T tensor would
+  return to_f(from_f<T>(v));
+}
+
+#define KV_DISPATCH(dtype, NAME, ...)                                          \
+  switch (dtype) {                                                             \
+    case at::kFloat: { using T = float; __VA_ARGS__; break; }                  \
+    case at::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; }       \
+    case at::kHalf: { using T = c10::Half; __VA_ARGS__; break; }               \
+    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);           \
+  }
+
+// out = w * T(x * rsqrt(mean(x^2) + eps)), statistics in float32 (HF LlamaRMSNorm).
+template <typename T>
+void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * n;
+      T* orow = out + r * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      for (int64_t i = 0; i < n; ++i)
+        orow[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(xr[i]) * inv));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rms_norm: contiguous inputs");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: dtype mismatch");
+  auto out = at::empty_like(x);
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  KV_DISPATCH(x.scalar_type(), "rms_norm",
+              rms_rows<T>(x.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), rows, n,
+                          static_cast<float>(eps)));
+  return out;
+}
+
+// residual += x (rounded to T), returns rms_norm(residual).
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w,
+                        double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(), "add_rms_norm: contiguous");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: shape mismatch");
+  auto out = at::empty_like(x);
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  KV_DISPATCH(x.scalar_type(), "add_rms_norm", {
+    T* rp = residual.data_ptr<T>();
+    const T* xp = x.data_ptr<T>();
+    const int64_t total = rows * n;
+    at::parallel_for(0, total, 4096, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i)
+        rp[i] = static_cast<T>(static_cast<float>(rp[i]) + static_cast<float>(xp[i]));
+    });
+    rms_rows<T>(rp, w.data_ptr<T>(), out.data_ptr<T>(), rows, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+template <typename T>
+void silu_mul_rows(const T* in, T* op, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(inter);
+    for (int64_t r = b; r < e; ++r) {
+      const T* g = in + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      float* f = buf.data();
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) f[i] = to_f(g[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) f[i] = f[i] / (1.f + std::exp(-f[i]));
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) o[i] = from_f<T>(rnd<T>(f[i]) * to_f(u[i]));
+    }
+  });
+}
+
+// gate_up [T, 2I] → T(T(silu(gate)) * up) [T, I]
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2, "silu_and_mul: 2-D contiguous");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options());
+  KV_DISPATCH(gate_up.scalar_type(), "silu_and_mul",
+              silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter));
+  return out;
+}
+
+// In place on q [T, Hq, D] and k [T, Hk, D] (row stride may exceed H*D: views of a fused
+// QKV output), "rotate half" layout: x*cos + rotate(x)*sin, each product rounded to T.
+at::Tensor rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::Tensor& cos,
+                const at::Tensor& sin) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  k.stride(1) == k.size(2),
+              "rope: heads must be contiguous");
+  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && cos.is_contiguous() && sin.is_contiguous(),
+              "rope: cos/sin must be contiguous in the query dtype");
+  const int64_t T_ = q.size(0), D = q.size(2), half = D / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  KV_DISPATCH(q.scalar_type(), "rope", {
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    auto apply = [&](T* base, int64_t stride_t, int64_t heads, int64_t t) {
+      const T* c = cp + pos[t] * D;
+      const T* s = sp + pos[t] * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = base + t * stride_t + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+          const float a1 = rnd<T>(x1 * static_cast<float>(c[i]));
+          const float b1 = rnd<T>(-x2 * static_cast<float>(s[i]));
+          const float a2 = rnd<T>(x2 * static_cast<float>(c[i + half]));
+          const float b2 = rnd<T>(x1 * static_cast<float>(s[i + half]));
+          x[i] = static_cast<T>(a1 + b1);
+          x[i + half] = static_cast<T>(a2 + b2);
+        }
+      }
+    };
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        apply(qp, q.stride(0), q.size(1), t);
+        apply(kp, k.stride(0), k.size(1), t);
+      }
+    });
+  });
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rope(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
+  m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
+}

@@ -1,0 +1,80 @@
+"""Element-wise building blocks of the decoder, in two interchangeable implementations.
+
+``TorchOps`` is plain PyTorch (any device). ``CpuKernelOps`` calls the fused C++ kernels
+(``torch.ops.kvserve``), which follow the same rounding, so outputs agree bit-for-bit in
+float32 and to the last bf16/fp16 rounding otherwise. The model receives one at build time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    """Reference implementations (HF semantics: RMSNorm statistics in float32)."""
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return w * x32.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(rms_norm(residual + x), residual + x)``; may update ``residual``."""
+        residual = residual + x
+        return self.rms_norm(residual, w, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = cos[positions].unsqueeze(1)
+        s = sin[positions].unsqueeze(1)
+        return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class CpuKernelOps(TorchOps):
+    """Fused C++ kernels for CPU tensors; falls back to PyTorch for layouts they don't take.
+
+    Construct only after ``load_cpu_kernels()`` returned True.
+    """
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if not x.is_contiguous():
+            return super().rms_norm(x, w, eps)
+        return torch.ops.kvserve.rms_norm(x, w, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.kvserve.add_rms_norm(x, residual, w, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvserve.silu_and_mul(gate_up)
+
+    def rope(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.ops.kvserve.rope(positions, q, k, cos, sin)
+        return q, k
