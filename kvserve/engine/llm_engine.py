@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from kvserve.engine.cpu_env import tune_malloc
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.attention import (
@@ -45,6 +46,8 @@ class LLMEngine:
         self.cache_config: CacheConfig = args.cache_config()
         self.scheduler_config: SchedulerConfig = args.scheduler_config()
         self.device = resolve_device(self.model_config.device)
+        if self.device.type == "cpu":
+            tune_malloc()
         torch.manual_seed(self.model_config.seed)
         self._rng = random.Random(self.model_config.seed)
         self.spec: ModelSpec = load_model_spec(self.model_config.model)
