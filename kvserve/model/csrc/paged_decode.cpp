@@ -38,6 +38,7 @@ template <int D, typename qt, typename ct>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                    double scale, int64_t window) {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t CH = 16;
   const int64_t B = q.size(0), Hq = q.size(1);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
@@ -97,17 +98,20 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           }
           l[g] = sum;
           m[g] = bm;
-          alignas(64) float a[D];
           float* ag = acc.data() + g * D;
+          // 16 lanes at a time: one accumulator register, a dependency chain over t only
+          for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            float a[16];
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] = ag[d] * corr;
-          for (int64_t t = 0; t < nt; ++t) {
-            const float p = s[t];
+            for (int64_t i = 0; i < 16; ++i) a[i] = ag[d0 + i] * corr;
+            for (int64_t t = 0; t < nt; ++t) {
+              const float p = s[t];
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * vrows[t][d];
+              for (int64_t i = 0; i < 16; ++i) a[i] += p * vrows[t][d0 + i];
+            }
+#pragma omp simd
+            for (int64_t i = 0; i < 16; ++i) ag[d0 + i] = a[i];
           }
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] = a[d];
         }
         c0 += nt;
       }
