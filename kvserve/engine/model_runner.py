@@ -20,6 +20,17 @@ from kvserve.sched.scheduler import ScheduledRequest
 
 
 @dataclass
+class BatchInputs:
+    """Model inputs for one step; ``sample_rows[i]`` is the hidden row of ``sampled[i]``."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]
+    sampled: list[Request]
+
+
+@dataclass
 class StepResult:
     """Sampled tokens (and optional logprobs) keyed by request id."""
 
@@ -61,10 +72,8 @@ class ModelRunner:
             mask &= k_pos > q_pos - self.window
         return mask.view(1, 1, n, computed + n).to(self.device)
 
-    def build(
-        self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Input ids, positions, attention metadata and the rows to sample (batch order)."""
+    def build(self, batch: list[ScheduledRequest]) -> BatchInputs:
+        """Tensors and metadata for ``batch`` (already in decodes-first order)."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -72,14 +81,14 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
+        sampled: list[Request] = []
         for s in batch:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
             table_list = self.kv.block_table(req.request_id)
             table = torch.tensor(table_list, dtype=torch.long)
             tok_start = len(ids)
-            all_ids = req.all_token_ids
-            ids.extend(all_ids[start : start + n])
+            ids.extend(req.token_slice(start, start + n))
             positions.append(torch.arange(start, start + n))
             slots.append(self._slots(table, start, start + n))
             if n == 1:
@@ -97,6 +106,7 @@ class ModelRunner:
                 )
             if start + n == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
+                sampled.append(req)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             max_position=max(s.request.num_computed_tokens + s.num_new_tokens for s in batch) - 1,
@@ -108,9 +118,13 @@ class ModelRunner:
             )
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
         meta.prefills = prefills
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device)
-        return input_ids, pos, meta, sample_rows
+        return BatchInputs(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.cat(positions).to(self.device),
+            meta,
+            sample_rows,
+            sampled,
+        )
 
     def _decode_meta(
         self, tables: list[list[int]], lens: list[int]
@@ -131,17 +145,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledRequest]) -> StepResult:
-        batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, rows = self.build(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampled = [
-            s.request
-            for s in batch
-            if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
-        ]
+        """Forward ``batch`` and sample; does not modify the requests."""
+        inputs = self.build(sorted(batch, key=lambda s: s.num_new_tokens != 1))
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        sampled = inputs.sampled
         if not sampled:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
         result = sample(logits, [self._row(r) for r in sampled])
         if self.keep_logits:
             self.last_logits = {r.request_id: logits[i].clone() for i, r in enumerate(sampled)}
