@@ -309,14 +309,11 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         p = req.params
-        if (
-            p.detokenize
-            and self.tokenizer is not None
-            and not (p.stop_strings and req.stop_reason in p.stop_strings)
-        ):
+        stopped_by_string = isinstance(req.stop_reason, str)
+        if p.detokenize and self.tokenizer is not None and not stopped_by_string:
             ids = req.output_token_ids
-            if req.status is RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int):
-                ids = ids[:-1] if not p.include_stop_str_in_output else ids
+            if req.status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output:
+                ids = ids[:-1]  # the stop token (EOS or stop_token_ids) is not text
             req.output_text = self.tokenizer.decode(ids, p.skip_special_tokens)
         finish = req.status.value if req.is_finished else None
         completion = CompletionOutput(
