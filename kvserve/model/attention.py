@@ -95,6 +95,8 @@ class TorchPagedAttention:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if not meta.prefills:  # pure decode step: no output buffer to assemble
+            return self.decode(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self.decode(q[: meta.num_decodes], kv_cache, meta, scale)
