@@ -61,12 +61,12 @@ void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < n; ++i) {
-        const float v = static_cast<float>(xr[i]);
+        const float v = to_f(xr[i]);
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      for (int64_t i = 0; i < n; ++i)
-        orow[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(xr[i]) * inv));
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) orow[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(xr[i]) * inv));
     }
   });
 }
@@ -82,6 +82,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+template <typename T>
+void add_into(T* rp, const T* xp, int64_t total) {
+  at::parallel_for(0, total, 4096, [&](int64_t b, int64_t e) {
+#pragma omp simd
+    for (int64_t i = b; i < e; ++i) rp[i] = from_f<T>(to_f(rp[i]) + to_f(xp[i]));
+  });
+}
+
 // residual += x (rounded to T), returns rms_norm(residual).
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w,
                         double eps) {
@@ -90,14 +98,9 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   auto out = at::empty_like(x);
   const int64_t n = x.size(-1), rows = x.numel() / n;
   KV_DISPATCH(x.scalar_type(), "add_rms_norm", {
-    T* rp = residual.data_ptr<T>();
-    const T* xp = x.data_ptr<T>();
-    const int64_t total = rows * n;
-    at::parallel_for(0, total, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i)
-        rp[i] = static_cast<T>(static_cast<float>(rp[i]) + static_cast<float>(xp[i]));
-    });
-    rms_rows<T>(rp, w.data_ptr<T>(), out.data_ptr<T>(), rows, n, static_cast<float>(eps));
+    add_into<T>(residual.data_ptr<T>(), x.data_ptr<T>(), rows * n);
+    rms_rows<T>(residual.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), rows, n,
+                static_cast<float>(eps));
   });
   return out;
 }
@@ -131,6 +134,39 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+template <typename T>
+void rope_rows(T* base, int64_t stride_t, int64_t heads, int64_t D, const T* c, const T* s) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x = base + h * D;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+      const float a1 = rnd<T>(x1 * to_f(c[i]));
+      const float b1 = rnd<T>(-x2 * to_f(s[i]));
+      const float a2 = rnd<T>(x2 * to_f(c[i + half]));
+      const float b2 = rnd<T>(x1 * to_f(s[i + half]));
+      x[i] = from_f<T>(a1 + b1);
+      x[i + half] = from_f<T>(a2 + b2);
+    }
+  }
+}
+
+template <typename T>
+void rope_impl(const int64_t* pos, at::Tensor& q, at::Tensor& k, const T* cp, const T* sp) {
+  const int64_t D = q.size(2);
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  at::parallel_for(0, q.size(0), 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* c = cp + pos[t] * D;
+      const T* s = sp + pos[t] * D;
+      rope_rows<T>(qp + t * q.stride(0), q.stride(0), q.size(1), D, c, s);
+      rope_rows<T>(kp + t * k.stride(0), k.stride(0), k.size(1), D, c, s);
+    }
+  });
+}
+
 // In place on q [T, Hq, D] and k [T, Hk, D] (row stride may exceed H*D: views of a fused
 // QKV output), "rotate half" layout: x*cos + rotate(x)*sin, each product rounded to T.
 at::Tensor rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::Tensor& cos,
@@ -140,36 +176,11 @@ at::Tensor rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const a
               "rope: heads must be contiguous");
   TORCH_CHECK(cos.scalar_type() == q.scalar_type() && cos.is_contiguous() && sin.is_contiguous(),
               "rope: cos/sin must be contiguous in the query dtype");
-  const int64_t T_ = q.size(0), D = q.size(2), half = D / 2;
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "rope: positions must be contiguous int64");
   const int64_t* pos = positions.data_ptr<int64_t>();
-  KV_DISPATCH(q.scalar_type(), "rope", {
-    const T* cp = cos.data_ptr<T>();
-    const T* sp = sin.data_ptr<T>();
-    auto apply = [&](T* base, int64_t stride_t, int64_t heads, int64_t t) {
-      const T* c = cp + pos[t] * D;
-      const T* s = sp + pos[t] * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* x = base + t * stride_t + h * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
-          const float a1 = rnd<T>(x1 * static_cast<float>(c[i]));
-          const float b1 = rnd<T>(-x2 * static_cast<float>(s[i]));
-          const float a2 = rnd<T>(x2 * static_cast<float>(c[i + half]));
-          const float b2 = rnd<T>(x1 * static_cast<float>(s[i + half]));
-          x[i] = static_cast<T>(a1 + b1);
-          x[i + half] = static_cast<T>(a2 + b2);
-        }
-      }
-    };
-    T* qp = q.data_ptr<T>();
-    T* kp = k.data_ptr<T>();
-    at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        apply(qp, q.stride(0), q.size(1), t);
-        apply(kp, k.stride(0), k.size(1), t);
-      }
-    });
-  });
+  KV_DISPATCH(q.scalar_type(), "rope",
+              rope_impl<T>(pos, q, k, cos.data_ptr<T>(), sin.data_ptr<T>()));
   return q;
 }
 
