@@ -129,24 +129,21 @@ def worker_hf(a: argparse.Namespace) -> dict:
     }
 
 
+def _workload_flags(a: argparse.Namespace) -> list[str]:
+    """The workload as command-line flags, shared by both worker kinds."""
+    flags = {
+        "--num-prompts": a.num_prompts,
+        "--input-len": a.input_len,
+        "--output-len": a.output_len,
+        "--seed": a.seed,
+    }
+    return [str(x) for kv in flags.items() for x in kv]
+
+
 def run_vllm(a: argparse.Namespace) -> dict:
     out = Path(a.out).with_suffix(".vllm.tmp")
-    cmd = [
-        a.vllm_python,
-        str(HERE / "peer_vllm.py"),
-        "--model",
-        str(a.model_dir),
-        "--num-prompts",
-        str(a.num_prompts),
-        "--input-len",
-        str(a.input_len),
-        "--output-len",
-        str(a.output_len),
-        "--seed",
-        str(a.seed),
-        "--json-out",
-        str(out),
-    ]
+    cmd = [a.vllm_python, str(HERE / "peer_vllm.py"), "--model", str(a.model_dir)]
+    cmd += [*_workload_flags(a), "--json-out", str(out)]
     subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.DEVNULL)
     res = json.loads(out.read_text())
     out.unlink()
@@ -156,24 +153,8 @@ def run_vllm(a: argparse.Namespace) -> dict:
 def run_worker(name: str, a: argparse.Namespace) -> dict:
     if name == "vllm":
         return run_vllm(a)
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        name,
-        "--model-dir",
-        str(a.model_dir),
-        "--num-prompts",
-        str(a.num_prompts),
-        "--input-len",
-        str(a.input_len),
-        "--output-len",
-        str(a.output_len),
-        "--seed",
-        str(a.seed),
-        "--max-num-batched-tokens",
-        str(a.max_num_batched_tokens),
-    ]
+    cmd = [sys.executable, __file__, "--worker", name, "--model-dir", str(a.model_dir)]
+    cmd += [*_workload_flags(a), "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     proc = subprocess.run(cmd, check=True, timeout=1800, capture_output=True, text=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
