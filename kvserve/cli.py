@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -43,7 +44,7 @@ def _generate(ns: argparse.Namespace) -> int:
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
     )
-    llm = LLM(**{k: v for k, v in vars(args).items() if k != "extra"})
+    llm = LLM(**dataclasses.asdict(args))
     prompts = ns.prompt or [sys.stdin.read()]
     start = time.perf_counter()
     if ns.chat:

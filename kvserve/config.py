@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from kvserve.utils import parse_size
 
@@ -114,7 +113,6 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -139,8 +137,6 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
         """Add one ``--flag`` per field (``max_num_seqs`` → ``--max-num-seqs``)."""
         for f in dataclasses.fields(cls):
-            if f.name == "extra":
-                continue
             flag = "--" + f.name.replace("_", "-")
             if f.name == "model":
                 parser.add_argument(flag, default=model_default, help="model directory")
@@ -156,5 +152,5 @@ class EngineArgs:
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{n: getattr(ns, n) for n in names})

@@ -11,11 +11,14 @@ import torch
 
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine.cpu_env import tune_malloc
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.attention import (
     CPU_KERNEL_HEAD_DIMS,
+    AttentionMetadata,
     CpuPagedAttention,
+    PrefillChunk,
     TorchPagedAttention,
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
@@ -27,7 +30,7 @@ from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.sched.scheduler import Scheduler
-from kvserve.utils import format_size, parse_dtype, resolve_device
+from kvserve.utils import cdiv, format_size, parse_dtype, resolve_device
 
 logger = logging.getLogger("kvserve")
 
@@ -89,8 +92,6 @@ class LLMEngine:
                 f"the KV cache holds {self.kv.capacity_tokens} tokens, fewer than max_model_len "
                 f"{self.max_model_len}; raise kv_cache_memory or lower max_model_len"
             )
-        from kvserve.engine.model_runner import ModelRunner
-
         self.runner = ModelRunner(
             self.model,
             self.kv_spec.allocate(num_blocks, self.device),
@@ -144,20 +145,10 @@ class LLMEngine:
 
     def _profile_cuda_memory(self) -> int:
         """Bytes left for KV after a max-size forward pass, under gpu_memory_utilization."""
-        from kvserve.model.attention import AttentionMetadata, PrefillChunk
-
         n = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        tmp_spec = KVCacheSpec(
-            self.kv_spec.num_layers,
-            self.kv_spec.num_kv_heads,
-            self.kv_spec.head_dim,
-            self.kv_spec.dtype,
-            self.kv_spec.block_size,
-        )
-        blocks = -(-n // tmp_spec.block_size)
-        caches = tmp_spec.allocate(blocks, self.device)
+        caches = self.kv_spec.allocate(cdiv(n, self.kv_spec.block_size), self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = AttentionMetadata(
