@@ -36,7 +36,7 @@ def test_logits_match_hf_for_prefill_and_every_decode_step(model_dirs, arch, bac
             ref = ref_model(torch.tensor([p + outputs[rid]])).logits[0]
         for k, ours in enumerate(steps[rid]):
             want = ref[len(p) - 1 + k]
-            diff = (ours - want).abs().max().item()
+            diff = (ours.cpu() - want).abs().max().item()
             assert diff < ATOL, f"{arch} prompt len {len(p)} step {k}: max |Δlogit| {diff}"
     engine.check_integrity()
     assert engine.kv.pool.num_free == engine.kv.num_blocks
