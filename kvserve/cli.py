@@ -65,6 +65,36 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(ns: argparse.Namespace) -> int:
+    import json
+
+    from kvserve.planner.capacity import PlanInput, plan, variant
+    from kvserve.planner.report import print_plans
+    from kvserve.utils import parse_size
+
+    base = PlanInput(
+        model=ns.model,
+        dtype=ns.dtype,
+        kv_cache_dtype=ns.kv_cache_dtype,
+        concurrency=ns.concurrency,
+        context=ns.context,
+        output_len=ns.output_len,
+        gpu=ns.gpu,
+        gpu_memory=None if ns.gpu_memory is None else parse_size(ns.gpu_memory),
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        overhead=parse_size(ns.overhead),
+        tp=ns.tp,
+        block_size=ns.block_size,
+    )
+    plans = [plan(base, "base")]
+    plans += [plan(variant(base, spec), spec) for spec in ns.compare or []]
+    if ns.json:
+        print(json.dumps([dataclasses.asdict(x) for x in plans], indent=2))
+    else:
+        print_plans(plans)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -76,6 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--echo", action="store_true", help="print the prompt before the output")
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    pl = sub.add_parser("plan", help="KV and weight memory, concurrency per GPU, GPUs needed")
+    pl.add_argument("--model", required=True, help="preset name, model directory or config.json")
+    pl.add_argument("--dtype", default="bfloat16", help="weight dtype")
+    pl.add_argument("--kv-cache-dtype", default="auto")
+    pl.add_argument("--concurrency", type=int, default=1)
+    pl.add_argument("--context", type=int, default=4096, help="prompt tokens per request")
+    pl.add_argument("--output-len", type=int, default=0)
+    pl.add_argument("--gpu", default="H100-80GB")
+    pl.add_argument("--gpu-memory", default=None, help="e.g. 48GiB, overrides --gpu")
+    pl.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    pl.add_argument("--overhead", default="1GiB", help="per GPU: activations, CUDA context")
+    pl.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--compare", action="append", help="key=value[,key=value] variant")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Capacity planning: KV and weight memory from model configs (``kvserve plan``)."""

@@ -1,0 +1,153 @@
+"""Model-based capacity plan: weights, KV per token/request, concurrency per GPU.
+
+KV bytes per token come from ``KVCacheSpec`` — the same object the engine allocates its
+cache with — so the planner and the engine cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.kv.cache import KVCacheSpec
+from kvserve.model.spec import load_model_spec
+from kvserve.planner.hardware import find_accelerator
+from kvserve.planner.presets import PRESETS, ModelShape
+from kvserve.utils import cdiv, parse_dtype, parse_size
+
+# element type of the KV cache for each --kv-cache-dtype; "auto" follows the weights
+KV_ELEMENT = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """One configuration to plan (CLI flags of ``kvserve plan`` map onto it)."""
+
+    model: str
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    concurrency: int = 1
+    context: int = 4096
+    output_len: int = 0
+    gpu: str = "H100-80GB"
+    gpu_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    overhead: int = 1024**3
+    tp: int = 1
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The numbers of a plan, in bytes unless named otherwise."""
+
+    label: str
+    model: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    tokens_per_request: int
+    kv_bytes_per_request: int
+    kv_bytes_total: int
+    kv_bytes_per_gpu_available: int
+    max_concurrency_per_replica: int
+    gpus_needed: int | None  # None: the model does not fit on the GPUs of one replica
+
+
+def resolve_shape(model: str) -> ModelShape:
+    """A preset name, an HF model directory or a ``config.json`` path → ModelShape."""
+    if model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    path = Path(model)
+    if path.name == "config.json":
+        path = path.parent
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a model "
+            "directory / config.json"
+        )
+    s = load_model_spec(path)
+    per_layer = (
+        s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        + s.num_heads * s.head_dim * s.hidden_size
+        + 3 * s.hidden_size * s.intermediate_size
+        + 2 * s.hidden_size
+    )
+    embed = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    params = s.num_layers * per_layer + embed + s.hidden_size
+    return ModelShape(
+        path.name,
+        s.num_layers,
+        s.hidden_size,
+        s.num_heads,
+        s.num_kv_heads,
+        s.head_dim,
+        params,
+        s.sliding_window,
+    )
+
+
+def kv_spec_for(shape: ModelShape, p: PlanInput) -> KVCacheSpec:
+    weights = parse_dtype(p.dtype)
+    kv = weights if p.kv_cache_dtype == "auto" else KV_ELEMENT.get(p.kv_cache_dtype)
+    if kv is None:
+        raise ValueError(
+            f"kv_cache_dtype {p.kv_cache_dtype!r}: choose auto or {', '.join(KV_ELEMENT)}"
+        )
+    return KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv, p.block_size)
+
+
+def plan(p: PlanInput, label: str = "") -> Plan:
+    """Compute one plan. Raises ValueError for inputs that make no sense."""
+    if p.concurrency < 1 or p.context < 1 or p.tp < 1 or p.output_len < 0:
+        raise ValueError("concurrency, context and tp must be positive; output_len >= 0")
+    shape = resolve_shape(p.model)
+    spec = kv_spec_for(shape, p)
+    tokens = p.context + p.output_len
+    if shape.sliding_window:
+        tokens = min(tokens, shape.sliding_window + p.block_size)  # window + partial block
+    tokens = cdiv(tokens, p.block_size) * p.block_size  # paged: whole blocks
+    per_request = tokens * spec.bytes_per_token
+    weight_bytes = shape.num_params * torch.empty((), dtype=parse_dtype(p.dtype)).element_size()
+    gpu_mem = p.gpu_memory or find_accelerator(p.gpu).memory_bytes
+    per_gpu = int(gpu_mem * p.gpu_memory_utilization) - weight_bytes // p.tp - p.overhead
+    max_conc = max(0, per_gpu * p.tp // per_request)
+    gpus = cdiv(p.concurrency, max_conc) * p.tp if max_conc > 0 else None
+    return Plan(
+        label=label or p.model,
+        model=shape.name,
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=spec.bytes_per_token,
+        tokens_per_request=tokens,
+        kv_bytes_per_request=per_request,
+        kv_bytes_total=per_request * p.concurrency,
+        kv_bytes_per_gpu_available=max(per_gpu, 0),
+        max_concurrency_per_replica=max_conc,
+        gpus_needed=gpus,
+    )
+
+
+def variant(base: PlanInput, spec: str) -> PlanInput:
+    """``base`` with ``key=value[,key=value]`` overrides (``kv_cache_dtype=fp8_e4m3``)."""
+    changes: dict[str, object] = {}
+    fields = {f.name: f for f in dataclasses.fields(PlanInput)}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise ValueError(f"--compare {spec!r}: use key=value with keys {', '.join(fields)}")
+        current = getattr(base, key)
+        if key in ("gpu_memory", "overhead"):
+            changes[key] = parse_size(value)
+        else:
+            changes[key] = type(current)(value)
+    return dataclasses.replace(base, **changes)

@@ -1,0 +1,93 @@
+"""Model-based capacity planner (``kvserve plan``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import make_engine
+
+from kvserve.planner.capacity import PlanInput, plan, variant
+
+MHA_13B = PlanInput(model="13b-mha", dtype="float16", concurrency=32, context=2048)
+
+
+def test_13b_mha_example():
+    p = plan(MHA_13B)
+    assert p.kv_bytes_per_token == 819_200  # 2 × 40 layers × 40 heads × 128 × 2 bytes
+    assert p.kv_bytes_total == 32 * 2048 * 819_200
+    assert p.kv_bytes_total / 1e9 == pytest.approx(53.7, abs=0.05)
+    assert p.kv_bytes_total > 50e9
+
+
+def test_fp8_halves_and_gqa_quarters():
+    base = plan(MHA_13B)
+    fp8 = plan(variant(MHA_13B, "kv_cache_dtype=fp8_e4m3"))
+    assert fp8.kv_bytes_per_token * 2 == base.kv_bytes_per_token
+    mha = plan(PlanInput(model="llama-2-7b", dtype="float16"))  # 32 KV heads of 32
+    gqa = plan(PlanInput(model="llama-3-8b", dtype="float16"))  # 8 KV heads of 32
+    assert mha.kv_bytes_per_token == 4 * gqa.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planner_bytes_per_token_equals_what_the_engine_allocates(llama_dir, dtype):
+    engine = make_engine(llama_dir, dtype=dtype)
+    planned = plan(PlanInput(model=str(llama_dir), dtype=dtype))
+    assert planned.kv_bytes_per_token == engine.kv_spec.bytes_per_token
+    assert (
+        plan(PlanInput(model=str(llama_dir / "config.json"), dtype=dtype)).kv_bytes_per_token
+        == engine.kv_spec.bytes_per_token
+    )
+
+
+def test_concurrency_and_gpu_count():
+    p = plan(dataclasses.replace(MHA_13B, gpu_memory=80 * 1024**3, overhead=0))
+    room = int(80 * 1024**3 * 0.9) - p.weight_bytes
+    assert p.kv_bytes_per_gpu_available == room
+    assert p.max_concurrency_per_replica == room // p.kv_bytes_per_request
+    assert p.gpus_needed == -(-32 // p.max_concurrency_per_replica)
+    huge = plan(PlanInput(model="llama-2-70b", gpu="L4-24GB"))
+    assert huge.gpus_needed is None and huge.max_concurrency_per_replica == 0
+    tp4 = plan(PlanInput(model="llama-2-70b", gpu="L4-24GB", tp=8, concurrency=4))
+    assert tp4.gpus_needed is not None and tp4.gpus_needed % 8 == 0
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="neither a preset"):
+        plan(PlanInput(model="no-such-model"))
+    with pytest.raises(ValueError, match="unknown GPU"):
+        plan(PlanInput(model="llama-3-8b", gpu="TPU"))
+    with pytest.raises(ValueError, match="key=value"):
+        variant(MHA_13B, "colour=blue")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        plan(PlanInput(model="llama-3-8b", kv_cache_dtype="fp4"))
+
+
+def test_cli_json_and_table():
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.cli",
+        "plan",
+        "--model",
+        "13b-mha",
+        "--dtype",
+        "float16",
+        "--concurrency",
+        "32",
+        "--context",
+        "2048",
+        "--compare",
+        "kv_cache_dtype=fp8_e4m3",
+    ]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    plans = json.loads(out.stdout)
+    assert [p["kv_bytes_per_token"] for p in plans] == [819_200, 409_600]
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "819,200" in table.stdout
+    bad = subprocess.run([*cmd[:5], "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "neither a preset" in bad.stderr
