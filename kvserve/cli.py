@@ -65,10 +65,31 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_usage(ns: argparse.Namespace) -> int:
+    import json
+
+    from kvserve.planner.report import print_usage
+    from kvserve.planner.usage import analyze, load_usage
+
+    report = analyze(*load_usage(ns.usage), headroom=ns.headroom)
+    if ns.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2))
+    else:
+        print_usage(report)
+    for w in report.warnings:
+        print(f"kvserve: warning: {w}", file=sys.stderr)
+    return 0
+
+
 def _plan(ns: argparse.Namespace) -> int:
     import json
 
     from kvserve.planner.capacity import PlanInput, plan, variant
+
+    if ns.usage:
+        return _plan_usage(ns)
+    if not ns.model:
+        raise ValueError("kvserve plan needs --model (or --usage FILE)")
     from kvserve.planner.report import print_plans
     from kvserve.utils import parse_size
 
@@ -108,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     pl = sub.add_parser("plan", help="KV and weight memory, concurrency per GPU, GPUs needed")
-    pl.add_argument("--model", required=True, help="preset name, model directory or config.json")
+    pl.add_argument("--model", help="preset name, model directory or config.json")
+    pl.add_argument("--usage", help="JSONL of KV usage samples recorded by --kv-usage-log")
+    pl.add_argument("--headroom", type=float, default=0.15, help="with --usage: P99 × (1+h)")
     pl.add_argument("--dtype", default="bfloat16", help="weight dtype")
     pl.add_argument("--kv-cache-dtype", default="auto")
     pl.add_argument("--concurrency", type=int, default=1)

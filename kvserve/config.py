@@ -90,7 +90,21 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
 
 
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """KV usage samples appended as JSON lines to ``kv_usage_log`` every
+    ``kv_usage_interval`` seconds (input of ``kvserve plan --usage``); None disables."""
+
+    kv_usage_log: str | None = None
+    kv_usage_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.kv_usage_interval <= 0:
+            raise ValueError(f"kv_usage_interval must be positive, got {self.kv_usage_interval}")
+
+
 _SIZE_FIELDS = {"kv_cache_memory"}
+_STR_FIELDS = {"kv_usage_log"}
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    kv_usage_log: str | None = None
+    kv_usage_interval: float = 10.0
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -133,6 +149,9 @@ class EngineArgs:
             self.max_num_batched_tokens, self.max_num_seqs, self.enable_chunked_prefill
         )
 
+    def observability_config(self) -> ObservabilityConfig:
+        return ObservabilityConfig(self.kv_usage_log, self.kv_usage_interval)
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
         """Add one ``--flag`` per field (``max_num_seqs`` → ``--max-num-seqs``)."""
@@ -144,8 +163,8 @@ class EngineArgs:
             default = f.default
             if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif f.name in _SIZE_FIELDS or default is None:
-                conv = str if f.name in _SIZE_FIELDS else int
+            elif f.name in _SIZE_FIELDS | _STR_FIELDS or default is None:
+                conv = str if f.name in _SIZE_FIELDS | _STR_FIELDS else int
                 parser.add_argument(flag, type=conv, default=default)
             else:
                 parser.add_argument(flag, type=type(default), default=default)

@@ -27,6 +27,7 @@ from kvserve.model.loader import load_model, resolve_dtype
 from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.spec import ModelSpec, load_model_spec
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
+from kvserve.planner.usage import UsageRecorder
 from kvserve.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.sched.scheduler import Scheduler
@@ -101,6 +102,10 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.requests: dict[str, Request] = {}
+        obs = args.observability_config()
+        self.usage_recorder = (
+            UsageRecorder(obs.kv_usage_log, obs.kv_usage_interval) if obs.kv_usage_log else None
+        )
         self._log_capacity()
 
     def _kernels(self) -> tuple[TorchPagedAttention, TorchOps]:
@@ -256,6 +261,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns outputs of requests that got a token or finished."""
         sched = self.scheduler.schedule()
+        if self.usage_recorder is not None:
+            self.usage_recorder.maybe_record(
+                self.kv.pool.num_used, self.kv.num_blocks, self.kv_spec.bytes_per_block
+            )
         if sched.is_empty:
             return []
         result = self.runner.run(sched.scheduled)

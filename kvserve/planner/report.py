@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvserve.planner.capacity import Plan
+from kvserve.planner.usage import UsageReport
 from kvserve.utils import format_size
 
 
@@ -32,3 +33,27 @@ def print_plans(plans: list[Plan], console: Console | None = None) -> None:
     for name, fmt in rows:
         table.add_row(name, *(fmt(p) for p in plans))
     (console or Console()).print(table)
+
+
+def print_usage(r: UsageReport, console: Console | None = None) -> None:
+    """Percentiles of KV demand, the recommendation, and the daily/weekly shape."""
+    console = console or Console()
+    table = Table(title=f"KV demand: {r.samples:,} samples over {r.span_s / 86400:.1f} days")
+    table.add_column("statistic")
+    table.add_column("KV bytes", justify="right")
+    for name, value in (("P50", r.p50), ("P95", r.p95), ("P99", r.p99), ("max", r.max)):
+        table.add_row(name, format_size(value))
+    table.add_row(f"recommended (P99 × {1 + r.headroom:.2f})", format_size(r.recommended_bytes))
+    console.print(table)
+    peak = max((v for v in r.hourly_mean if v == v), default=0.0) or 1.0
+    console.print(
+        "mean demand by hour (UTC): "
+        + " ".join("·" if v != v else "▁▂▃▄▅▆▇█"[min(7, int(8 * v / peak))] for v in r.hourly_mean)
+    )
+    days = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+    console.print(
+        "mean demand by weekday: "
+        + ", ".join(
+            f"{d} {format_size(v)}" for d, v in zip(days, r.weekday_mean, strict=True) if v == v
+        )
+    )
