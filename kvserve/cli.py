@@ -71,7 +71,12 @@ def _plan_usage(ns: argparse.Namespace) -> int:
     from kvserve.planner.report import print_usage
     from kvserve.planner.usage import analyze, load_usage
 
-    report = analyze(*load_usage(ns.usage), headroom=ns.headroom)
+    ts, used = load_usage(ns.usage)
+    report = analyze(ts, used, headroom=ns.headroom)
+    if ns.plot:
+        from kvserve.planner.plot import plot_usage
+
+        plot_usage(ts, used, report, ns.plot)
     if ns.json:
         print(json.dumps(dataclasses.asdict(report), indent=2))
     else:
@@ -132,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", help="preset name, model directory or config.json")
     pl.add_argument("--usage", help="JSONL of KV usage samples recorded by --kv-usage-log")
     pl.add_argument("--headroom", type=float, default=0.15, help="with --usage: P99 × (1+h)")
+    pl.add_argument("--plot", help="with --usage: write a PNG of distribution and time series")
     pl.add_argument("--dtype", default="bfloat16", help="weight dtype")
     pl.add_argument("--kv-cache-dtype", default="auto")
     pl.add_argument("--concurrency", type=int, default=1)

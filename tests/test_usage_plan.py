@@ -83,8 +83,10 @@ def test_cli_plan_usage(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["p99"] == 98 * BLOCK
     assert "14 are needed" in out.stderr
-    table = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    png = tmp_path / "u.png"
+    table = subprocess.run([*cmd, "--plot", str(png)], capture_output=True, text=True, timeout=120)
     assert table.returncode == 0 and "recommended" in table.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     (tmp_path / "bad.jsonl").write_text('{"ts": 1}\n')
     bad = subprocess.run(
         [*cmd[:4], "--usage", str(tmp_path / "bad.jsonl")],

@@ -98,8 +98,7 @@ def analyze(ts: np.ndarray, used: np.ndarray, headroom: float = 0.15) -> UsageRe
     warnings = []
     if span + step < TWO_WEEKS_S:  # n samples a step apart cover n steps of time
         warnings.append(
-            f"the data cover {span / 86400:.1f} days; at least 14 are needed to see weekly "
-            "patterns"
+            f"the data cover {span / 86400:.1f} days; at least 14 are needed to see weekly patterns"
         )
     if len(ts) > 2:
         gaps = np.diff(ts)
