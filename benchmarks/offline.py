@@ -4,10 +4,11 @@ Workload (issue #2): a random-weight model shaped like SmolLM2-135M (30 layers, 
 9 heads, 3 KV heads, intermediate 1536, vocab 8192, tied embeddings) in bfloat16; 32
 requests of 256 random prompt tokens, 128 output tokens each, ignore_eos, greedy.
 
-Each engine runs in its own subprocess (clean memory and thread state), and the engines
-are interleaved ``--repeat`` times so that machine noise hits all of them alike; the
-median is reported. vLLM runs from its own venv (``--vllm-python``), see
-``benchmarks/VLLM_SETUP.md``.
+Each engine runs in its own subprocess (clean memory and thread state) with tcmalloc
+preloaded when it is installed (vLLM's CPU docs recommend it; ``--no-tcmalloc`` turns it
+off for every engine), and the engines are interleaved ``--repeat`` times so that machine
+noise hits all of them alike; the median is reported. vLLM runs from its own venv
+(``--vllm-python``), see ``benchmarks/VLLM_SETUP.md``.
 
     python benchmarks/offline.py --repeat 3 --out benchmarks/results/offline.json
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -24,6 +26,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from peer_vllm import find_tcmalloc  # noqa: E402 - a sibling script, not a package
+
 SMOL = dict(
     vocab_size=8192,
     hidden_size=576,
@@ -144,6 +149,8 @@ def run_vllm(a: argparse.Namespace) -> dict:
     out = Path(a.out).with_suffix(".vllm.tmp")
     cmd = [a.vllm_python, str(HERE / "peer_vllm.py"), "--model", str(a.model_dir)]
     cmd += [*_workload_flags(a), "--json-out", str(out)]
+    if a.no_tcmalloc:
+        cmd.append("--no-tcmalloc")
     subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.DEVNULL)
     res = json.loads(out.read_text())
     out.unlink()
@@ -155,8 +162,12 @@ def run_worker(name: str, a: argparse.Namespace) -> dict:
         return run_vllm(a)
     cmd = [sys.executable, __file__, "--worker", name, "--model-dir", str(a.model_dir)]
     cmd += [*_workload_flags(a), "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-    proc = subprocess.run(cmd, check=True, timeout=1800, capture_output=True, text=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    env = dict(os.environ)
+    tcmalloc = None if a.no_tcmalloc else find_tcmalloc()
+    if tcmalloc:  # the same allocator vLLM's runs get (peer_vllm.py preloads it)
+        env["LD_PRELOAD"] = f"{tcmalloc} {env.get('LD_PRELOAD', '')}".strip()
+    proc = subprocess.run(cmd, check=True, timeout=1800, capture_output=True, text=True, env=env)
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"tcmalloc": tcmalloc}
 
 
 # ---- roofline ----------------------------------------------------------------------------
@@ -209,6 +220,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    p.add_argument("--no-tcmalloc", action="store_true", help="plain glibc malloc for all")
     p.add_argument("--out", default=str(HERE / "results" / "offline.json"))
     a = p.parse_args()
     if a.worker:
