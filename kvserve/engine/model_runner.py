@@ -75,26 +75,30 @@ class ModelRunner:
     def build(self, batch: list[ScheduledRequest]) -> BatchInputs:
         """Tensors and metadata for ``batch`` (already in decodes-first order)."""
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        # decodes (first in the batch) as plain ints; prefill chunks as tensors
+        decode_pos: list[int] = []
+        decode_slots: list[int] = []
+        prefill_pos: list[torch.Tensor] = []
+        prefill_slots: list[torch.Tensor] = []
         decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
+        bs = self.block_size
         for s in batch:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
             table_list = self.kv.block_table(req.request_id)
-            table = torch.tensor(table_list, dtype=torch.long)
             tok_start = len(ids)
             ids.extend(req.token_slice(start, start + n))
-            positions.append(torch.arange(start, start + n))
-            slots.append(self._slots(table, start, start + n))
             if n == 1:
+                decode_pos.append(start)
+                decode_slots.append(table_list[start // bs] * bs + start % bs)
                 decode_tables.append(table_list)
-                decode_lens.append(start + 1)
             else:
+                table = torch.tensor(table_list, dtype=torch.long)
+                prefill_pos.append(torch.arange(start, start + n))
+                prefill_slots.append(self._slots(table, start, start + n))
                 prefills.append(
                     PrefillChunk(
                         tok_start,
@@ -107,12 +111,16 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(req)
+        positions = torch.cat([torch.tensor(decode_pos, dtype=torch.long), *prefill_pos])
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device),
-            max_position=max(s.request.num_computed_tokens + s.num_new_tokens for s in batch) - 1,
-            num_decodes=len(decode_lens),
+            slot_mapping=torch.cat(
+                [torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]
+            ).to(self.device),
+            max_position=int(positions.max()),
+            num_decodes=len(decode_pos),
         )
-        if decode_lens:
+        if decode_pos:
+            decode_lens = [p + 1 for p in decode_pos]
             meta.decode_block_tables, meta.decode_mask = self._decode_meta(
                 decode_tables, decode_lens
             )
@@ -120,7 +128,7 @@ class ModelRunner:
         meta.prefills = prefills
         return BatchInputs(
             torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.cat(positions).to(self.device),
+            positions.to(self.device),
             meta,
             sample_rows,
             sampled,
