@@ -56,6 +56,7 @@ class LLMEngine:
         self._rng = random.Random(self.model_config.seed)
         self.spec: ModelSpec = load_model_spec(self.model_config.model)
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_config.model)
+        self.eos_token_ids = self._eos_token_ids()
         self.dtype = resolve_dtype(self.model_config.dtype, self.spec, self.device)
         self.max_model_len = self.model_config.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:
@@ -194,7 +195,8 @@ class LLMEngine:
             )
         return self.tokenizer.encode(prompt)
 
-    def eos_token_ids(self) -> tuple[int, ...]:
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from config.json and the tokenizer (computed once at start)."""
         ids = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
@@ -241,7 +243,7 @@ class LLMEngine:
             params=params,
             seed=req_seed,
             max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids(),
+            eos_token_ids=self.eos_token_ids,
             prompt=text,
         )
         self.requests[request_id] = req
@@ -309,10 +311,14 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         p = req.params
-        stopped_by_string = isinstance(req.stop_reason, str)
-        if p.detokenize and self.tokenizer is not None and not stopped_by_string:
+        token_stopped = req.status is RequestStatus.FINISHED_STOPPED and not isinstance(
+            req.stop_reason, str
+        )
+        # with stop strings, _check_stop already decoded this step's text (unless a token
+        # stopped the request first, and that token must be dropped from the text)
+        if p.detokenize and self.tokenizer is not None and (not p.stop_strings or token_stopped):
             ids = req.output_token_ids
-            if req.status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output:
+            if token_stopped and not p.include_stop_str_in_output:
                 ids = ids[:-1]  # the stop token (EOS or stop_token_ids) is not text
             req.output_text = self.tokenizer.decode(ids, p.skip_special_tokens)
         finish = req.status.value if req.is_finished else None
