@@ -11,9 +11,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from kvserve.kv.quant import KV_CACHE_DTYPES
 from kvserve.utils import parse_size
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREFIX_CACHE_ISOLATION = ("none", "tenant")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
@@ -50,12 +51,25 @@ class CacheConfig:
 
     Capacity comes from ``kv_cache_memory`` (bytes) when set; otherwise, on CUDA, from
     ``gpu_memory_utilization`` after a profiling forward pass, and on CPU from a 4 GiB default.
+    ``kv_cache_dtype``: ``auto`` (the model dtype), a 16/32-bit float, ``int8`` (per-token
+    scales) or ``fp8``/``fp8_e4m3``/``fp8_e5m2`` (per-head scales; ``calculate_kv_scales``
+    sets them from the first forward pass instead of the checkpoint's or 1.0).
+    ``enable_prefix_caching`` shares full blocks between requests with the same prefix;
+    ``prefix_cache_isolation`` ``tenant`` shares them only within a tenant.
+    ``sliding_window`` (tokens) overrides the model's window, or applies one to any model;
+    ``attention_sinks`` first tokens then stay visible (default 4 with a user window, 0 for
+    a model's own window). Blocks outside the window are freed as a sequence grows.
     """
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    enable_prefix_caching: bool = True
+    prefix_cache_isolation: str = "none"
+    sliding_window: int | None = None
+    attention_sinks: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -71,6 +85,17 @@ class CacheConfig:
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; "
                 f"choose one of {', '.join(KV_CACHE_DTYPES)}"
             )
+        if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
+            raise ValueError(
+                f"prefix_cache_isolation {self.prefix_cache_isolation!r} is not one of "
+                f"{', '.join(PREFIX_CACHE_ISOLATION)}"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.attention_sinks is not None and self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be non-negative, got {self.attention_sinks}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("calculate_kv_scales applies to an fp8 kv_cache_dtype only")
 
 
 @dataclass(frozen=True)
@@ -105,6 +130,7 @@ class ObservabilityConfig:
 
 _SIZE_FIELDS = {"kv_cache_memory"}
 _STR_FIELDS = {"kv_usage_log"}
+_ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}  # extra flag that sets False
 
 
 @dataclass(frozen=True)
@@ -124,6 +150,11 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    enable_prefix_caching: bool = True
+    prefix_cache_isolation: str = "none"
+    sliding_window: int | None = None
+    attention_sinks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
@@ -142,7 +173,17 @@ class EngineArgs:
 
     def cache_config(self) -> CacheConfig:
         mem = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
-        return CacheConfig(self.block_size, mem, self.gpu_memory_utilization, self.kv_cache_dtype)
+        return CacheConfig(
+            self.block_size,
+            mem,
+            self.gpu_memory_utilization,
+            self.kv_cache_dtype,
+            self.calculate_kv_scales,
+            self.enable_prefix_caching,
+            self.prefix_cache_isolation,
+            self.sliding_window,
+            self.attention_sinks,
+        )
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -163,6 +204,13 @@ class EngineArgs:
             default = f.default
             if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                if f.name in _ALIASES:
+                    parser.add_argument(
+                        _ALIASES[f.name],
+                        dest=f.name,
+                        action="store_false",
+                        help=f"same as --no-{f.name.replace('_', '-')}",
+                    )
             elif f.name in _SIZE_FIELDS | _STR_FIELDS or default is None:
                 conv = str if f.name in _SIZE_FIELDS | _STR_FIELDS else int
                 parser.add_argument(flag, type=conv, default=default)

@@ -42,11 +42,14 @@ class Request:
     max_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
+    cache_salt: str | None = None  # isolates this request's prefix-cache blocks
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     output_text: str = ""
@@ -94,3 +97,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0

@@ -23,7 +23,9 @@ class SamplingParams:
     ``temperature`` 0 means greedy. ``top_k`` 0 or -1 disables top-k. ``seed`` None gets a
     random seed when the request is created (kept with the request, so preemption and
     failover reproduce the same tokens). ``logprobs`` N returns the sampled token's
-    log-probability plus the top N, computed from the raw model logits.
+    log-probability plus the top N, computed from the raw model logits; ``prompt_logprobs``
+    N does the same for every prompt token after the first (it disables prefix-cache hits
+    for the request, since cached positions are not recomputed).
     """
 
     n: int = 1
@@ -38,6 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -60,6 +63,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -169,3 +174,26 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
                 entry.setdefault(t, Logprob(v, r + 1))
             logprobs[i] = entry
     return SampleResult(token_list, logprobs)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: list[int], n_top: int
+) -> list[dict[int, Logprob]]:
+    """For each row of ``logits`` ``[T, vocab]``: the target token's log-probability and
+    rank, plus the ``n_top`` most likely tokens (prompt logprobs)."""
+    lp = logits.float().log_softmax(dim=-1)
+    tgt = torch.tensor(targets, device=lp.device).unsqueeze(1)
+    tgt_lp = lp.gather(1, tgt)
+    ranks = ((lp > tgt_lp).sum(dim=-1) + 1).tolist()
+    tgt_list = tgt_lp.squeeze(1).tolist()
+    top_vals, top_ids = lp.topk(n_top, dim=-1) if n_top else (None, None)
+    out = []
+    for i, t in enumerate(targets):
+        entry = {t: Logprob(tgt_list[i], ranks[i])}
+        if top_vals is not None:
+            for r, (v, tid) in enumerate(
+                zip(top_vals[i].tolist(), top_ids[i].tolist(), strict=True)
+            ):
+                entry.setdefault(tid, Logprob(v, r + 1))
+        out.append(entry)
+    return out

@@ -13,7 +13,9 @@ from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine.cpu_env import tune_malloc
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.quant import kv_format
 from kvserve.model.attention import (
     CPU_KERNEL_HEAD_DIMS,
     AttentionMetadata,
@@ -23,7 +25,7 @@ from kvserve.model.attention import (
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import load_model, resolve_dtype
+from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.spec import ModelSpec, load_model_spec
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -31,7 +33,7 @@ from kvserve.planner.usage import UsageRecorder
 from kvserve.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.sched.scheduler import Scheduler
-from kvserve.utils import cdiv, format_size, parse_dtype, resolve_device
+from kvserve.utils import cdiv, format_size, resolve_device
 
 logger = logging.getLogger("kvserve")
 
@@ -65,6 +67,11 @@ class LLMEngine:
                 self.max_model_len,
                 self.spec.max_position_embeddings,
             )
+        self.window = self.cache_config.sliding_window or self.spec.sliding_window
+        sinks = self.cache_config.attention_sinks
+        if sinks is None:
+            sinks = 4 if self.cache_config.sliding_window else 0
+        self.attention_sinks = sinks if self.window is not None else 0
         backend, ops = self._kernels()
         self.model: LlamaForCausalLM = load_model(
             self.model_config.model,
@@ -75,20 +82,23 @@ class LLMEngine:
             ops,
             self.max_model_len,
         )
-        kv_dtype = (
-            self.dtype
-            if self.cache_config.kv_cache_dtype == "auto"
-            else parse_dtype(self.cache_config.kv_cache_dtype)
-        )
-        self.kv_spec = KVCacheSpec(
+        self.kv_format = kv_format(self.cache_config.kv_cache_dtype, self.dtype)
+        self.kv_spec = KVCacheSpec.for_format(
             self.spec.num_layers,
             self.spec.num_kv_heads,
             self.spec.head_dim,
-            kv_dtype,
+            self.kv_format,
             self.cache_config.block_size,
         )
         num_blocks = self._num_blocks()
-        self.kv = KVCacheManager(num_blocks, self.cache_config.block_size)
+        self.model_fingerprint = model_fingerprint(self.model_config.model)
+        self.kv = KVCacheManager(
+            num_blocks,
+            self.cache_config.block_size,
+            enable_caching=self.cache_config.enable_prefix_caching,
+            cache_keys=(self.model_fingerprint, f"kv={self.kv_format.name}"),
+            reserve_null_block=self.window is not None,
+        )
         if not self.kv.can_ever_fit(self.max_model_len):
             raise EngineError(
                 f"the KV cache holds {self.kv.capacity_tokens} tokens, fewer than max_model_len "
@@ -96,10 +106,11 @@ class LLMEngine:
             )
         self.runner = ModelRunner(
             self.model,
-            self.kv_spec.allocate(num_blocks, self.device),
+            self._allocate_kv(num_blocks),
             self.kv,
             self.device,
-            self.spec.sliding_window,
+            self.window,
+            self.attention_sinks,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.requests: dict[str, Request] = {}
@@ -126,7 +137,7 @@ class LLMEngine:
                 raise EngineError("attention_backend 'cpu': the C++ kernels failed to build")
             return TorchPagedAttention(block_size), TorchOps()
         if self.spec.head_dim in CPU_KERNEL_HEAD_DIMS:
-            return CpuPagedAttention(block_size, self.spec.sliding_window), CpuKernelOps()
+            return CpuPagedAttention(block_size, self.window, self.attention_sinks), CpuKernelOps()
         if choice == "cpu":
             raise EngineError(
                 f"attention_backend 'cpu' supports head_dim {CPU_KERNEL_HEAD_DIMS}, "
@@ -135,6 +146,24 @@ class LLMEngine:
         return TorchPagedAttention(block_size), CpuKernelOps()
 
     # ---- capacity -------------------------------------------------------------------
+    def _allocate_kv(self, num_blocks: int) -> list:
+        """Per-layer caches; fp8 caches get the checkpoint's scales or calibrate."""
+        caches = self.kv_spec.allocate(num_blocks, self.device, self.kv_format)
+        if self.kv_format.scale == "head":
+            scales = load_kv_scales(self.model_config.model, self.spec.num_layers)
+            for i, cache in enumerate(caches):
+                if scales is not None:
+                    k, v = scales[i]
+                    cache.set_head_scales(torch.tensor(k), torch.tensor(v))
+                cache.calibrating = self.cache_config.calculate_kv_scales
+            logger.info(
+                "fp8 KV scales: %s",
+                "calibrated on the first forward pass"
+                if self.cache_config.calculate_kv_scales
+                else ("from the checkpoint" if scales is not None else "1.0"),
+            )
+        return caches
+
     def _num_blocks(self) -> int:
         mem = self.cache_config.kv_cache_memory
         if mem is None:
@@ -208,8 +237,15 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         seed: int | None = None,
+        *,
+        tenant: str = "default",
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate and queue one sequence. Raises EngineError for what can never be served."""
+        """Validate and queue one sequence. Raises EngineError for what can never be served.
+
+        ``cache_salt`` restricts prefix-cache sharing to requests with the same salt; with
+        ``prefix_cache_isolation`` ``tenant`` the tenant name is part of the salt too.
+        """
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -245,10 +281,19 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             prompt=text,
+            cache_salt=self._salt(tenant, cache_salt),
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _salt(self, tenant: str, cache_salt: str | None) -> str | None:
+        parts = []
+        if self.cache_config.prefix_cache_isolation == "tenant":
+            parts.append(f"tenant={tenant}")
+        if cache_salt is not None:
+            parts.append(f"salt={cache_salt}")
+        return "|".join(parts) or None
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks at once; no-op for unknown/finished ids."""
@@ -273,7 +318,16 @@ class LLMEngine:
         outputs = []
         for s in sched.scheduled:
             req = s.request
+            start = req.num_computed_tokens
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            if self.window is not None:
+                self.kv.free_outside_window(req, self.window, self.attention_sinks)
+            plp = result.prompt_logprobs.get(req.request_id)
+            if plp is not None:  # entries for positions start+1 …; a recompute overwrites
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)  # the first token has no context
+                req.prompt_logprobs[start + 1 : start + 1 + len(plp)] = plp
             token = result.tokens.get(req.request_id)
             if token is None:
                 continue
@@ -331,7 +385,13 @@ class LLMEngine:
             logprobs=list(req.output_logprobs) if p.logprobs is not None else None,
         )
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [completion],
+            req.is_finished,
+            prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs is not None else None,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     def check_integrity(self) -> None:
@@ -347,4 +407,10 @@ class LLMEngine:
             "num_blocks": self.kv.num_blocks,
             "block_size": self.kv.block_size,
             "max_model_len": self.max_model_len,
+            "kv_cache_dtype": self.kv_format.name,
+            "sliding_window": self.window,
+            "attention_sinks": self.attention_sinks,
+            "prefix_cache_queries": self.kv.stats.queries,
+            "prefix_cache_hits": self.kv.stats.hits,
+            "prefix_cache_hit_rate": self.kv.stats.hit_rate,
         }

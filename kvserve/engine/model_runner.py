@@ -2,12 +2,13 @@
 
 Batch token order: every request with exactly one new token (decodes) first, then the
 prefill chunks. ``run`` returns one sampled token per request whose chunk reaches the end
-of its known tokens; a partial prefill chunk samples nothing.
+of its known tokens; a partial prefill chunk samples nothing. Requests that asked for
+``prompt_logprobs`` also get the log-probabilities of the prompt tokens their chunk covers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +16,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.model.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.request import Request
-from kvserve.sampling import SampleRow, sample
+from kvserve.sampling import SampleRow, sample, token_logprobs
 from kvserve.sched.scheduler import ScheduledRequest
 
 
@@ -28,6 +29,8 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: list[int]
     sampled: list[Request]
+    # prompt logprobs: (request, first row, targets) — rows first..first+len(targets)-1
+    prompt_rows: list[tuple[Request, int, list[int]]]
 
 
 @dataclass
@@ -36,6 +39,7 @@ class StepResult:
 
     tokens: dict[str, int]
     logprobs: dict[str, dict]
+    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -48,6 +52,7 @@ class ModelRunner:
         kv: KVCacheManager,
         device: torch.device,
         sliding_window: int | None,
+        attention_sinks: int = 0,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -55,8 +60,10 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.window = sliding_window
+        self.sinks = attention_sinks if sliding_window is not None else 0
         self.keep_logits = False  # tests set this to inspect raw logits
         self.last_logits: dict[str, torch.Tensor] = {}
+        self.prompt_logits: dict[str, list[torch.Tensor]] = {}  # with keep_logits
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -69,7 +76,7 @@ class ModelRunner:
         k_pos = torch.arange(computed + n).unsqueeze(0)
         mask = k_pos <= q_pos
         if self.window is not None:
-            mask &= k_pos > q_pos - self.window
+            mask &= (k_pos > q_pos - self.window) | (k_pos < self.sinks)
         return mask.view(1, 1, n, computed + n).to(self.device)
 
     def build(self, batch: list[ScheduledRequest]) -> BatchInputs:
@@ -84,6 +91,7 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
+        prompt_rows: list[tuple[Request, int, list[int]]] = []
         bs = self.block_size
         for s in batch:
             req, n = s.request, s.num_new_tokens
@@ -108,6 +116,9 @@ class ModelRunner:
                         self._prefill_mask(start, n),
                     )
                 )
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                last = min(start + n, req.num_prompt_tokens - 1)
+                prompt_rows.append((req, tok_start, req.prompt_token_ids[start + 1 : last + 1]))
             if start + n == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(req)
@@ -132,6 +143,7 @@ class ModelRunner:
             meta,
             sample_rows,
             sampled,
+            prompt_rows,
         )
 
     def _decode_meta(
@@ -146,7 +158,7 @@ class ModelRunner:
         lens_t = torch.tensor(lens).unsqueeze(1)
         mask = pos < lens_t
         if self.window is not None:
-            mask &= pos > (lens_t - 1 - self.window)
+            mask &= (pos > (lens_t - 1 - self.window)) | (pos < self.sinks)
         need_mask = self.window is not None or any(n != max_len for n in lens)
         mask_t = mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
         return padded.to(self.device), mask_t
@@ -156,9 +168,10 @@ class ModelRunner:
         """Forward ``batch`` and sample; does not modify the requests."""
         inputs = self.build(sorted(batch, key=lambda s: s.num_new_tokens != 1))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_lps = self._prompt_logprobs(hidden, inputs.prompt_rows)
         sampled = inputs.sampled
         if not sampled:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_lps)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         result = sample(logits, [self._row(r) for r in sampled])
         if self.keep_logits:
@@ -169,7 +182,18 @@ class ModelRunner:
             for r, lp in zip(sampled, result.logprobs, strict=True)
             if lp is not None
         }
-        return StepResult(tokens, logprobs)
+        return StepResult(tokens, logprobs, prompt_lps)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[Request, int, list[int]]]
+    ) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for req, first, targets in rows:
+            logits = self.model.compute_logits(hidden[first : first + len(targets)]).float()
+            if self.keep_logits:
+                self.prompt_logits.setdefault(req.request_id, []).append(logits.clone())
+            out[req.request_id] = token_logprobs(logits, targets, req.params.prompt_logprobs or 0)
+        return out
 
     @staticmethod
     def _row(req: Request) -> SampleRow:

@@ -1,70 +1,175 @@
-"""Fixed-size KV blocks with reference counts and a free list.
+"""Fixed-size KV blocks with reference counts, an LRU free list and a prefix-cache index.
 
-The pool only does bookkeeping on block ids; it never touches tensors. Allocation is
-all-or-nothing. Blocks freed together are returned tail first, so the blocks most likely
-to be re-used (a sequence's head) stay in the pool longest once caching lands.
+The pool only does bookkeeping on block ids; it never touches tensors.
+
+- A block is *used* while its ref count is positive, *free* otherwise. Free blocks sit in
+  an LRU list (least recently freed first); allocation takes from its head.
+- A full block can be *cached*: registered under its chained hash with its token ids. A
+  cached block keeps its hash after its last reference is dropped (*cached-free*), so a
+  later request with the same prefix can take it back (``touch``) instead of recomputing
+  it. The hash is dropped lazily, only when allocation reuses the block for other data.
+- Lookups compare token ids as well as the hash: a collision is counted, never served.
+- Optional null block: with ``reserve_null_block`` block 0 is never handed out; block
+  tables use it for positions whose K/V were freed (outside a sliding window).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from kvserve.kv.hashing import BlockHash
+
+NULL_BLOCK = 0
 
 
 class BlockPool:
-    """Ref-counted block ids ``0 .. num_blocks-1``."""
+    """Ref-counted block ids ``0 .. num_blocks-1`` with a hash → block prefix index."""
 
-    def __init__(self, num_blocks: int):
-        if num_blocks <= 0:
-            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+    def __init__(self, num_blocks: int, *, reserve_null_block: bool = False):
+        first = 1 if reserve_null_block else 0
+        if num_blocks - first <= 0:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks - first}")
         self.num_blocks = num_blocks
+        self.null_block: int | None = NULL_BLOCK if reserve_null_block else None
         self._refs = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        if reserve_null_block:
+            self._refs[NULL_BLOCK] = 1  # permanently in use
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, num_blocks))
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._tokens: dict[int, tuple[int, ...]] = {}
+        self._index: dict[BlockHash, int] = {}
+        self.num_evictions = 0
+        self.num_collisions = 0
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+
+    # ---- sizes ------------------------------------------------------------------------
+    @property
+    def num_usable(self) -> int:
+        """Blocks that can ever hold K/V (all but the null block)."""
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free(self) -> int:
+        """Blocks with no reference, cached or not (all of them allocatable)."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_usable - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix index (used or free)."""
+        return len(self._index)
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for b in self._free if self._hash[b] is not None)
+
+    # ---- allocation -------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` free blocks (ref count 1 each), or return None and change nothing."""
+        """Take ``n`` free blocks (ref count 1 each, least recently freed first), evicting
+        their cached hashes; or return None and change nothing."""
         if n > len(self._free):
             return None
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._evict(b)
             self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
-    def incref(self, blocks: Iterable[int]) -> None:
-        """Add a reference to blocks that are in use (sharing a prefix, forking)."""
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Add a reference to each block; a cached-free block leaves the free list.
+
+        Raises ValueError for a free block that is not cached (its data is not valid).
+        """
         for b in blocks:
-            if self._refs[b] <= 0:
-                raise ValueError(f"block {b} is free; cannot share it")
+            if self._refs[b] == 0:
+                if self._hash[b] is None:
+                    raise ValueError(f"block {b} is free and uncached; cannot share it")
+                del self._free[b]
             self._refs[b] += 1
 
+    incref = touch
+
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero become free."""
+        """Drop one reference from each block; blocks reaching zero join the free list's
+        tail (cached ones stay findable until reused). Raises ValueError on a double free."""
         for b in blocks:
+            if b == self.null_block:
+                continue
             if self._refs[b] <= 0:
                 raise ValueError(f"double free of block {b}")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
+    # ---- prefix index -----------------------------------------------------------------
+    def cache(self, block: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Register a used, full ``block`` under ``block_hash``. Returns False (and leaves
+        the block uncached) when the block is already cached or another block holds the
+        hash — the first copy stays canonical."""
+        if self._hash[block] is not None or block_hash in self._index:
+            return False
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is free; only used blocks can be cached")
+        self._hash[block] = block_hash
+        self._tokens[block] = tuple(token_ids)
+        self._index[block_hash] = block
+        return True
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> int | None:
+        """The cached block holding exactly ``token_ids`` under ``block_hash``, or None.
+        A hash match whose token ids differ is a collision: counted, returns None."""
+        b = self._index.get(block_hash)
+        if b is None:
+            return None
+        if self._tokens[b] != tuple(token_ids):
+            self.num_collisions += 1
+            return None
+        return b
+
+    def block_hash(self, block: int) -> BlockHash | None:
+        return self._hash[block]
+
+    def evict_cached(self) -> int:
+        """Drop every cached-free block's hash (reset the prefix cache); returns how many."""
+        n = 0
+        for b in self._free:
+            if self._hash[b] is not None:
+                self._evict(b)
+                n += 1
+        return n
+
+    def _evict(self, b: int) -> None:
+        h = self._hash[b]
+        if h is None:
+            return
+        self._hash[b] = None
+        del self._tokens[b]
+        del self._index[h]
+        self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(b, h)
+
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free list and ref counts agree exactly."""
-        free = list(self._free)
-        if len(set(free)) != len(free):
-            raise AssertionError("a block appears twice in the free list")
-        free_set = set(free)
+        """Raise AssertionError unless free list, ref counts and the index agree exactly."""
         for b, r in enumerate(self._refs):
             if r < 0:
                 raise AssertionError(f"block {b} has negative ref count {r}")
-            if (r == 0) != (b in free_set):
-                raise AssertionError(f"block {b}: ref count {r} but free={b in free_set}")
+            if (r == 0) != (b in self._free):
+                raise AssertionError(f"block {b}: ref count {r} but free={b in self._free}")
+        if self.null_block is not None and self.null_block in self._free:
+            raise AssertionError("the null block is in the free list")
+        for h, b in self._index.items():
+            if self._hash[b] != h:
+                raise AssertionError(f"index names block {b} for a hash it does not carry")
+        hashed = [b for b in range(self.num_blocks) if self._hash[b] is not None]
+        if len(hashed) != len(self._index) or set(self._tokens) != set(hashed):
+            raise AssertionError("cached blocks, index and token records disagree")

@@ -1,78 +1,227 @@
-"""Per-request block tables on top of the block pool.
+"""Per-request block tables on top of the block pool, with automatic prefix caching.
 
 The scheduler asks ``allocate_slots(request, n)`` before running ``n`` new tokens of a
 request and gets the new block ids, or None when the pool cannot supply them (the caller
 then preempts someone). The manager never touches KV tensors.
+
+Prefix caching: before a request's first step the scheduler calls ``find_cached_prefix``,
+which returns the leading blocks whose K/V already sit in the pool (in use by another
+request, or cached-free), and passes them to ``allocate_slots``, which takes a reference on
+each — full blocks are shared, never written again, so no copy-on-write is needed. After
+each step ``cache_full_blocks`` registers blocks that became full. At least one token is
+always left to compute, because the step that computes it produces the next token's logits.
+
+Sliding windows: ``free_outside_window`` returns blocks no future query can attend to
+(except attention-sink blocks) and puts the pool's null block in their table slots.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.hashing import BlockHash, hash_blocks, root_hash
 from kvserve.request import Request
 from kvserve.utils import cdiv
 
 
-class KVCacheManager:
-    """Maps request ids to the blocks that hold their K/V."""
+@dataclass
+class PrefixCacheStats:
+    """Token counts, like vLLM's ``prefix_cache_queries``/``prefix_cache_hits``."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Maps request ids to the blocks that hold their K/V.
+
+    ``cache_keys`` (model fingerprint, KV dtype, …) enter every block hash, so blocks are
+    only shared between requests whose K/V bytes are interchangeable; a request's
+    ``cache_salt`` further restricts sharing (per tenant, per user).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = False,
+        cache_keys: tuple[str, ...] = (),
+        reserve_null_block: bool = False,
+    ):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.cache_keys = (*cache_keys, f"block_size={block_size}")
+        self.pool = BlockPool(num_blocks, reserve_null_block=reserve_null_block)
+        self.stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks already in the index
+        self._roots: dict[str | None, BlockHash] = {}
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks that can hold K/V."""
+        return self.pool.num_usable
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
+        return self.num_blocks * self.block_size
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` fits in the whole pool."""
-        return self.blocks_needed(num_tokens) <= self.pool.num_blocks
+        return self.blocks_needed(num_tokens) <= self.num_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Ensure blocks for ``num_computed_tokens + num_new_tokens`` tokens.
+    # ---- hashing ------------------------------------------------------------------------
+    def _root(self, salt: str | None) -> BlockHash:
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = root_hash(*self.cache_keys, salt)
+        return root
 
-        Returns the newly allocated block ids (possibly empty), or None — changing
-        nothing — when the pool is short.
-        """
-        table = self._tables.setdefault(request.request_id, [])
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table)
-        if need <= 0:
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Hashes of the request's first ``num_blocks`` full blocks (computed once each)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else self._root(request.cache_salt)
+            bs = self.block_size
+            tokens = request.token_slice(len(hashes) * bs, num_blocks * bs)
+            hashes += hash_blocks(parent, tokens, bs)
+        return hashes[:num_blocks]
+
+    # ---- prefix lookup and allocation ---------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Leading blocks of ``request`` already in the pool (empty when caching is off, the
+        request has computed tokens or wants prompt logprobs). Changes nothing; the hit
+        statistics are counted when ``allocate_slots`` admits the request."""
+        if (
+            not self.enable_caching
+            or request.num_computed_tokens
+            or request.params.prompt_logprobs is not None
+        ):
             return []
-        new = self.pool.allocate(need)
-        if new is None:
-            if not table:
-                del self._tables[request.request_id]
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(self.block_hashes(request, max_blocks)):
+            b = self.pool.lookup(h, request.token_slice(i * bs, (i + 1) * bs))
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Ensure blocks for the request's computed tokens (plus ``cached_blocks``' tokens)
+        and ``num_new_tokens`` more. ``cached_blocks`` (from ``find_cached_prefix``, first
+        call only) are shared, not allocated.
+
+        Returns the newly allocated block ids (possibly empty), or None — changing nothing —
+        when the pool is short.
+        """
+        cached = cached_blocks or []
+        table = self._tables.get(request.request_id, [])
+        computed = request.num_computed_tokens + len(cached) * self.block_size
+        need = self.blocks_needed(computed + num_new_tokens) - len(table) - len(cached)
+        revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)
+        if need > self.pool.num_free - revived:
             return None
+        if self.enable_caching and request.num_computed_tokens == 0 and not table:
+            self.stats.queries += request.num_tokens  # counted once per admission
+            self.stats.hits += len(cached) * self.block_size
+        table = self._tables.setdefault(request.request_id, [])
+        if cached:
+            self.pool.touch(cached)
+            table.extend(cached)
+            self._num_cached[request.request_id] = len(cached)
+        new = self.pool.allocate(max(need, 0)) or []
         table.extend(new)
         return new
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if not table:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        done = self._num_cached.get(rid, 0)
+        if full <= done:
+            return
+        bs = self.block_size
+        hashes = self.block_hashes(request, full)
+        for i in range(done, full):
+            b = table[i]
+            if b != self.pool.null_block:
+                self.pool.cache(b, hashes[i], request.token_slice(i * bs, (i + 1) * bs))
+        self._num_cached[rid] = full
+
+    def free_outside_window(self, request: Request, window: int, sinks: int = 0) -> int:
+        """Release blocks whose positions all lie before the window of every future query
+        (the next query sits at ``num_computed_tokens``) and past the ``sinks`` first
+        tokens. Their table slots become the null block. Returns how many were freed."""
+        table = self._tables.get(request.request_id)
+        null = self.pool.null_block
+        if not table or null is None:
+            return 0
+        dead_end = request.num_computed_tokens - window + 1  # positions < this are dead
+        first = cdiv(sinks, self.block_size)
+        freed = []
+        for i in range(first, min(dead_end // self.block_size, len(table))):
+            if table[i] != null:
+                freed.append(table[i])
+                table[i] = null
+        self.pool.free(reversed(freed))
+        return len(freed)
+
     def free(self, request: Request) -> None:
-        """Release every block of ``request`` (tail first). No-op if it holds none."""
-        table = self._tables.pop(request.request_id, None)
+        """Release every block of ``request`` (tail first, so a prefix outlives its tail in
+        the LRU). No-op if it holds none."""
+        rid = request.request_id
+        self._hashes.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        table = self._tables.pop(rid, None)
         if table:
             self.pool.free(reversed(table))
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def num_live_blocks(self, request_id: str) -> int:
+        """Blocks a request holds, not counting null-block placeholders."""
+        null = self.pool.null_block
+        return sum(1 for b in self._tables.get(request_id, ()) if b != null)
+
     def num_requests(self) -> int:
         return len(self._tables)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block (e.g. after a weight reload); returns how many."""
+        return self.pool.evict_cached()
 
     def check_integrity(self) -> None:
         """Pool invariants hold and every used block is owned by exactly its ref count."""
         self.pool.check_integrity()
         owners: dict[int, int] = {}
+        null = self.pool.null_block
         for table in self._tables.values():
             for b in table:
-                owners[b] = owners.get(b, 0) + 1
+                if b != null:
+                    owners[b] = owners.get(b, 0) + 1
         for b in range(self.pool.num_blocks):
+            if b == null:
+                continue
             if owners.get(b, 0) != self.pool.ref_count(b):
                 raise AssertionError(
                     f"block {b}: {owners.get(b, 0)} owners but ref count {self.pool.ref_count(b)}"

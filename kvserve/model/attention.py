@@ -6,7 +6,10 @@ by all layers. Token order in a batch: all decode tokens first (one per sequence
 prefill chunks, each contiguous.
 
 Cache layout per layer: ``kv_cache[0]`` (keys) and ``kv_cache[1]`` (values), each
-``[num_slots, num_kv_heads, head_dim]`` where slot = block_id * block_size + offset.
+``[num_slots, num_kv_heads, head_dim]`` where slot = block_id * block_size + offset; or a
+``QuantizedKVCache`` (int8/fp8 with scales) that quantizes on write and dequantizes on read.
+With a quantized cache even a first prefill chunk attends to the stored (quantized) K/V, so
+a token's logits do not depend on whether its context was prefilled or decoded.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.kv.quant import QuantizedKVCache
+
+KVCache = torch.Tensor | QuantizedKVCache  # one layer's cache
 
 
 @dataclass
@@ -57,7 +64,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...
@@ -75,10 +82,14 @@ class TorchPagedAttention:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def _gather(
-        self, cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
+    def _context(
+        self, kv_cache: KVCache, which: int, tables: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """``[B, Hkv, nb * block_size, D]`` context of each row's blocks."""
+        """``[B, Hkv, nb * block_size, D]`` context (K if ``which`` is 0, else V) of each
+        row's blocks, dequantized to ``dtype``."""
+        if isinstance(kv_cache, QuantizedKVCache):
+            return kv_cache.gather_blocks(which, tables, self.block_size, dtype)
+        cache = kv_cache[which]
         _, h, d = cache.shape
         blocks = cache.view(-1, self.block_size, h, d).index_select(0, tables.flatten())
         return blocks.view(tables.shape[0], -1, h, d).transpose(1, 2).to(dtype)
@@ -88,13 +99,16 @@ class TorchPagedAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        quantized = isinstance(kv_cache, QuantizedKVCache)
+        if quantized:
+            kv_cache.write(meta.slot_mapping, k, v)
+        else:
+            kv_cache[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+            kv_cache[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
         if not meta.prefills:  # pure decode step: no output buffer to assemble
             return self.decode(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
@@ -102,13 +116,17 @@ class TorchPagedAttention:
             out[: meta.num_decodes] = self.decode(q[: meta.num_decodes], kv_cache, meta, scale)
         for p in meta.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            if p.block_table is None:
+            if p.block_table is not None:
+                n = p.context_len
+                kp = self._context(kv_cache, 0, p.block_table.unsqueeze(0), q.dtype)[:, :, :n]
+                vp = self._context(kv_cache, 1, p.block_table.unsqueeze(0), q.dtype)[:, :, :n]
+            elif quantized:  # read back what was stored, so prefill sees what decode sees
+                slots = meta.slot_mapping[p.start : p.end]
+                kp = kv_cache.read_slots(0, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+                vp = kv_cache.read_slots(1, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            else:
                 kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            else:
-                n = p.context_len
-                kp = self._gather(k_cache, p.block_table.unsqueeze(0), q.dtype)[:, :, :n]
-                vp = self._gather(v_cache, p.block_table.unsqueeze(0), q.dtype)[:, :, :n]
             o = F.scaled_dot_product_attention(
                 qp,
                 kp,
@@ -122,12 +140,12 @@ class TorchPagedAttention:
         return out
 
     def decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """Attention of one new token per sequence, ``q`` ``[B, Hq, D]`` → ``[B, Hq, D]``."""
         tables = meta.decode_block_tables
-        kd = self._gather(kv_cache[0], tables, q.dtype)
-        vd = self._gather(kv_cache[1], tables, q.dtype)
+        kd = self._context(kv_cache, 0, tables, q.dtype)
+        vd = self._context(kv_cache, 1, tables, q.dtype)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
@@ -144,16 +162,19 @@ class CpuPagedAttention(TorchPagedAttention):
     ``load_cpu_kernels()`` returned True, for a head dim in ``CPU_KERNEL_HEAD_DIMS``.
     """
 
-    def __init__(self, block_size: int, sliding_window: int | None):
+    def __init__(self, block_size: int, sliding_window: int | None, sinks: int = 0):
         super().__init__(block_size)
         self.window = sliding_window or 0
+        self.sinks = sinks
 
     def decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if isinstance(kv_cache, QuantizedKVCache):  # the kernel reads 16/32-bit caches only
+            return super().decode(q, kv_cache, meta, scale)
         _, _, h, d = kv_cache.shape
         k = kv_cache[0].view(-1, self.block_size, h, d)
         v = kv_cache[1].view(-1, self.block_size, h, d)
         return torch.ops.kvserve.paged_decode(
-            q, k, v, meta.decode_block_tables, meta.decode_lens, scale, self.window
+            q, k, v, meta.decode_block_tables, meta.decode_lens, scale, self.window, self.sinks
         )

@@ -90,7 +90,8 @@ def load_model(
         )
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
+        if not _is_kv_scale(name):  # read by load_kv_scales for an fp8 cache
+            by_file.setdefault(path, []).append(name)
     with tqdm(total=len(files), desc="Loading weights", unit="tensor", leave=False) as bar:
         for path, names in sorted(by_file.items()):
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -100,6 +101,31 @@ def load_model(
     model.init_rope(device, max_positions)
     model.eval()
     return model
+
+
+def _is_kv_scale(name: str) -> bool:
+    return name.endswith((".self_attn.k_scale", ".self_attn.v_scale"))
+
+
+def load_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, float]] | None:
+    """Per-layer ``(k_scale, v_scale)`` from ``model.layers.N.self_attn.{k,v}_scale`` tensors
+    (the convention of fp8-KV checkpoints), or None when the checkpoint carries none.
+    A per-head tensor is reduced to its maximum (the cache keeps one scale per head, so a
+    larger scale is the safe direction)."""
+    files = checkpoint_files(Path(model_dir))
+    if not any(_is_kv_scale(n) for n in files):
+        return None
+    scales = []
+    for i in range(num_layers):
+        pair = []
+        for which in ("k_scale", "v_scale"):
+            name = f"model.layers.{i}.self_attn.{which}"
+            if name not in files:
+                raise WeightLoadError(f"{model_dir}: has KV scales but lacks {name!r}")
+            with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+                pair.append(float(f.get_tensor(name).float().max()))
+        scales.append((pair[0], pair[1]))
+    return scales
 
 
 def _load_one(model, expected, path: Path, name: str, tslice, dtype: torch.dtype) -> None:

@@ -13,20 +13,11 @@ from pathlib import Path
 import torch
 
 from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.quant import kv_format
 from kvserve.model.spec import load_model_spec
 from kvserve.planner.hardware import find_accelerator
 from kvserve.planner.presets import PRESETS, ModelShape
 from kvserve.utils import cdiv, parse_dtype, parse_size
-
-# element type of the KV cache for each --kv-cache-dtype; "auto" follows the weights
-KV_ELEMENT = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-}
 
 
 @dataclass(frozen=True)
@@ -97,13 +88,11 @@ def resolve_shape(model: str) -> ModelShape:
 
 
 def kv_spec_for(shape: ModelShape, p: PlanInput) -> KVCacheSpec:
-    weights = parse_dtype(p.dtype)
-    kv = weights if p.kv_cache_dtype == "auto" else KV_ELEMENT.get(p.kv_cache_dtype)
-    if kv is None:
-        raise ValueError(
-            f"kv_cache_dtype {p.kv_cache_dtype!r}: choose auto or {', '.join(KV_ELEMENT)}"
-        )
-    return KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv, p.block_size)
+    """The engine's KV spec for this shape and ``--kv-cache-dtype`` (int8 scales included)."""
+    fmt = kv_format(p.kv_cache_dtype, parse_dtype(p.dtype))
+    return KVCacheSpec.for_format(
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, fmt, p.block_size
+    )
 
 
 def plan(p: PlanInput, label: str = "") -> Plan:

@@ -2,9 +2,11 @@
 
 Each step the scheduler hands every running request its next tokens (one for a decode, a
 chunk for an unfinished prefill) while the token budget lasts, then admits waiting
-requests in arrival order. A running request whose blocks cannot be allocated preempts
-the most recently arrived running request (possibly itself): its blocks are freed and it
-goes back to the front of the queue to be recomputed (prompt + generated tokens).
+requests in arrival order, each starting after the longest prefix the KV manager already
+holds (prefix caching; a recomputed preempted request finds its own freed blocks there).
+A running request whose blocks cannot be allocated preempts the most recently arrived
+running request (possibly itself): its blocks are freed and it goes back to the front of
+the queue to be recomputed (prompt + generated tokens).
 """
 
 from __future__ import annotations
@@ -78,12 +80,18 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            remaining = req.num_tokens - req.num_computed_tokens
+            cached = self.kv.find_cached_prefix(req)
+            computed = req.num_computed_tokens + len(cached) * self.kv.block_size
+            remaining = req.num_tokens - computed
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            if self.kv.allocate_slots(req, n) is None:
+            if self.kv.allocate_slots(req, n, cached) is None:
                 break
+            if cached:
+                req.num_computed_tokens = computed
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = computed
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

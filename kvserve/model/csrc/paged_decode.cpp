@@ -37,7 +37,7 @@ inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v
 template <int D, typename qt, typename ct>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
-                   double scale, int64_t window) {
+                   double scale, int64_t window, int64_t sinks) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t CH = 16;
   const int64_t B = q.size(0), Hq = q.size(1);
@@ -58,16 +58,19 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lp[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      // attention sinks: the first tokens stay visible below the window
+      const int64_t sink_end = std::min(sinks, start);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = load(qp, (b * Hq + h * G + g) * D + d) * static_cast<float>(scale);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t c0 = start; c0 < len;) {
-        // a chunk never crosses a block boundary
+      for (int64_t c0 = sink_end > 0 ? 0 : start; c0 < len;) {
+        // a chunk never crosses a block boundary (nor the end of the sinks)
         const int64_t block_end = (c0 / BS + 1) * BS;
-        const int64_t nt = std::min({CH, len - c0, block_end - c0});
+        const int64_t stop = c0 < sink_end ? sink_end : len;
+        const int64_t nt = std::min({CH, stop - c0, block_end - c0});
         const int64_t slot0 = tp[b * MB + c0 / BS] * BS + c0 % BS;
         for (int64_t t = 0; t < nt; ++t) {
           const ct* src = kp + (slot0 + t) * row + h * D;
@@ -114,6 +117,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           }
         }
         c0 += nt;
+        if (c0 == sink_end) c0 = std::max(c0, start);
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
@@ -124,15 +128,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
 template <typename qt, typename ct>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& t, const at::Tensor& l, at::Tensor& o, double s, int64_t w) {
+                  const at::Tensor& t, const at::Tensor& l, at::Tensor& o, double s, int64_t w,
+                  int64_t sk) {
   switch (q.size(2)) {
-    case 16: return decode_kernel<16, qt, ct>(q, k, v, t, l, o, s, w);
-    case 32: return decode_kernel<32, qt, ct>(q, k, v, t, l, o, s, w);
-    case 64: return decode_kernel<64, qt, ct>(q, k, v, t, l, o, s, w);
-    case 80: return decode_kernel<80, qt, ct>(q, k, v, t, l, o, s, w);
-    case 96: return decode_kernel<96, qt, ct>(q, k, v, t, l, o, s, w);
-    case 128: return decode_kernel<128, qt, ct>(q, k, v, t, l, o, s, w);
-    case 256: return decode_kernel<256, qt, ct>(q, k, v, t, l, o, s, w);
+    case 16: return decode_kernel<16, qt, ct>(q, k, v, t, l, o, s, w, sk);
+    case 32: return decode_kernel<32, qt, ct>(q, k, v, t, l, o, s, w, sk);
+    case 64: return decode_kernel<64, qt, ct>(q, k, v, t, l, o, s, w, sk);
+    case 80: return decode_kernel<80, qt, ct>(q, k, v, t, l, o, s, w, sk);
+    case 96: return decode_kernel<96, qt, ct>(q, k, v, t, l, o, s, w, sk);
+    case 128: return decode_kernel<128, qt, ct>(q, k, v, t, l, o, s, w, sk);
+    case 256: return decode_kernel<256, qt, ct>(q, k, v, t, l, o, s, w, sk);
     default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", q.size(2));
   }
 }
@@ -140,20 +145,22 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename qt>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& t, const at::Tensor& l, at::Tensor& o, double s,
-                    int64_t w) {
+                    int64_t w, int64_t sk) {
   switch (k.scalar_type()) {
-    case at::kFloat: return dispatch_dim<qt, float>(q, k, v, t, l, o, s, w);
-    case at::kBFloat16: return dispatch_dim<qt, c10::BFloat16>(q, k, v, t, l, o, s, w);
-    case at::kHalf: return dispatch_dim<qt, c10::Half>(q, k, v, t, l, o, s, w);
+    case at::kFloat: return dispatch_dim<qt, float>(q, k, v, t, l, o, s, w, sk);
+    case at::kBFloat16: return dispatch_dim<qt, c10::BFloat16>(q, k, v, t, l, o, s, w, sk);
+    case at::kHalf: return dispatch_dim<qt, c10::Half>(q, k, v, t, l, o, s, w, sk);
     default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k.scalar_type());
   }
 }
 
 // q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks] int64;
-// lens [B] int64 (context length incl. the new token); window <= 0 means no window.
+// lens [B] int64 (context length incl. the new token); window <= 0 means no window;
+// with a window, the first `sinks` positions are attended as well.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& tables,
-                        const at::Tensor& lens, double scale, int64_t window) {
+                        const at::Tensor& lens, double scale, int64_t window,
+                        int64_t sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad rank");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU only");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: heads not divisible");
@@ -166,9 +173,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   auto lc = lens.contiguous();
   auto out = at::empty_like(qc);
   switch (qc.scalar_type()) {
-    case at::kFloat: dispatch_cache<float>(qc, kc, vc, tc, lc, out, scale, window); break;
-    case at::kBFloat16: dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, out, scale, window); break;
-    case at::kHalf: dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, out, scale, window); break;
+    case at::kFloat: dispatch_cache<float>(qc, kc, vc, tc, lc, out, scale, window, sinks); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, out, scale, window, sinks); break;
+    case at::kHalf: dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, out, scale, window, sinks); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", qc.scalar_type());
   }
   return out;
@@ -178,6 +185,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
-        "float scale, int window) -> Tensor");
+        "float scale, int window, int sinks=0) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }

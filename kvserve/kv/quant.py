@@ -1,0 +1,131 @@
+"""KV cache storage formats: 16/32-bit as is, int8 with per-token scales, fp8 with per-head
+scales. Quantize on write, dequantize on read; attention always computes in the model dtype.
+
+- ``int8``: symmetric, one float16 scale per (token, KV head) stored beside the block
+  (``scale = max|x| / 127``); 2 extra bytes per 64-element head vector ≈ 3% overhead.
+- ``fp8_e4m3`` / ``fp8_e5m2``: one float32 scale per (layer, K|V, KV head), taken from the
+  checkpoint's ``k_scale``/``v_scale`` when present, else 1.0, or calibrated from the first
+  forward pass (``calculate_kv_scales``: ``scale = max|x| / fp8_max``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_PLAIN = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = ("auto", *_PLAIN, *_FP8, "int8")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How K/V are stored: element type and scale granularity (none | token | head)."""
+
+    name: str
+    storage: torch.dtype
+    scale: str = "none"
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale != "none"
+
+
+def kv_format(name: str, model_dtype: torch.dtype) -> KVFormat:
+    """The format for ``--kv-cache-dtype name`` (``auto`` follows the model dtype).
+    Raises ValueError for an unknown name."""
+    if name == "auto":
+        return KVFormat(str(model_dtype).removeprefix("torch."), model_dtype)
+    if name in _PLAIN:
+        return KVFormat(name, _PLAIN[name])
+    if name in _FP8:
+        canonical = "fp8_e4m3" if name == "fp8" else name
+        return KVFormat(canonical, _FP8[name], "head")
+    if name == "int8":
+        return KVFormat("int8", torch.int8, "token")
+    raise ValueError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+class QuantizedKVCache:
+    """One layer's quantized K/V: ``data`` ``[2, slots, H, D]`` of the storage type and
+    ``scale`` — ``[2, slots, H]`` float16 (int8) or ``[2, H]`` float32 (fp8).
+
+    ``calibrating`` (fp8 only): the next ``write`` first sets the per-head scales from the
+    values it is given, then clears the flag.
+    """
+
+    def __init__(
+        self, fmt: KVFormat, num_slots: int, num_heads: int, head_dim: int, device: torch.device
+    ):
+        self.fmt = fmt
+        self.data = torch.zeros(2, num_slots, num_heads, head_dim, dtype=fmt.storage, device=device)
+        if fmt.scale == "token":
+            self.scale = torch.zeros(2, num_slots, num_heads, dtype=torch.float16, device=device)
+            self.qmax = 127.0
+        else:
+            self.scale = torch.ones(2, num_heads, dtype=torch.float32, device=device)
+            self.qmax = float(torch.finfo(fmt.storage).max)
+        self.calibrating = False
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def set_head_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Per-head fp8 scales (scalars broadcast); must precede any write."""
+        if self.fmt.scale != "head":
+            raise ValueError(f"{self.fmt.name} has no per-head scales")
+        self.scale[0] = k_scale.to(self.scale)
+        self.scale[1] = v_scale.to(self.scale)
+
+    def quantize(self, which: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` ``[T, H, D]`` → (stored values, per-token scales or None)."""
+        xf = x.float()
+        if self.fmt.scale == "token":
+            s = (xf.abs().amax(-1) / self.qmax).clamp_min(1e-8).half()
+            q = torch.round(xf / s.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+            return q, s
+        s = self.scale[which].view(1, -1, 1)
+        return (xf / s).clamp_(-self.qmax, self.qmax).to(self.fmt.storage), None
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize ``k``/``v`` ``[T, H, D]`` into ``slots``."""
+        if self.calibrating:
+            for which, x in ((0, k), (1, v)):
+                amax = x.float().abs().amax(dim=(0, 2))
+                self.scale[which] = (amax / self.qmax).clamp_min(1e-6)
+            self.calibrating = False
+        for which, x in ((0, k), (1, v)):
+            q, s = self.quantize(which, x)
+            self.data[which].index_copy_(0, slots, q)
+            if s is not None:
+                self.scale[which].index_copy_(0, slots, s)
+
+    def _dequant(
+        self, which: int, q: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if s is not None:  # per token: s has q's shape minus the last dim
+            return (q.float() * s.float().unsqueeze(-1)).to(dtype)
+        return (q.float() * self.scale[which].view(-1, 1)).to(dtype)
+
+    def read_slots(self, which: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized ``[T, H, D]`` at ``slots``."""
+        q = self.data[which].index_select(0, slots)
+        s = self.scale[which].index_select(0, slots) if self.fmt.scale == "token" else None
+        if s is None:
+            return (q.float() * self.scale[which].view(1, -1, 1)).to(dtype)
+        return self._dequant(which, q, s, dtype)
+
+    def gather_blocks(
+        self, which: int, tables: torch.Tensor, block_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``[B, H, nb * block_size, D]`` dequantized context of each row's blocks."""
+        _, _, h, d = self.data.shape
+        q = self.data[which].view(-1, block_size, h, d).index_select(0, tables.flatten())
+        q = q.view(tables.shape[0], -1, h, d).transpose(1, 2)  # [B, H, L, D]
+        if self.fmt.scale == "token":
+            s = self.scale[which].view(-1, block_size, h).index_select(0, tables.flatten())
+            s = s.view(tables.shape[0], -1, h).transpose(1, 2)  # [B, H, L]
+            return self._dequant(which, q, s, dtype)
+        return (q.float() * self.scale[which].view(1, -1, 1, 1)).to(dtype)
