@@ -1,5 +1,6 @@
-"""``kvserve`` command line: ``generate`` (offline) — ``serve``, ``router``, ``plan`` and
-``bench`` arrive with their issues. Engine flags map one-to-one to ``EngineArgs`` fields."""
+"""``kvserve`` command line: ``generate`` (offline), ``plan`` (capacity), ``eval perplexity``
+(quality) — ``serve``, ``router`` and ``bench`` arrive with their issues. Engine flags map
+one-to-one to ``EngineArgs`` fields; ``--model`` defaults to the bundled default model."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from kvserve.config import EngineArgs
 
 
 def _default_model() -> str:
-    from kvserve.tiny_model import ensure_default_model
+    from kvserve.default_model import default_model_path
 
-    return str(ensure_default_model())
+    return str(default_model_path())
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -62,6 +63,29 @@ def _generate(ns: argparse.Namespace) -> int:
     logging.getLogger("kvserve").info(
         "%d output tokens in %.2fs (%.1f tok/s)", n_out, elapsed, n_out / max(elapsed, 1e-9)
     )
+    return 0
+
+
+def _eval_perplexity(ns: argparse.Namespace) -> int:
+    import json
+
+    from kvserve.default_model import corpus_files
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.evaluation import perplexity
+
+    if ns.model is None:
+        ns.model = _default_model()
+    files = ns.files or [str(f) for f in corpus_files("heldout")]
+    engine = LLMEngine(EngineArgs.from_cli(ns))
+    result = perplexity(engine, files, ns.context, max_tokens_per_file=ns.max_tokens_per_file)
+    if ns.json:
+        print(json.dumps(dataclasses.asdict(result) | {"engine": engine.info()}, indent=2))
+    else:
+        print(
+            f"perplexity {result.perplexity:.3f} (NLL {result.nll:.4f} nats/token) over "
+            f"{result.num_tokens} tokens in {result.num_windows} windows of {result.context}; "
+            f"kv_cache_dtype {engine.kv_format.name}, sliding_window {engine.window}"
+        )
     return 0
 
 
@@ -132,6 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--echo", action="store_true", help="print the prompt before the output")
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    ev = sub.add_parser("eval", help="quality measurements through the serving path")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    ppl = ev_sub.add_parser(
+        "perplexity", help="held-out perplexity with the given KV options (dtype, window)"
+    )
+    EngineArgs.add_cli_args(ppl, model_default=None)
+    ppl.add_argument(
+        "--files",
+        nargs="+",
+        help="text files to score (default: the default model's held-out standard-library files)",
+    )
+    ppl.add_argument("--context", type=int, default=512, help="tokens per scored window")
+    ppl.add_argument("--max-tokens-per-file", type=int, default=None)
+    ppl.add_argument("--json", action="store_true")
+    ppl.set_defaults(func=_eval_perplexity)
 
     pl = sub.add_parser("plan", help="KV and weight memory, concurrency per GPU, GPUs needed")
     pl.add_argument("--model", help="preset name, model directory or config.json")

@@ -17,9 +17,9 @@ def test_cpu_kernel_builds_here():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("window", [None, 7, 40])
+@pytest.mark.parametrize("window,sinks", [(None, 0), (7, 0), (40, 0), (7, 4), (20, 17)])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (3, 1)])
-def test_decode_kernel_matches_sdpa_path(dtype, window, heads):
+def test_decode_kernel_matches_sdpa_path(dtype, window, sinks, heads):
     assert load_cpu_kernels()
     hq, hkv = heads
     g = torch.Generator().manual_seed(0)
@@ -36,7 +36,7 @@ def test_decode_kernel_matches_sdpa_path(dtype, window, heads):
     lens_t = torch.tensor(lens).unsqueeze(1)
     mask = pos < lens_t
     if window is not None:
-        mask &= pos > lens_t - 1 - window
+        mask &= (pos > lens_t - 1 - window) | (pos < sinks)
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long),
         num_decodes=len(lens),
@@ -45,7 +45,7 @@ def test_decode_kernel_matches_sdpa_path(dtype, window, heads):
         decode_mask=mask.view(len(lens), 1, 1, -1),
     )
     ref = TorchPagedAttention(BS).decode(q.float(), cache.float(), meta, 0.3)
-    got = CpuPagedAttention(BS, window).decode(q, cache, meta, 0.3)
+    got = CpuPagedAttention(BS, window, sinks).decode(q, cache, meta, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - ref).abs().max().item() < tol
 

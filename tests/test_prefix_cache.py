@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from helpers import greedy, make_engine, random_prompts, run_to_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import greedy, make_engine, random_prompts, run_to_end
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.hashing import hash_block, hash_blocks, root_hash
 from kvserve.kv.manager import KVCacheManager

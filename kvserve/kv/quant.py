@@ -98,7 +98,8 @@ class QuantizedKVCache:
             self.calibrating = False
         for which, x in ((0, k), (1, v)):
             q, s = self.quantize(which, x)
-            self.data[which].index_copy_(0, slots, q)
+            # through a uint8 view: CPU index kernels do not cover fp8 types
+            self.data[which].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
             if s is not None:
                 self.scale[which].index_copy_(0, slots, s)
 
@@ -111,7 +112,7 @@ class QuantizedKVCache:
 
     def read_slots(self, which: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized ``[T, H, D]`` at ``slots``."""
-        q = self.data[which].index_select(0, slots)
+        q = self.data[which].view(torch.uint8).index_select(0, slots).view(self.fmt.storage)
         s = self.scale[which].index_select(0, slots) if self.fmt.scale == "token" else None
         if s is None:
             return (q.float() * self.scale[which].view(1, -1, 1)).to(dtype)
@@ -122,7 +123,8 @@ class QuantizedKVCache:
     ) -> torch.Tensor:
         """``[B, H, nb * block_size, D]`` dequantized context of each row's blocks."""
         _, _, h, d = self.data.shape
-        q = self.data[which].view(-1, block_size, h, d).index_select(0, tables.flatten())
+        raw = self.data[which].view(torch.uint8).view(-1, block_size, h, d)
+        q = raw.index_select(0, tables.flatten()).view(self.fmt.storage)
         q = q.view(tables.shape[0], -1, h, d).transpose(1, 2)  # [B, H, L, D]
         if self.fmt.scale == "token":
             s = self.scale[which].view(-1, block_size, h).index_select(0, tables.flatten())
