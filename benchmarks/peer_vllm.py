@@ -88,6 +88,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="do not add an installed tcmalloc to LD_PRELOAD for vLLM's workers",
     )
+    p.add_argument(
+        "--shared-prefix-frac",
+        type=float,
+        default=0.0,
+        help="fraction of every prompt that is one prefix shared by all prompts",
+    )
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's enable_prefix_caching (default: vLLM's own default)",
+    )
     p.add_argument("--warmup-prompts", type=int, default=2)
     p.add_argument("--warmup-output-len", type=int, default=8)
     args = p.parse_args(argv)
@@ -133,12 +145,18 @@ def read_vocab_size(model_dir: Path) -> int:
     return vocab
 
 
-def make_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random token-id prompts, deterministic for a given (num, length, vocab, seed)."""
+def make_prompts(
+    num: int, length: int, vocab_size: int, seed: int, shared_frac: float = 0.0
+) -> list[list[int]]:
+    """Random token-id prompts, deterministic for a given (num, length, vocab, seed,
+    shared_frac); the first ``round(shared_frac * length)`` tokens are the same in all."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab_size, size=(num, length), dtype=np.int64)
+    shared = round(shared_frac * length)
+    if shared:
+        ids[:, :shared] = np.random.default_rng(seed + 7).integers(0, vocab_size, shared)
     return [row.tolist() for row in ids]
 
 
@@ -157,7 +175,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model_dir = args.model.resolve()
     vocab_size = read_vocab_size(model_dir)
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    prompts = make_prompts(
+        args.num_prompts, args.input_len, vocab_size, args.seed, args.shared_prefix_frac
+    )
     # Separate stream for warmup so the timed prompts never hit the prefix cache.
     warm = make_prompts(args.warmup_prompts, args.input_len, vocab_size, args.seed + 1_000_003)
 
@@ -170,6 +190,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=max(args.num_prompts, args.warmup_prompts),
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        **(
+            {}
+            if args.prefix_caching is None
+            else {"enable_prefix_caching": args.prefix_caching}
+        ),
     )
 
     def params(max_tokens: int) -> SamplingParams:
@@ -204,6 +229,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "total_tok_s": round((input_tokens + output_tokens) / elapsed, 2),
         "dtype": args.dtype,
         "seed": args.seed,
+        "shared_prefix_frac": args.shared_prefix_frac,
+        "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "kvcache_space_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),

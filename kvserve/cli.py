@@ -66,6 +66,25 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from kvserve.server.app import ServerConfig
+    from kvserve.server.serve import run_server
+
+    if ns.model is None:
+        ns.model = _default_model()
+    config = ServerConfig(
+        host=ns.host,
+        port=ns.port,
+        served_model_name=ns.served_model_name,
+        api_keys=tuple(ns.api_key or ()),
+        admin_key=ns.admin_key,
+        max_waiting_requests=ns.max_waiting_requests,
+        graceful_timeout=ns.graceful_timeout,
+    )
+    run_server(EngineArgs.from_cli(ns), config, ns.log_level)
+    return 0
+
+
 def _eval_perplexity(ns: argparse.Namespace) -> int:
     import json
 
@@ -156,6 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--echo", action="store_true", help="print the prompt before the output")
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    EngineArgs.add_cli_args(sv, model_default=None)
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="model id in the API")
+    sv.add_argument(
+        "--api-key", action="append", help="accepted Bearer key (repeatable; none = open)"
+    )
+    sv.add_argument("--admin-key", default=None, help="Bearer key for /admin/* endpoints")
+    sv.add_argument(
+        "--max-waiting-requests", type=int, default=1024, help="queue bound; beyond: 429"
+    )
+    sv.add_argument(
+        "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
+    )
+    sv.set_defaults(func=_serve)
 
     ev = sub.add_parser("eval", help="quality measurements through the serving path")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)

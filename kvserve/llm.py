@@ -12,7 +12,7 @@ from tqdm import tqdm
 from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.request import RequestOutput
-from kvserve.sampling import SamplingParams, position_seed
+from kvserve.sampling import SamplingParams, child_seed
 
 PromptType = str | Sequence[int] | dict[str, Any]
 
@@ -82,7 +82,7 @@ class LLM:
                 ids = []
                 for i in range(p.n):
                     rid = f"{base}-{i}"
-                    seed = None if p.seed is None or i == 0 else position_seed(p.seed, -1 - i)
+                    seed = child_seed(p.seed, i)
                     self.engine.add_request(rid, prompt, p, seed=seed)
                     ids.append(rid)
                 groups.append(ids)

@@ -87,6 +87,12 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Seed of output ``index`` of an ``n > 1`` request: the request's own seed for the
+    first, a derived one for the others (None stays None: random seeds)."""
+    return None if seed is None or index == 0 else position_seed(seed, -1 - index)
+
+
 def position_seed(seed: int, position: int) -> int:
     """Mix (seed, position) into a 63-bit generator seed (splitmix64 finalizer)."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64

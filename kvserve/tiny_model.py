@@ -1,8 +1,9 @@
 """Build a small random-weight Llama checkpoint (HF format) and a real BPE tokenizer.
 
-Used by the README quickstart until a trained default model ships, and by tests. Needs no
-``transformers``: the tokenizer is trained with ``tokenizers`` on Python standard-library
-source files, the weights are written with ``safetensors``.
+Used by tests (the quickstart uses the bundled trained model). Needs no ``transformers``:
+the tokenizer is trained with ``tokenizers`` on Python standard-library source files, the
+weights are written with ``safetensors``. The special tokens and chat template are shared
+with the default model's training script.
 """
 
 from __future__ import annotations
@@ -120,16 +121,3 @@ def build_random_llama(
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
-
-
-def default_model_dir() -> Path:
-    """Where the CLI keeps its self-built model (built on first use)."""
-    return Path.home() / ".cache" / "kvserve" / "tiny-random-llama"
-
-
-def ensure_default_model() -> Path:
-    """Return the default model directory, building it the first time."""
-    path = default_model_dir()
-    if not (path / "config.json").is_file():
-        build_random_llama(path)
-    return path

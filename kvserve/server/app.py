@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models,
+/health, /ready, /metrics and admin endpoints, over an ``AsyncLLMEngine``.
+
+Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` with the
+status OpenAI uses: 400 bad body / too long, 401 bad key, 404 unknown model, 429 queue
+full (with ``Retry-After``), 503 draining, 500 for a bug (the server stays up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from kvserve.engine.llm_engine import EngineError
+from kvserve.request import RequestOutput
+from kvserve.sampling import SamplingParams, child_seed
+from kvserve.server.auth import Principal, authenticate
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.render import ChoiceState, usage
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``kvserve serve`` options beyond the engine's (CLI flags map one-to-one)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None
+    max_waiting_requests: int = 1024
+    graceful_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+
+class ServerState:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.model_name = config.served_model_name or engine.engine.model_config.model
+        self.model_aliases = {self.model_name, engine.engine.model_config.model}
+        self.metrics = ServerMetrics(engine, self.model_name)
+        self.draining = False
+        self.created = int(time.time())
+        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.engine.tokenizer
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    """The app; the caller starts/stops ``engine`` (``kvserve serve`` does both)."""
+    app = FastAPI(title="kvserve", version="0.1.0")
+    state = ServerState(engine, config)
+    app.state.kv = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        state.metrics.http_errors.labels(state.model_name, str(e.status)).inc()
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = first.get("msg", "invalid request")
+        return await _api_error(
+            _, bad_request(f"{'.'.join(loc) or 'body'}: {msg}", ".".join(loc) or None)
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(e.status_code, "Error")
+        return await _api_error(_, APIError(e.status_code, str(e.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        return await _api_error(_, APIError(500, f"internal error: {e!r}", "InternalServerError"))
+
+    # ---- plain endpoints ------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if not engine.is_running or state.draining:
+            reason = "draining" if state.draining else "engine not running"
+            raise APIError(503, f"not ready: {reason}", "ServiceUnavailableError")
+        return JSONResponse({"status": "ready", "model": state.model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authenticate(request, config)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": state.model_name,
+                        "object": "model",
+                        "created": state.created,
+                        "owned_by": "kvserve",
+                        "max_model_len": state.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    # ---- admin ----------------------------------------------------------------------------
+    @app.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        authenticate(request, config, admin=True)
+        n = await engine.call(lambda e: e.kv.reset_prefix_cache())
+        return JSONResponse({"evicted_blocks": n})
+
+    # ---- generation -------------------------------------------------------------------------
+    def _admit(body: CompletionRequest | ChatCompletionRequest) -> None:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", "ServiceUnavailableError")
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", "ServiceUnavailableError")
+        if body.model is not None and body.model not in state.model_aliases:
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist.",
+                "NotFoundError",
+                "model",
+                "model_not_found",
+            )
+        if engine.stats()["waiting"] >= config.max_waiting_requests:
+            raise APIError(
+                429,
+                "too many requests are waiting; retry later",
+                "RateLimitError",
+                headers={"Retry-After": "1"},
+            )
+
+    async def _start(
+        prompts: list[str | list[int]], params: SamplingParams, principal: Principal, body: Any
+    ) -> list[RequestStream]:
+        """Add every (prompt, n) sequence; on any rejection abort the rest → 400."""
+        base = f"{uuid.uuid4().hex[:24]}"
+        streams: list[RequestStream] = []
+        try:
+            for p_idx, prompt in enumerate(prompts):
+                for i in range(params.n):
+                    streams.append(
+                        await engine.add_request(
+                            f"{base}-{p_idx}-{i}",
+                            prompt,
+                            params,
+                            child_seed(params.seed, i),
+                            tenant=principal.tenant,
+                            cache_salt=body.cache_salt,
+                        )
+                    )
+        except EngineError as e:
+            for s in streams:
+                s.abort()
+            raise bad_request(str(e), "prompt") from None
+        except EngineDeadError as e:
+            for s in streams:
+                s.abort()
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
+        return streams
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        principal = authenticate(request, config)
+        _admit(body)
+        try:
+            prompts = body.prompts()
+            params = body.sampling_params()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        streams = await _start(prompts, params, principal, body)
+        kind = "text_completion"
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await _respond(state, body, streams, params, kind, rid, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatCompletionRequest) -> Response:
+        principal = authenticate(request, config)
+        _admit(body)
+        tok = state.tokenizer
+        if tok is None:
+            raise bad_request("the model has no tokenizer, so chat is unavailable")
+        try:
+            params = body.sampling_params()
+            text = tok.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        prompt = tok.encode(text, add_special_tokens=False)
+        streams = await _start([prompt], params, principal, body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await _respond(state, body, streams, params, "chat.completion", rid, request)
+
+    return app
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def _respond(
+    state: ServerState,
+    body: Any,
+    streams: list[RequestStream],
+    params: SamplingParams,
+    kind: str,
+    rid: str,
+    request: Request,
+) -> Response:
+    chat = kind == "chat.completion"
+    choices = [ChoiceState(i, state.tokenizer, params, chat) for i in range(len(streams))]
+    created = int(time.time())
+    metrics = state.metrics
+    name = state.model_name
+    start = time.monotonic()
+    prompt_tokens = sum(s.num_prompt_tokens for s in streams) // max(params.n, 1)
+
+    def observe(c: ChoiceState, out: RequestOutput) -> None:
+        now = time.monotonic()
+        n_new = len(out.outputs[0].token_ids) - c.num_tokens
+        if n_new > 0:
+            if c.num_tokens == 0:
+                metrics.ttft.labels(name).observe(now - start)
+            elif c.last_token_time is not None:
+                metrics.itl.labels(name).observe(now - c.last_token_time)
+            c.last_token_time = now
+            metrics.generation_tokens.labels(name).inc(n_new)
+        if out.finished:
+            metrics.e2e.labels(name).observe(now - start)
+            reason = out.outputs[0].finish_reason or "abort"
+            metrics.request_success.labels(name, reason).inc()
+
+    metrics.prompt_tokens.labels(name).inc(sum(s.num_prompt_tokens for s in streams))
+    if not body.stream:
+        try:
+            async for i, out in _merge(streams):
+                observe(choices[i], out)
+                choices[i].update(out)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
+        completion_tokens = sum(c.num_tokens for c in choices)
+        cached = sum(c.num_cached_tokens for c in choices) // max(params.n, 1)
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": name,
+                "choices": [c.final_choice() for c in choices],
+                "usage": usage(prompt_tokens, completion_tokens, cached),
+            }
+        )
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def sse(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def chunk(choice_list: list[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": rid,
+            "object": chunk_kind,
+            "created": created,
+            "model": name,
+            "choices": choice_list,
+        }
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if chat:
+                for c in choices:
+                    yield sse(chunk([c.role_delta()]))
+            async for i, out in _merge(streams):
+                c = choices[i]
+                observe(c, out)
+                delta = c.update(out)
+                if delta is not None:
+                    yield sse(chunk([delta]))
+            if include_usage:
+                completion_tokens = sum(c.num_tokens for c in choices)
+                cached = sum(c.num_cached_tokens for c in choices) // max(params.n, 1)
+                final = chunk([])
+                final["usage"] = usage(prompt_tokens, completion_tokens, cached)
+                yield sse(final)
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as e:
+            err = {
+                "error": {
+                    "message": str(e),
+                    "type": "ServiceUnavailableError",
+                    "param": None,
+                    "code": None,
+                }
+            }
+            yield sse(err)
+        finally:
+            for s in streams:  # a disconnect cancels this generator: free the KV now
+                s.abort()
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

@@ -1,0 +1,170 @@
+"""Engine outputs → OpenAI response objects: final choices, streaming deltas, logprobs.
+
+Streaming holds back the last ``len(longest stop string) - 1`` characters (and any trailing
+U+FFFD of an unfinished UTF-8 sequence) until the request finishes, so the concatenated
+deltas always equal the non-streaming text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.request import RequestOutput
+from kvserve.sampling import Logprob, SamplingParams
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ChoiceState:
+    """One output sequence of a response, updated with each engine snapshot."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer | None, params: SamplingParams, chat: bool):
+        self.index = index
+        self.tok = tokenizer
+        self.params = params
+        self.chat = chat
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.last_token_time: float | None = None
+        self._sent = 0  # characters of text already streamed
+        self._lp_sent = 0  # logprob entries already streamed
+        self._offset = 0  # completions text_offset of the next token
+        self._hold = max((len(s) for s in params.stop_strings), default=1) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def update(self, out: RequestOutput) -> dict[str, Any] | None:
+        """Take a snapshot; return the streaming delta choice, or None if nothing is new."""
+        comp = out.outputs[0]
+        self.text, self.token_ids = comp.text, comp.token_ids
+        self.num_cached_tokens = out.num_cached_tokens
+        if comp.logprobs is not None:
+            self.logprobs = comp.logprobs
+        if out.finished:
+            self.finish_reason, self.stop_reason = comp.finish_reason, comp.stop_reason
+            end = len(self.text)
+        else:
+            end = len(self.text) - self._hold
+            while end > self._sent and self.text[end - 1] == "\ufffd":
+                end -= 1
+        delta = self.text[self._sent : end] if end > self._sent else ""
+        new_lps = self.logprobs[self._lp_sent :]
+        if not delta and not new_lps and not out.finished:
+            return None
+        first = self._lp_sent
+        self._sent = max(self._sent, end)
+        self._lp_sent = len(self.logprobs)
+        lp = self._render_logprobs(first, new_lps) if self.params.logprobs is not None else None
+        if self.chat:
+            return {
+                "index": self.index,
+                "delta": {"content": delta},
+                "logprobs": lp,
+                "finish_reason": self.finish_reason,
+            }
+        return {
+            "index": self.index,
+            "text": delta,
+            "logprobs": lp,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+
+    def role_delta(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def final_choice(self) -> dict[str, Any]:
+        lp = None
+        if self.params.logprobs is not None:
+            self._offset = 0
+            lp = self._render_logprobs(0, self.logprobs)
+        if self.chat:
+            return {
+                "index": self.index,
+                "message": {"role": "assistant", "content": self.text},
+                "logprobs": lp,
+                "finish_reason": self.finish_reason,
+            }
+        return {
+            "index": self.index,
+            "text": self.text,
+            "logprobs": lp,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+
+    # ---- logprobs -----------------------------------------------------------------------
+    def _piece(self, token_id: int) -> str:
+        if self.tok is None:
+            return f"token_id:{token_id}"
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def _render_logprobs(self, first: int, entries: list[dict[int, Logprob]]) -> Any:
+        n_top = self.params.logprobs or 0
+        if self.chat:
+            content = []
+            for k, entry in enumerate(entries):
+                tid = self.token_ids[first + k]
+                piece = self._piece(tid)
+                top = sorted(
+                    (lp for t, lp in entry.items() if lp.rank <= n_top), key=lambda x: x.rank
+                )
+                top_ids = sorted(
+                    (t for t, lp in entry.items() if lp.rank <= n_top), key=lambda t: entry[t].rank
+                )
+                content.append(
+                    {
+                        "token": piece,
+                        "logprob": entry[tid].logprob,
+                        "bytes": list(piece.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": self._piece(t),
+                                "logprob": lp.logprob,
+                                "bytes": list(self._piece(t).encode()),
+                            }
+                            for t, lp in zip(top_ids, top, strict=True)
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for k, entry in enumerate(entries):
+            tid = self.token_ids[first + k]
+            piece = self._piece(tid)
+            tokens.append(piece)
+            token_lps.append(entry[tid].logprob)
+            tops.append(
+                {
+                    self._piece(t): lp.logprob
+                    for t, lp in entry.items()
+                    if lp.rank <= n_top or t == tid
+                }
+            )
+            offsets.append(self._offset)
+            self._offset += len(piece)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
