@@ -1,5 +1,6 @@
 """``kvserve`` command line: ``generate`` (offline), ``plan`` (capacity), ``eval perplexity``
-(quality) — ``serve``, ``router`` and ``bench`` arrive with their issues. Engine flags map
+(quality), ``serve`` (OpenAI-compatible server), ``bench serve`` (load generator) —
+``router`` arrives with its issue. Engine flags map
 one-to-one to ``EngineArgs`` fields; ``--model`` defaults to the bundled default model."""
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def _serve(ns: argparse.Namespace) -> int:
     )
     run_server(EngineArgs.from_cli(ns), config, ns.log_level)
     return 0
+
+
+def _bench_serve(ns: argparse.Namespace) -> int:
+    from kvserve.bench_serve import main as bench_main
+
+    return bench_main(ns)
 
 
 def _eval_perplexity(ns: argparse.Namespace) -> int:
@@ -192,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
     )
     sv.set_defaults(func=_serve)
+
+    bn = sub.add_parser("bench", help="benchmarks against a running server")
+    bn_sub = bn.add_subparsers(dest="bench_command", required=True)
+    bs = bn_sub.add_parser("serve", help="async load generator for OpenAI-compatible servers")
+    from kvserve.bench_serve import add_args as _bench_args
+
+    _bench_args(bs)
+    bs.set_defaults(func=_bench_serve)
 
     ev = sub.add_parser("eval", help="quality measurements through the serving path")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)

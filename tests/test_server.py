@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -292,3 +294,45 @@ def test_queue_full_429_and_graceful_drain(llama_dir, tmp_path):
         assert proc.proc.wait(60) == 0
     finally:
         proc.stop(signal.SIGKILL)
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "bench",
+            "serve",
+            "--url",
+            server.url,
+            "--api-key",
+            KEY,
+            "--num-prompts",
+            "12",
+            "--concurrency",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--vocab",
+            "512",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    assert s["completed"] == 12 and s["failed"] == 0
+    assert s["total_output_tokens"] == 12 * 8
+    assert s["p50_ttft_ms"] > 0 and s["output_throughput"] > 0
+    assert all(1 <= len(r["itl"]) <= 7 for r in result["requests"])  # one per text chunk
+    assert png.stat().st_size > 1000
