@@ -43,6 +43,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
     cache_salt: str | None = None  # isolates this request's prefix-cache blocks
+    tenant: str = "default"
+    priority: int = 0  # larger = more important (used by the tenant pool's preemption)
+    session_id: str | None = None  # the conversation this turn belongs to
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -240,6 +240,8 @@ class LLMEngine:
         *,
         tenant: str = "default",
         cache_salt: str | None = None,
+        priority: int = 0,
+        session_id: str | None = None,
     ) -> Request:
         """Validate and queue one sequence. Raises EngineError for what can never be served.
 
@@ -282,6 +284,9 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             prompt=text,
             cache_salt=self._salt(tenant, cache_salt),
+            tenant=tenant,
+            priority=priority,
+            session_id=session_id,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)

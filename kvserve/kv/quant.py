@@ -103,20 +103,17 @@ class QuantizedKVCache:
             if s is not None:
                 self.scale[which].index_copy_(0, slots, s)
 
-    def _dequant(
-        self, which: int, q: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype
-    ) -> torch.Tensor:
-        if s is not None:  # per token: s has q's shape minus the last dim
-            return (q.float() * s.float().unsqueeze(-1)).to(dtype)
-        return (q.float() * self.scale[which].view(-1, 1)).to(dtype)
+    @staticmethod
+    def _dequant_tokens(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Per-token scales: ``s`` has ``q``'s shape without the last dim."""
+        return (q.float() * s.float().unsqueeze(-1)).to(dtype)
 
     def read_slots(self, which: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized ``[T, H, D]`` at ``slots``."""
         q = self.data[which].view(torch.uint8).index_select(0, slots).view(self.fmt.storage)
-        s = self.scale[which].index_select(0, slots) if self.fmt.scale == "token" else None
-        if s is None:
-            return (q.float() * self.scale[which].view(1, -1, 1)).to(dtype)
-        return self._dequant(which, q, s, dtype)
+        if self.fmt.scale == "token":
+            return self._dequant_tokens(q, self.scale[which].index_select(0, slots), dtype)
+        return (q.float() * self.scale[which].view(1, -1, 1)).to(dtype)
 
     def gather_blocks(
         self, which: int, tables: torch.Tensor, block_size: int, dtype: torch.dtype
@@ -129,5 +126,5 @@ class QuantizedKVCache:
         if self.fmt.scale == "token":
             s = self.scale[which].view(-1, block_size, h).index_select(0, tables.flatten())
             s = s.view(tables.shape[0], -1, h).transpose(1, 2)  # [B, H, L]
-            return self._dequant(which, q, s, dtype)
+            return self._dequant_tokens(q, s, dtype)
         return (q.float() * self.scale[which].view(1, -1, 1, 1)).to(dtype)

@@ -198,7 +198,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             params = body.sampling_params()
         except ValueError as e:
             raise bad_request(str(e)) from None
-        streams = await _start(prompts, params, principal, body)
+        streams = await _start(prompts, params, principal, body, request)
         kind = "text_completion"
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await _respond(state, body, streams, params, kind, rid, request)
@@ -216,7 +216,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         prompt = tok.encode(text, add_special_tokens=False)
-        streams = await _start([prompt], params, principal, body)
+        streams = await _start([prompt], params, principal, body, request)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await _respond(state, body, streams, params, "chat.completion", rid, request)
 
