@@ -8,7 +8,7 @@ to [8, 1536], output tokens ~ LogNormal(ln 180, 0.9) clipped to [8, 512] (means 
    whole final length by the engine's own ``KVCacheManager`` until the pool refuses one;
    a contiguous allocator reserves ``max_model_len`` slots per sequence. Mean of 20 seeds.
    Internal waste = unused slots in allocated blocks / allocated slots.
-2. Engine run (the bundled default model): 300 requests of that mix with ``ignore_eos``
+2. Engine run (the bundled default model): 100 requests of that mix with ``ignore_eos``
    through ``LLMEngine`` with the same budget; peak concurrently running requests, peak
    KV usage and preemptions, for bfloat16, int8 and fp8_e4m3 KV.
 
@@ -108,7 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the bundled default model")
     ap.add_argument("--budget", default="48MiB", help="KV memory for every configuration")
-    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/kv_capacity.json")
