@@ -92,6 +92,7 @@ def run_kvserve(args: argparse.Namespace, rate: float, caching: bool) -> dict:
 def run_vllm(args: argparse.Namespace, rate: float, caching: bool) -> dict | None:
     if not args.vllm_python or not Path(args.vllm_python).exists():
         return None
+    tmp = Path(args.out).with_suffix(f".vllm-{rate}-{caching}.tmp")
     cmd = [
         args.vllm_python,
         str(HERE / "peer_vllm.py"),
@@ -106,13 +107,15 @@ def run_vllm(args: argparse.Namespace, rate: float, caching: bool) -> dict | Non
         "--shared-prefix-frac",
         str(rate),
         "--prefix-caching" if caching else "--no-prefix-caching",
+        "--json-out",
+        str(tmp),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         print(out.stderr[-3000:], file=sys.stderr)
         return None
-    text = out.stdout[out.stdout.index("{") :]
-    r = json.loads(text[: text.rindex("}") + 1])
+    r = json.loads(tmp.read_text())
+    tmp.unlink()
     return {
         "engine": "vllm-cpu",
         "rate": rate,
@@ -132,6 +135,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--no-tcmalloc", action="store_true")
+    ap.add_argument("--reuse-kvserve", action="store_true", help="take kvserve runs from --out")
     ap.add_argument("--out", default="benchmarks/results/prefix_cache.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -156,6 +160,9 @@ def main() -> None:
         )
         return
     runs: dict[str, list[dict]] = {}
+    if args.reuse_kvserve:  # kvserve runs of an earlier invocation (partial result file)
+        runs = json.loads(Path(args.out).read_text())["runs"]
+        args.repeat = 0
     total = args.repeat * len(RATES) * 2
     done = 0
     for _ in range(args.repeat):
@@ -169,6 +176,8 @@ def main() -> None:
                     f"{r['total_tok_s']} tok/s",
                     flush=True,
                 )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"runs": runs}, indent=2) + "\n")  # partial
     summary = []
     for rate in RATES:
         off = statistics.median(r["total_tok_s"] for r in runs[f"{rate}-False"])
@@ -178,7 +187,7 @@ def main() -> None:
             "kvserve_off_tok_s": off,
             "kvserve_on_tok_s": on,
             "kvserve_on_vs_off": round(on / off, 3),
-            "kvserve_hit_rate": runs[f"{rate}-True"][0]["prefix_cache_hit_rate"],
+            "kvserve_hit_rate": runs[f"{rate}-True"][0].get("prefix_cache_hit_rate"),
         }
         v_off, v_on = run_vllm(args, rate, False), run_vllm(args, rate, True)
         if v_off and v_on:
