@@ -161,9 +161,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             )
 
     async def _start(
-        prompts: list[str | list[int]], params: SamplingParams, principal: Principal, body: Any
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        principal: Principal,
+        body: Any,
+        request: Request,
     ) -> list[RequestStream]:
-        """Add every (prompt, n) sequence; on any rejection abort the rest → 400."""
+        """Add every (prompt, n) sequence; on any rejection abort the rest → 400.
+        The session id comes from the body or the ``X-Session-Id`` header."""
+        session_id = body.session_id or request.headers.get("x-session-id")
         base = f"{uuid.uuid4().hex[:24]}"
         streams: list[RequestStream] = []
         try:
@@ -177,6 +183,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                             child_seed(params.seed, i),
                             tenant=principal.tenant,
                             cache_salt=body.cache_salt,
+                            priority=body.priority,
+                            session_id=session_id,
                         )
                     )
         except EngineError as e:
