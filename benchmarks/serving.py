@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--out", default="benchmarks/results/serving.json")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-kvserve", action="store_true")
     args = ap.parse_args()
     model = with_tokenizer(build_model(Path(args.model_dir)))
     outdir = Path(args.out).with_suffix("")
@@ -127,37 +128,41 @@ def main() -> None:
     if lib:
         env["LD_PRELOAD"] = lib
     result = {"model": str(model), "levels": LEVELS}
-    result["kvserve"] = run_server(
-        "kvserve",
-        [
-            sys.executable,
-            "-m",
-            "kvserve.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            "8101",
-            "--served-model-name",
+    if args.skip_kvserve:  # keep the kvserve half of an earlier run
+        result["kvserve"] = json.loads(Path(args.out).read_text())["kvserve"]
+    else:
+        result["kvserve"] = run_server(
+            "kvserve",
+            [
+                sys.executable,
+                "-m",
+                "kvserve.cli",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                "8101",
+                "--served-model-name",
+                "smol",
+                "--kv-cache-memory",
+                "2GiB",
+                "--max-model-len",
+                "2048",
+                "--dtype",
+                "bfloat16",
+            ],
+            env,
+            "http://127.0.0.1:8101",
             "smol",
-            "--kv-cache-memory",
-            "2GiB",
-            "--max-model-len",
-            "2048",
-            "--dtype",
-            "bfloat16",
-        ],
-        env,
-        "http://127.0.0.1:8101",
-        "smol",
-        outdir,
-        300,
-    )
+            outdir,
+            300,
+        )
     if not args.skip_vllm and Path(args.vllm_python).exists():
         venv_env = env | {
             "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
         }
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # partial
         result["vllm"] = run_server(
             "vllm",
             [

@@ -178,7 +178,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reqs = [r for r in result["requests"] if r["ok"]]
+    reqs = [r for r in result["requests"] if r["ok"] and r["ttft"] is not None]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].hist([r["ttft"] * 1000 for r in reqs], bins=30)
     axes[0].set_xlabel("TTFT (ms)")
