@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -34,8 +35,9 @@ def _corpus() -> list[str]:
     return texts or ["def hello(name):\n    return 'hello ' + name\n" * 50]
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
-    """Train a byte-level BPE tokenizer into ``out_dir``; returns its vocabulary size."""
+def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE tokenizer (kvserve's special tokens, BOS prepended, the chat
+    template) on ``texts``; writes tokenizer.json and tokenizer_config.json to ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -47,7 +49,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
@@ -60,8 +62,13 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
         "chat_template": CHAT_TEMPLATE,
         "model_max_length": 2048,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return tok.get_vocab_size()
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return tok
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
+    """Train a small tokenizer on a few stdlib files into ``out_dir``; returns its size."""
+    return train_bpe_tokenizer(_corpus(), out_dir, vocab_size).get_vocab_size()
 
 
 def build_random_llama(

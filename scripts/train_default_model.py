@@ -30,41 +30,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from kvserve.default_model import HELDOUT_FILES, corpus_files
-from kvserve.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+from kvserve.tiny_model import train_bpe_tokenizer
 
 
 def train_tokenizer(files: list[Path], vocab_size: int, out: Path) -> Tokenizer:
     """Byte-level BPE over ``files``; writes tokenizer.json and tokenizer_config.json."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(
-        (f.read_text(encoding="utf-8", errors="replace") for f in files), trainer=trainer
-    )
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 2048,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return tok
+    texts = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+    return train_bpe_tokenizer(texts, out, vocab_size)
 
 
 def encode_files(tok: Tokenizer, files: list[Path]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -78,3 +80,14 @@ class ServerProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(model: Path, *args: str, log: Path) -> Iterator[ServerProcess]:
+    """A ready server; on exit SIGTERM it and require a clean (status 0) drain."""
+    proc = ServerProcess(model, *args, log=log)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        assert proc.stop() == 0, log.read_text()[-2000:]

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from server_proc import ServerProcess
+from server_proc import running_server
 
 KEY = "sk-fuzz"
 
@@ -16,7 +16,7 @@ KEY = "sk-fuzz"
 @pytest.fixture(scope="module")
 def fuzz_server(llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz") / "serve.log"
-    proc = ServerProcess(
+    with running_server(
         llama_dir,
         "--kv-cache-memory",
         "16MiB",
@@ -27,12 +27,8 @@ def fuzz_server(llama_dir, tmp_path_factory):
         "--admin-key",
         "adm",
         log=log,
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, log.read_text()[-2000:]
 
 
 @pytest.fixture(scope="module")

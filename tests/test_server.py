@@ -14,7 +14,7 @@ import urllib.request
 
 import openai
 import pytest
-from server_proc import ServerProcess
+from server_proc import ServerProcess, running_server
 
 from kvserve import LLM, SamplingParams
 
@@ -26,7 +26,7 @@ ENGINE_FLAGS = ("--kv-cache-memory", "16MiB", "--max-model-len", "256")
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    proc = ServerProcess(
+    with running_server(
         llama_dir,
         *ENGINE_FLAGS,
         "--api-key",
@@ -36,12 +36,8 @@ def server(llama_dir, tmp_path_factory):
         "--served-model-name",
         "tiny",
         log=log,
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, log.read_text()[-2000:]
 
 
 @pytest.fixture(scope="module")
