@@ -121,7 +121,7 @@ def _plan_usage(ns: argparse.Namespace) -> int:
     from kvserve.planner.report import print_usage
     from kvserve.planner.usage import analyze, load_usage
 
-    ts, used = load_usage(ns.usage)
+    ts, used = load_usage(ns.usage, ns.tenant)
     report = analyze(ts, used, headroom=ns.headroom)
     if ns.plot:
         from kvserve.planner.plot import plot_usage
@@ -227,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="KV and weight memory, concurrency per GPU, GPUs needed")
     pl.add_argument("--model", help="preset name, model directory or config.json")
     pl.add_argument("--usage", help="JSONL of KV usage samples recorded by --kv-usage-log")
+    pl.add_argument("--tenant", default=None, help="with --usage: one tenant's demand only")
     pl.add_argument("--headroom", type=float, default=0.15, help="with --usage: P99 × (1+h)")
     pl.add_argument("--plot", help="with --usage: write a PNG of distribution and time series")
     pl.add_argument("--dtype", default="bfloat16", help="weight dtype")

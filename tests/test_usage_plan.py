@@ -75,6 +75,27 @@ def test_engine_records_usage_samples(llama_dir, tmp_path):
     assert all(s["bytes_per_block"] == engine.kv_spec.bytes_per_block for s in samples)
 
 
+def test_usage_samples_per_tenant(llama_dir, tmp_path):
+    log = tmp_path / "kv.jsonl"
+    engine = make_engine(
+        llama_dir, kv_usage_log=str(log), kv_usage_interval=1e-9, enable_prefix_caching=False
+    )
+    engine.add_request("a", random_prompts([40])[0], greedy(5), tenant="alpha")
+    engine.add_request("b", random_prompts([20], seed=1)[0], greedy(5), tenant="beta")
+    run_to_end(engine)
+    samples = [json.loads(line) for line in log.read_text().splitlines()]
+    peak = max(samples, key=lambda s: s["used_blocks"])
+    assert peak["tenants"] == {"alpha": 3, "beta": 2}  # 41+ and 21+ tokens
+    assert sum(peak["tenants"].values()) == peak["used_blocks"]
+    _, alpha = load_usage(log, "alpha")
+    _, beta = load_usage(log, "beta")
+    _, total = load_usage(log)
+    assert alpha.max() == 3 * engine.kv_spec.bytes_per_block
+    assert (alpha + beta == total).all()
+    _, nobody = load_usage(log, "gamma")
+    assert not nobody.any()
+
+
 def test_cli_plan_usage(tmp_path):
     path = tmp_path / "u.jsonl"
     _write_trace(path, MONDAY_2026 + 60 * np.arange(500), np.arange(500) % 100)

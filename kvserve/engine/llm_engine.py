@@ -313,9 +313,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns outputs of requests that got a token or finished."""
         sched = self.scheduler.schedule()
-        if self.usage_recorder is not None:
+        if self.usage_recorder is not None and self.usage_recorder.due():
             self.usage_recorder.maybe_record(
-                self.kv.pool.num_used, self.kv.num_blocks, self.kv_spec.bytes_per_block
+                self.kv.pool.num_used,
+                self.kv.num_blocks,
+                self.kv_spec.bytes_per_block,
+                self.tenant_blocks(),
             )
         if sched.is_empty:
             return []
@@ -398,6 +401,15 @@ class LLMEngine:
             prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs is not None else None,
             num_cached_tokens=req.num_cached_tokens,
         )
+
+    def tenant_blocks(self) -> dict[str, int]:
+        """Live KV blocks per tenant of the running requests. A block shared by several
+        requests (prefix caching) counts for each holder's tenant: this is demand, so the
+        tenants may sum to more than the pool's used blocks."""
+        out: dict[str, int] = {}
+        for r in self.scheduler.running:
+            out[r.tenant] = out.get(r.tenant, 0) + self.kv.num_live_blocks(r.request_id)
+        return out
 
     def check_integrity(self) -> None:
         """Raise AssertionError if KV bookkeeping is inconsistent (tests call this)."""

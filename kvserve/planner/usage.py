@@ -1,8 +1,8 @@
 """KV usage recording (engine side) and its analysis (``kvserve plan --usage FILE``).
 
 The engine appends one JSON line per interval: timestamp, used/total blocks, bytes per
-block, usage ratio. The planner reads the lines back and sizes KV memory from the
-distribution of demand: P99 × (1 + headroom) by default, with warnings when the data are
+block, usage ratio and used blocks per tenant. The planner reads the lines back and sizes
+KV memory from the distribution of demand: P99 × (1 + headroom) by default, with warnings when the data are
 too short to contain weekly patterns (< 14 days) or have gaps.
 """
 
@@ -30,8 +30,19 @@ class UsageRecorder:
         self._file: IO[str] = Path(path).open("a", encoding="utf-8")  # noqa: SIM115
         self._next = 0.0
 
-    def maybe_record(self, used_blocks: int, total_blocks: int, bytes_per_block: int) -> bool:
-        """Write a sample if the interval has passed; returns whether it wrote one."""
+    def due(self) -> bool:
+        """Whether the next ``maybe_record`` would write (lets callers skip computing it)."""
+        return time.time() >= self._next
+
+    def maybe_record(
+        self,
+        used_blocks: int,
+        total_blocks: int,
+        bytes_per_block: int,
+        tenants: dict[str, int] | None = None,
+    ) -> bool:
+        """Write a sample if the interval has passed; returns whether it wrote one.
+        ``tenants`` maps tenant → used blocks (demand; shared blocks count per holder)."""
         now = time.time()
         if now < self._next:
             return False
@@ -43,6 +54,8 @@ class UsageRecorder:
             "bytes_per_block": bytes_per_block,
             "usage": used_blocks / total_blocks,
         }
+        if tenants is not None:
+            sample["tenants"] = tenants
         self._file.write(json.dumps(sample) + "\n")
         self._file.flush()
         return True
@@ -68,8 +81,9 @@ class UsageReport:
     warnings: list[str] = field(default_factory=list)
 
 
-def load_usage(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Timestamps and used bytes from a JSONL file, sorted by time.
+def load_usage(path: str | Path, tenant: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Timestamps and used bytes (of ``tenant`` only, when given: 0 in samples where it
+    held nothing) from a JSONL file, sorted by time.
 
     Raises ValueError naming the line that is not a sample.
     """
@@ -81,7 +95,8 @@ def load_usage(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
             try:
                 s = json.loads(line)
                 ts.append(float(s["ts"]))
-                used.append(float(s["used_blocks"]) * float(s["bytes_per_block"]))
+                blocks = s["used_blocks"] if tenant is None else s.get("tenants", {}).get(tenant, 0)
+                used.append(float(blocks) * float(s["bytes_per_block"]))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{n}: not a usage sample ({e})") from None
     if not ts:
