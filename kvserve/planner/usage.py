@@ -2,8 +2,8 @@
 
 The engine appends one JSON line per interval: timestamp, used/total blocks, bytes per
 block, usage ratio and used blocks per tenant. The planner reads the lines back and sizes
-KV memory from the distribution of demand: P99 × (1 + headroom) by default, with warnings when the data are
-too short to contain weekly patterns (< 14 days) or have gaps.
+KV memory from the distribution of demand: P99 × (1 + headroom) by default, with warnings
+when the data are too short to contain weekly patterns (< 14 days) or have gaps.
 """
 
 from __future__ import annotations
