@@ -84,3 +84,41 @@ def test_fused_ops_match_pytorch_ops(dtype):
     q_f, k_f = fused.rope(positions, q, k, cos, sin)
     close(q_f, q_r, max(tol, 1e-6))
     close(k_f, k_r, max(tol, 1e-6))
+
+
+@pytest.mark.parametrize("window,sinks", [(None, 0), (20, 4)])
+def test_decode_kernel_reads_int8_cache_like_the_dequantizing_path(window, sinks):
+    """int8 K/V with per-token scales: the kernel (scales applied in registers) matches
+    gather + dequantize + SDPA."""
+    assert load_cpu_kernels()
+    from kvserve.kv.quant import QuantizedKVCache, kv_format
+
+    g = torch.Generator().manual_seed(1)
+    num_blocks, hq, hkv, d = 16, 6, 2, 64
+    cache = QuantizedKVCache(
+        kv_format("int8", torch.float32), num_blocks * BS, hkv, d, torch.device("cpu")
+    )
+    slots = torch.arange(num_blocks * BS)
+    cache.write(
+        slots,
+        torch.randn(len(slots), hkv, d, generator=g) * 3,
+        torch.randn(len(slots), hkv, d, generator=g),
+    )
+    lens = [1, 17, 40, 64]
+    tables = torch.randperm(num_blocks, generator=g)[:16].view(4, 4)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    pos = torch.arange(4 * BS).unsqueeze(0)
+    lens_t = torch.tensor(lens).unsqueeze(1)
+    mask = pos < lens_t
+    if window is not None:
+        mask &= (pos > lens_t - 1 - window) | (pos < sinks)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_decodes=len(lens),
+        decode_block_tables=tables,
+        decode_lens=torch.tensor(lens),
+        decode_mask=mask.view(len(lens), 1, 1, -1),
+    )
+    ref = TorchPagedAttention(BS).decode(q, cache, meta, 0.125)
+    got = CpuPagedAttention(BS, window, sinks).decode(q, cache, meta, 0.125)
+    assert (got - ref).abs().max().item() < 1e-4

@@ -156,7 +156,8 @@ CPU_KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # instantiated in paged_d
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes through the C++ kernel that reads K/V in place from the blocks (no copy).
+    """Decodes through the C++ kernel that reads K/V in place from the blocks (no copy);
+    16/32-bit and int8 (scaled per token in registers) caches, fp8 via the PyTorch path.
 
     Prefill chunks use the inherited SDPA path. Construct only after
     ``load_cpu_kernels()`` returned True, for a head dim in ``CPU_KERNEL_HEAD_DIMS``.
@@ -170,11 +171,26 @@ class CpuPagedAttention(TorchPagedAttention):
     def decode(
         self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if isinstance(kv_cache, QuantizedKVCache):  # the kernel reads 16/32-bit caches only
-            return super().decode(q, kv_cache, meta, scale)
-        _, _, h, d = kv_cache.shape
-        k = kv_cache[0].view(-1, self.block_size, h, d)
-        v = kv_cache[1].view(-1, self.block_size, h, d)
+        k_scale = v_scale = None
+        if isinstance(kv_cache, QuantizedKVCache):
+            if kv_cache.fmt.scale != "token":  # fp8: the kernel has no fp8 loads yet
+                return super().decode(q, kv_cache, meta, scale)
+            k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]  # int8, per token
+            data = kv_cache.data
+        else:
+            data = kv_cache
+        _, _, h, d = data.shape
+        k = data[0].view(-1, self.block_size, h, d)
+        v = data[1].view(-1, self.block_size, h, d)
         return torch.ops.kvserve.paged_decode(
-            q, k, v, meta.decode_block_tables, meta.decode_lens, scale, self.window, self.sinks
+            q,
+            k,
+            v,
+            meta.decode_block_tables,
+            meta.decode_lens,
+            scale,
+            self.window,
+            self.sinks,
+            k_scale,
+            v_scale,
         )

@@ -13,9 +13,16 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
+
+// Per-(slot, KV head) float16 scales of an int8 cache; null pointers for a plain cache.
+struct Scales {
+  const c10::Half* k = nullptr;
+  const c10::Half* v = nullptr;
+};
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
@@ -25,6 +32,7 @@ inline float load(const c10::BFloat16* p, int64_t i) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
 inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
@@ -37,7 +45,7 @@ inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v
 template <int D, typename qt, typename ct>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
-                   double scale, int64_t window, int64_t sinks) {
+                   double scale, int64_t window, int64_t sinks, Scales scales) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t CH = 16;
   const int64_t B = q.size(0), Hq = q.size(1);
@@ -74,8 +82,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         const int64_t slot0 = tp[b * MB + c0 / BS] * BS + c0 % BS;
         for (int64_t t = 0; t < nt; ++t) {
           const ct* src = kp + (slot0 + t) * row + h * D;
+          const float ks = scales.k ? static_cast<float>(scales.k[(slot0 + t) * Hkv + h]) : 1.f;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) krow[d] = load(src, d);
+          for (int64_t d = 0; d < D; ++d) krow[d] = load(src, d) * ks;
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float s = 0.f;
@@ -86,8 +95,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         }
         for (int64_t t = 0; t < nt; ++t) {
           const ct* src = vp + (slot0 + t) * row + h * D;
+          const float vs = scales.v ? static_cast<float>(scales.v[(slot0 + t) * Hkv + h]) : 1.f;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) vrows[t][d] = load(src, d);
+          for (int64_t d = 0; d < D; ++d) vrows[t][d] = load(src, d) * vs;
         }
         for (int64_t g = 0; g < G; ++g) {
           float* s = sc.data() + g * CH;
@@ -129,15 +139,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 template <typename qt, typename ct>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& t, const at::Tensor& l, at::Tensor& o, double s, int64_t w,
-                  int64_t sk) {
+                  int64_t sk, Scales sc) {
   switch (q.size(2)) {
-    case 16: return decode_kernel<16, qt, ct>(q, k, v, t, l, o, s, w, sk);
-    case 32: return decode_kernel<32, qt, ct>(q, k, v, t, l, o, s, w, sk);
-    case 64: return decode_kernel<64, qt, ct>(q, k, v, t, l, o, s, w, sk);
-    case 80: return decode_kernel<80, qt, ct>(q, k, v, t, l, o, s, w, sk);
-    case 96: return decode_kernel<96, qt, ct>(q, k, v, t, l, o, s, w, sk);
-    case 128: return decode_kernel<128, qt, ct>(q, k, v, t, l, o, s, w, sk);
-    case 256: return decode_kernel<256, qt, ct>(q, k, v, t, l, o, s, w, sk);
+    case 16: return decode_kernel<16, qt, ct>(q, k, v, t, l, o, s, w, sk, sc);
+    case 32: return decode_kernel<32, qt, ct>(q, k, v, t, l, o, s, w, sk, sc);
+    case 64: return decode_kernel<64, qt, ct>(q, k, v, t, l, o, s, w, sk, sc);
+    case 80: return decode_kernel<80, qt, ct>(q, k, v, t, l, o, s, w, sk, sc);
+    case 96: return decode_kernel<96, qt, ct>(q, k, v, t, l, o, s, w, sk, sc);
+    case 128: return decode_kernel<128, qt, ct>(q, k, v, t, l, o, s, w, sk, sc);
+    case 256: return decode_kernel<256, qt, ct>(q, k, v, t, l, o, s, w, sk, sc);
     default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", q.size(2));
   }
 }
@@ -145,22 +155,25 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename qt>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& t, const at::Tensor& l, at::Tensor& o, double s,
-                    int64_t w, int64_t sk) {
+                    int64_t w, int64_t sk, Scales sc) {
   switch (k.scalar_type()) {
-    case at::kFloat: return dispatch_dim<qt, float>(q, k, v, t, l, o, s, w, sk);
-    case at::kBFloat16: return dispatch_dim<qt, c10::BFloat16>(q, k, v, t, l, o, s, w, sk);
-    case at::kHalf: return dispatch_dim<qt, c10::Half>(q, k, v, t, l, o, s, w, sk);
+    case at::kFloat: return dispatch_dim<qt, float>(q, k, v, t, l, o, s, w, sk, sc);
+    case at::kBFloat16: return dispatch_dim<qt, c10::BFloat16>(q, k, v, t, l, o, s, w, sk, sc);
+    case at::kHalf: return dispatch_dim<qt, c10::Half>(q, k, v, t, l, o, s, w, sk, sc);
+    case at::kChar: return dispatch_dim<qt, int8_t>(q, k, v, t, l, o, s, w, sk, sc);
     default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k.scalar_type());
   }
 }
 
 // q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks] int64;
 // lens [B] int64 (context length incl. the new token); window <= 0 means no window;
-// with a window, the first `sinks` positions are attended as well.
+// with a window, the first `sinks` positions are attended as well. An int8 cache comes with
+// float16 scales [slots, kv_heads] per token and head (k_scale, v_scale).
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& tables,
                         const at::Tensor& lens, double scale, int64_t window,
-                        int64_t sinks) {
+                        int64_t sinks, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad rank");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU only");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: heads not divisible");
@@ -172,10 +185,24 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   auto tc = tables.contiguous();
   auto lc = lens.contiguous();
   auto out = at::empty_like(qc);
+  Scales scales;
+  at::Tensor ksc, vsc;  // keep contiguous copies alive for the call
+  if (kc.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(),
+                "paged_decode: an int8 cache needs k_scale and v_scale");
+    ksc = k_scale->contiguous();
+    vsc = v_scale->contiguous();
+    TORCH_CHECK(ksc.scalar_type() == at::kHalf && vsc.scalar_type() == at::kHalf,
+                "paged_decode: scales must be float16 [slots, kv_heads]");
+    TORCH_CHECK(ksc.numel() == kc.size(0) * kc.size(1) * kc.size(2) &&
+                vsc.numel() == ksc.numel(), "paged_decode: scale shape mismatch");
+    scales.k = ksc.data_ptr<c10::Half>();
+    scales.v = vsc.data_ptr<c10::Half>();
+  }
   switch (qc.scalar_type()) {
-    case at::kFloat: dispatch_cache<float>(qc, kc, vc, tc, lc, out, scale, window, sinks); break;
-    case at::kBFloat16: dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, out, scale, window, sinks); break;
-    case at::kHalf: dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, out, scale, window, sinks); break;
+    case at::kFloat: dispatch_cache<float>(qc, kc, vc, tc, lc, out, scale, window, sinks, scales); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, out, scale, window, sinks, scales); break;
+    case at::kHalf: dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, out, scale, window, sinks, scales); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", qc.scalar_type());
   }
   return out;
@@ -185,6 +212,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
-        "float scale, int window, int sinks=0) -> Tensor");
+        "float scale, int window, int sinks=0, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }
