@@ -86,10 +86,11 @@ def test_fused_ops_match_pytorch_ops(dtype):
     close(k_f, k_r, max(tol, 1e-6))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("window,sinks", [(None, 0), (20, 4)])
-def test_decode_kernel_reads_int8_cache_like_the_dequantizing_path(window, sinks):
-    """int8 K/V with per-token scales: the kernel (scales applied in registers) matches
-    gather + dequantize + SDPA."""
+def test_decode_kernel_reads_quantized_cache_like_the_dequantizing_path(fmt, window, sinks):
+    """int8 (per-token scales) and fp8 (per-head scales) K/V: the kernel, applying the
+    scales in registers, matches gather + dequantize + SDPA."""
     assert load_cpu_kernels()
     from kvserve.kv.quant import QuantizedKVCache, kv_format
 

@@ -157,7 +157,7 @@ CPU_KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # instantiated in paged_d
 
 class CpuPagedAttention(TorchPagedAttention):
     """Decodes through the C++ kernel that reads K/V in place from the blocks (no copy);
-    16/32-bit and int8 (scaled per token in registers) caches, fp8 via the PyTorch path.
+    16/32-bit, int8 and fp8 caches (scales applied in registers).
 
     Prefill chunks use the inherited SDPA path. Construct only after
     ``load_cpu_kernels()`` returned True, for a head dim in ``CPU_KERNEL_HEAD_DIMS``.
@@ -173,9 +173,8 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         k_scale = v_scale = None
         if isinstance(kv_cache, QuantizedKVCache):
-            if kv_cache.fmt.scale != "token":  # fp8: the kernel has no fp8 loads yet
-                return super().decode(q, kv_cache, meta, scale)
-            k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]  # int8, per token
+            # int8: [slots, H] float16 per token; fp8: [H] float32 per head
+            k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]
             data = kv_cache.data
         else:
             data = kv_cache

@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -18,10 +20,13 @@
 
 namespace {
 
-// Per-(slot, KV head) float16 scales of an int8 cache; null pointers for a plain cache.
+// Quantized caches: int8 has float16 scales per (slot, KV head); fp8 has float32 scales per
+// KV head. Null pointers for a plain cache.
 struct Scales {
-  const c10::Half* k = nullptr;
+  const c10::Half* k = nullptr;  // per token (int8)
   const c10::Half* v = nullptr;
+  const float* k_head = nullptr;  // per head (fp8)
+  const float* v_head = nullptr;
 };
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -33,6 +38,8 @@ inline float load(const c10::BFloat16* p, int64_t i) {
   return f;
 }
 inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::Float8_e4m3fn* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::Float8_e5m2* p, int64_t i) { return static_cast<float>(p[i]); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
 inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
@@ -64,6 +71,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     alignas(64) float vrows[CH][D];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
+      const float k_head_scale = scales.k_head ? scales.k_head[h] : 1.f;
+      const float v_head_scale = scales.v_head ? scales.v_head[h] : 1.f;
       const int64_t len = lp[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       // attention sinks: the first tokens stay visible below the window
@@ -82,7 +91,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         const int64_t slot0 = tp[b * MB + c0 / BS] * BS + c0 % BS;
         for (int64_t t = 0; t < nt; ++t) {
           const ct* src = kp + (slot0 + t) * row + h * D;
-          const float ks = scales.k ? static_cast<float>(scales.k[(slot0 + t) * Hkv + h]) : 1.f;
+          const float ks =
+              scales.k ? static_cast<float>(scales.k[(slot0 + t) * Hkv + h]) : k_head_scale;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) krow[d] = load(src, d) * ks;
           for (int64_t g = 0; g < G; ++g) {
@@ -95,7 +105,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         }
         for (int64_t t = 0; t < nt; ++t) {
           const ct* src = vp + (slot0 + t) * row + h * D;
-          const float vs = scales.v ? static_cast<float>(scales.v[(slot0 + t) * Hkv + h]) : 1.f;
+          const float vs =
+              scales.v ? static_cast<float>(scales.v[(slot0 + t) * Hkv + h]) : v_head_scale;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) vrows[t][d] = load(src, d) * vs;
         }
@@ -161,6 +172,10 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     case at::kBFloat16: return dispatch_dim<qt, c10::BFloat16>(q, k, v, t, l, o, s, w, sk, sc);
     case at::kHalf: return dispatch_dim<qt, c10::Half>(q, k, v, t, l, o, s, w, sk, sc);
     case at::kChar: return dispatch_dim<qt, int8_t>(q, k, v, t, l, o, s, w, sk, sc);
+    case at::kFloat8_e4m3fn:
+      return dispatch_dim<qt, c10::Float8_e4m3fn>(q, k, v, t, l, o, s, w, sk, sc);
+    case at::kFloat8_e5m2:
+      return dispatch_dim<qt, c10::Float8_e5m2>(q, k, v, t, l, o, s, w, sk, sc);
     default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k.scalar_type());
   }
 }
@@ -168,7 +183,8 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks] int64;
 // lens [B] int64 (context length incl. the new token); window <= 0 means no window;
 // with a window, the first `sinks` positions are attended as well. An int8 cache comes with
-// float16 scales [slots, kv_heads] per token and head (k_scale, v_scale).
+// float16 scales [slots, kv_heads] per token and head (k_scale, v_scale), an fp8 cache with
+// float32 scales [kv_heads].
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& tables,
                         const at::Tensor& lens, double scale, int64_t window,
@@ -198,6 +214,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                 vsc.numel() == ksc.numel(), "paged_decode: scale shape mismatch");
     scales.k = ksc.data_ptr<c10::Half>();
     scales.v = vsc.data_ptr<c10::Half>();
+  } else if (kc.scalar_type() == at::kFloat8_e4m3fn || kc.scalar_type() == at::kFloat8_e5m2) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(),
+                "paged_decode: an fp8 cache needs k_scale and v_scale");
+    ksc = k_scale->contiguous();
+    vsc = v_scale->contiguous();
+    TORCH_CHECK(ksc.scalar_type() == at::kFloat && vsc.scalar_type() == at::kFloat &&
+                ksc.numel() == kc.size(2) && vsc.numel() == kc.size(2),
+                "paged_decode: fp8 scales must be float32 [kv_heads]");
+    scales.k_head = ksc.data_ptr<float>();
+    scales.v_head = vsc.data_ptr<float>();
   }
   switch (qc.scalar_type()) {
     case at::kFloat: dispatch_cache<float>(qc, kc, vc, tc, lc, out, scale, window, sinks, scales); break;
