@@ -13,6 +13,17 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+POLL_INTERVAL_S = 0.05
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; raise TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout}s")
+        time.sleep(POLL_INTERVAL_S)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -46,19 +57,17 @@ class ServerProcess:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{self.log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log.read_text()[-3000:]}")
+        wait_until(self._ready, timeout, f"server ready (log: {self.log})")
 
     def metric(self, name: str) -> float:
         """Sum of a metric's samples on /metrics."""

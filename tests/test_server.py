@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
-from server_proc import ServerProcess, running_server
+from server_proc import ServerProcess, running_server, wait_until
 
 from kvserve import LLM, SamplingParams
 
@@ -168,14 +167,14 @@ def test_32_concurrent_streams_and_aborts_free_kv(server):
     texts, chunks = asyncio.run(main())
     assert len(texts) == 32 and all(isinstance(t, str) for t in texts)
     assert chunks == 12
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if (
+    wait_until(
+        lambda: (
             server.metric('kvserve_kv_cache_blocks{model_name="tiny",state="used"}') == 0
             and server.metric("kvserve_num_requests_running") == 0
-        ):
-            break
-        time.sleep(0.2)
+        ),
+        30,
+        "KV blocks freed after the streams",
+    )
     assert server.metric('kvserve_kv_cache_blocks{model_name="tiny",state="used"}') == 0
     assert server.metric("kvserve_num_requests_running") == 0
     assert server.metric("kvserve_request_success_total") >= 32
@@ -251,9 +250,7 @@ def test_queue_full_429_and_graceful_drain(llama_dir, tmp_path):
 
         first = threading.Thread(target=long_stream, args=("first",))
         first.start()
-        deadline = time.monotonic() + 30
-        while not results.get("first_started") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: results.get("first_started"), 30, "first stream started")
         # while "first" runs (~200 decode steps), five more arrive at once: one may wait,
         # the rest find the queue full
         codes: list[tuple[int, dict]] = []
@@ -276,9 +273,7 @@ def test_queue_full_429_and_graceful_drain(llama_dir, tmp_path):
         results.clear()
         second = threading.Thread(target=long_stream, args=("second",))
         second.start()
-        deadline = time.monotonic() + 30
-        while not results.get("second_started") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: results.get("second_started"), 30, "second stream started")
         proc.proc.send_signal(signal.SIGTERM)
         try:
             late = _post(proc, "/v1/completions", {"prompt": "z"}, key=None)[0]
