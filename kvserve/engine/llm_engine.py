@@ -183,7 +183,9 @@ class LLMEngine:
         n = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        caches = self.kv_spec.allocate(cdiv(n, self.kv_spec.block_size), self.device)
+        caches = self.kv_spec.allocate(
+            cdiv(n, self.kv_spec.block_size), self.device, self.kv_format
+        )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = AttentionMetadata(

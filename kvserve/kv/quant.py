@@ -68,10 +68,6 @@ class QuantizedKVCache:
             self.qmax = float(torch.finfo(fmt.storage).max)
         self.calibrating = False
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
     def set_head_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Per-head fp8 scales (scalars broadcast); must precede any write."""
         if self.fmt.scale != "head":
