@@ -2,6 +2,7 @@
 # GPU check for a session that draws a device machine (see the device tool's README).
 # The device image has torch, transformers, pytest, hypothesis, tokenizers, safetensors,
 # jinja2, tqdm and ninja, and no network, so the project runs from the tree via PYTHONPATH.
+# (The server tests need fastapi/uvicorn/openai, absent there, so they are not run.)
 # Tests pick device "auto" = cuda there (the CPU-kernel variants pin device cpu).
 #   run: bash scripts/gpu_check.sh    (about 2-4 minutes)
 set -uo pipefail
@@ -12,7 +13,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_model_vs_hf.py tests/test_engine.py tests/test_api.py 2>&1 | tee "$OUT/pytest.txt"
+  tests/test_model_vs_hf.py tests/test_engine.py tests/test_api.py \
+  tests/test_prefix_cache.py tests/test_kv_quant.py tests/test_sliding_window.py \
+  2>&1 | tee "$OUT/pytest.txt"
 # KV capacity from gpu_memory_utilization after the profiling pass, and a quick throughput.
 python3 - <<'PY' 2>&1 | tee "$OUT/capacity.txt"
 import logging, time, torch
