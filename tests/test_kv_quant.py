@@ -50,7 +50,7 @@ def test_dequantized_kv_relative_error_per_layer(model_dirs, arch):
     engine.step()
     table = engine.kv.block_table("a")
     slots = torch.cat([torch.arange(b * 16, b * 16 + 16) for b in table])[:200]
-    idx = torch.arange(len(slots))
+    idx = torch.arange(len(slots), device=engine.runner.kv_caches[0].device)
     for dt, bound in REL_ERR_BOUND.items():
         for layer in engine.runner.kv_caches:
             q = QuantizedKVCache(
@@ -58,7 +58,7 @@ def test_dequantized_kv_relative_error_per_layer(model_dirs, arch):
                 len(slots),
                 layer.shape[2],
                 layer.shape[3],
-                torch.device("cpu"),
+                layer.device,
             )
             q.write(idx, layer[0][slots], layer[1][slots])
             for which in (0, 1):

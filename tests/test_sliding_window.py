@@ -43,6 +43,7 @@ def test_user_window_with_sinks_bounds_blocks(llama_dir, backend):
         sliding_window=32,
         attention_sinks=4,
         attention_backend=backend,
+        device="cpu" if backend == "cpu" else "auto",
         max_num_batched_tokens=16,
     )
     assert engine.window == 32 and engine.attention_sinks == 4
@@ -57,13 +58,17 @@ def test_sinks_kernel_and_mask_paths_agree(llama_dir):
     outs = []
     for backend in ("torch", "cpu"):
         engine = make_engine(
-            llama_dir, sliding_window=24, attention_sinks=4, attention_backend=backend
+            llama_dir,
+            sliding_window=24,
+            attention_sinks=4,
+            attention_backend=backend,
+            device="cpu",  # the C++ kernel vs the mask path, on the same device
         )
         engine.add_request("s", prompt, greedy(40))
         outs.append(run_to_end(engine)["s"])
     assert outs[0] == outs[1]
     # and the window really changes the computation compared with full attention
-    full = make_engine(llama_dir)
+    full = make_engine(llama_dir, device="cpu")
     full.add_request("s", prompt, greedy(40))
     assert run_to_end(full)["s"] != outs[0]
 
