@@ -121,7 +121,16 @@ def _plan_usage(ns: argparse.Namespace) -> int:
     from kvserve.planner.report import print_usage
     from kvserve.planner.usage import analyze, load_usage
 
-    ts, used = load_usage(ns.usage, ns.tenant)
+    if ns.prometheus:
+        from kvserve.planner.prometheus import load_prometheus, parse_duration
+
+        if ns.tenant:
+            raise ValueError("--tenant applies to --usage FILE; with --prometheus use --query")
+        ts, used = load_prometheus(
+            ns.prometheus, parse_duration(ns.range), parse_duration(ns.step), ns.query
+        )
+    else:
+        ts, used = load_usage(ns.usage, ns.tenant)
     report = analyze(ts, used, headroom=ns.headroom)
     if ns.plot:
         from kvserve.planner.plot import plot_usage
@@ -141,10 +150,10 @@ def _plan(ns: argparse.Namespace) -> int:
 
     from kvserve.planner.capacity import PlanInput, plan, variant
 
-    if ns.usage:
+    if ns.usage or ns.prometheus:
         return _plan_usage(ns)
     if not ns.model:
-        raise ValueError("kvserve plan needs --model (or --usage FILE)")
+        raise ValueError("kvserve plan needs --model (or --usage FILE / --prometheus URL)")
     from kvserve.planner.report import print_plans
     from kvserve.utils import parse_size
 
@@ -228,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", help="preset name, model directory or config.json")
     pl.add_argument("--usage", help="JSONL of KV usage samples recorded by --kv-usage-log")
     pl.add_argument("--tenant", default=None, help="with --usage: one tenant's demand only")
+    pl.add_argument("--prometheus", help="Prometheus base URL scraping kvserve's /metrics")
+    pl.add_argument("--range", default="14d", help="with --prometheus: how far back")
+    pl.add_argument("--step", default="15s", help="with --prometheus: sample spacing")
+    pl.add_argument(
+        "--query",
+        default="sum(kvserve_kv_cache_used_bytes)",
+        help="with --prometheus: PromQL for KV demand in bytes (one series)",
+    )
     pl.add_argument("--headroom", type=float, default=0.15, help="with --usage: P99 × (1+h)")
     pl.add_argument("--plot", help="with --usage: write a PNG of distribution and time series")
     pl.add_argument("--dtype", default="bfloat16", help="weight dtype")

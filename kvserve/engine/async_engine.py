@@ -246,6 +246,7 @@ class AsyncLLMEngine:
             "kv_blocks_used": e.kv.pool.num_used,
             "kv_blocks_total": e.kv.num_blocks,
             "kv_blocks_cached_free": e.kv.pool.num_cached_free,
+            "kv_block_bytes": e.kv_spec.bytes_per_block,
             "prefix_cache_queries": e.kv.stats.queries,
             "prefix_cache_hits": e.kv.stats.hits,
             "num_preemptions": e.scheduler.num_preemptions,

@@ -69,6 +69,16 @@ class _EngineCollector:
             "Fraction of KV blocks in use (0-1).",
             s["kv_blocks_used"] / total,
         )
+        yield gauge(
+            "kvserve_kv_cache_used_bytes",
+            "Bytes of KV in used blocks (the demand kvserve plan --prometheus reads).",
+            s["kv_blocks_used"] * s["kv_block_bytes"],
+        )
+        yield gauge(
+            "kvserve_kv_cache_capacity_bytes",
+            "Bytes of the KV pool.",
+            s["kv_blocks_total"] * s["kv_block_bytes"],
+        )
         blocks = GaugeMetricFamily(
             "kvserve_kv_cache_blocks", "KV blocks by state.", labels=[*names, "state"]
         )
