@@ -70,6 +70,7 @@ def _generate(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     from kvserve.server.app import ServerConfig
     from kvserve.server.serve import run_server
+    from kvserve.tenants import TenantsConfig
 
     if ns.model is None:
         ns.model = _default_model()
@@ -81,8 +82,28 @@ def _serve(ns: argparse.Namespace) -> int:
         admin_key=ns.admin_key,
         max_waiting_requests=ns.max_waiting_requests,
         graceful_timeout=ns.graceful_timeout,
+        tenants=TenantsConfig.load(ns.tenants) if ns.tenants else None,
     )
     run_server(EngineArgs.from_cli(ns), config, ns.log_level)
+    return 0
+
+
+def _hash_key(ns: argparse.Namespace) -> int:
+    from kvserve.tenants import hash_key
+
+    print(hash_key(ns.key))
+    return 0
+
+
+def _check_tenants(ns: argparse.Namespace) -> int:
+    from kvserve.tenants import TenantsConfig
+
+    budgets = TenantsConfig.load(ns.file).resolve(ns.pool_blocks, ns.block_size, ns.bytes_per_block)
+    for b in budgets.values():
+        print(
+            f"{b.tenant.name}: priority {b.tenant.priority}, reservation "
+            f"{b.reservation_blocks} blocks, limit {b.limit_blocks} blocks"
+        )
     return 0
 
 
@@ -201,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", action="append", help="accepted Bearer key (repeatable; none = open)"
     )
     sv.add_argument("--admin-key", default=None, help="Bearer key for /admin/* endpoints")
+    sv.add_argument("--tenants", default=None, help="tenants YAML: API key hashes → tenant")
     sv.add_argument(
         "--max-waiting-requests", type=int, default=1024, help="queue bound; beyond: 429"
     )
@@ -216,6 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_args(bs)
     bs.set_defaults(func=_bench_serve)
+
+    tn = sub.add_parser("tenants", help="tenant file helpers")
+    tn_sub = tn.add_subparsers(dest="tenants_command", required=True)
+    hk = tn_sub.add_parser("hash-key", help="print the stored form of an API key")
+    hk.add_argument("key")
+    hk.set_defaults(func=_hash_key)
+    ck = tn_sub.add_parser("check", help="validate a tenants file against a KV pool size")
+    ck.add_argument("file")
+    ck.add_argument("--pool-blocks", type=int, required=True)
+    ck.add_argument("--block-size", type=int, default=16)
+    ck.add_argument("--bytes-per-block", type=int, required=True)
+    ck.set_defaults(func=_check_tenants)
 
     ev = sub.add_parser("eval", help="quality measurements through the serving path")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)

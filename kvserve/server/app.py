@@ -31,6 +31,7 @@ from kvserve.server.errors import APIError, bad_request
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.render import ChoiceState, usage
+from kvserve.tenants import TenantsConfig
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class ServerConfig:
     admin_key: str | None = None
     max_waiting_requests: int = 1024
     graceful_timeout: float = 30.0
+    tenants: TenantsConfig | None = None  # API key → tenant; overrides api_keys
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:

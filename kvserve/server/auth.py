@@ -1,5 +1,6 @@
-"""API keys → principal (tenant). Until the tenant pool lands every valid key maps to the
-``default`` tenant; ``resolve`` is where per-tenant keys plug in."""
+"""API keys → principal (tenant): with a tenants file (``--tenants``) each key's hash names
+its tenant and key-less requests go to the file's default tenant (or get 401); otherwise
+``--api-key`` values are accepted and everything is the ``default`` tenant."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def authenticate(request: Request, config: ServerConfig, admin: bool = False) ->
         if not _matches(key, (config.admin_key,)):
             raise APIError(401, "invalid admin key", "AuthenticationError", code="invalid_api_key")
         return Principal(admin=True)
+    if config.tenants is not None:
+        tenant = config.tenants.tenant_for_key(key)
+        if tenant is None:
+            message = "Incorrect API key provided." if key else "An API key is required."
+            raise APIError(401, message, "AuthenticationError", code="invalid_api_key")
+        return Principal(tenant=tenant)
     if not config.api_keys:
         return Principal()
     if not _matches(key, config.api_keys):

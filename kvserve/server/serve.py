@@ -40,7 +40,26 @@ class _DrainingServer(uvicorn.Server):
 
 def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
     """Serve until a signal; returns after a graceful shutdown."""
-    engine = AsyncLLMEngine(LLMEngine(engine_args))
+    llm_engine = LLMEngine(engine_args)
+    if config.tenants is not None:
+        kv = llm_engine.kv
+        budgets = config.tenants.resolve(
+            kv.num_blocks, kv.block_size, llm_engine.kv_spec.bytes_per_block
+        )
+        for b in budgets.values():
+            logger.info(
+                "tenant %s: priority %d, reservation %d blocks, limit %d blocks",
+                b.tenant.name,
+                b.tenant.priority,
+                b.reservation_blocks,
+                b.limit_blocks,
+            )
+        logger.warning(
+            "tenant KV reservations and limits are validated but not yet enforced by the "
+            "scheduler; tenants currently separate API keys, usage samples and (with "
+            "--prefix-cache-isolation tenant) the prefix cache"
+        )
+    engine = AsyncLLMEngine(llm_engine)
     app = build_app(engine, config)
     engine.start()
 

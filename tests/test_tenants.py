@@ -1,0 +1,159 @@
+"""Tenants file: parsing, validation against a pool, API key → tenant in a real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from server_proc import running_server
+
+from kvserve.tenants import Amount, TenantsConfig, hash_key
+
+ACME_KEY, BETA_KEY = "sk-acme", "sk-beta"
+
+
+def _config(**overrides) -> dict:
+    cfg = {
+        "default_tenant": None,
+        "tenants": [
+            {
+                "name": "acme",
+                "api_keys": [hash_key(ACME_KEY)],
+                "priority": 10,
+                "reservation": "25%",
+                "limit": "60%",
+                "max_concurrent_requests": 8,
+            },
+            {
+                "name": "beta",
+                "api_keys": [hash_key(BETA_KEY)],
+                "reservation": "64 tokens",
+                "limit": "1MiB",
+            },
+        ],
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def test_amounts_resolve_to_blocks():
+    pool, bs, bpb = 200, 16, 4096
+    assert Amount.parse(12, "x").blocks(pool, bs, bpb) == 12
+    assert Amount.parse("12 blocks", "x").blocks(pool, bs, bpb) == 12
+    assert Amount.parse("17 tokens", "x").blocks(pool, bs, bpb) == 2  # rounds up
+    assert Amount.parse("1MiB", "x").blocks(pool, bs, bpb) == 256
+    assert Amount.parse("25%", "x").blocks(pool, bs, bpb) == 50
+    for bad in ("lots", "150%", -1, True):
+        with pytest.raises(ValueError, match="x"):
+            Amount.parse(bad, "x")
+
+
+def test_resolve_and_keys():
+    cfg = TenantsConfig.from_dict(_config())
+    budgets = cfg.resolve(pool_blocks=200, block_size=16, bytes_per_block=4096)
+    assert (budgets["acme"].reservation_blocks, budgets["acme"].limit_blocks) == (50, 120)
+    assert (budgets["beta"].reservation_blocks, budgets["beta"].limit_blocks) == (4, 200)
+    assert cfg.tenant_for_key(ACME_KEY) == "acme"
+    assert cfg.tenant_for_key(BETA_KEY) == "beta"
+    assert cfg.tenant_for_key("sk-nobody") is None
+    assert cfg.tenant_for_key(None) is None  # no default tenant: refused
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"default_tenant": "ghost"}, "default_tenant 'ghost'"),
+        ({"extra": 1}, "unknown field"),
+        ({"tenants": [{"name": "a", "api_keys": ["sk-plain"]}]}, "hashes"),
+        ({"tenants": [{"name": "a"}, {"name": "a"}]}, "defined twice"),
+        ({"tenants": [{"name": "a", "reservation": "70%", "limit": "50%"}]}, "exceeds its limit"),
+        (
+            {"tenants": [{"name": "a", "reservation": "60%"}, {"name": "b", "reservation": "50%"}]},
+            "reservations add up to 220 blocks but the KV pool has 200",
+        ),
+        ({"tenants": [{"name": "a", "colour": "red"}]}, "unknown field"),
+    ],
+)
+def test_bad_files_are_rejected_with_the_reason(change, message):
+    with pytest.raises(ValueError, match=message):
+        TenantsConfig.from_dict(_config(**change), "t.yaml").resolve(200, 16, 4096)
+
+
+def test_cli_check_rejects_overbooked_reservations(tmp_path):
+    import yaml
+
+    path = tmp_path / "t.yaml"
+
+    def check(cfg: dict, pool: int) -> subprocess.CompletedProcess:
+        path.write_text(yaml.safe_dump(cfg))
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "tenants",
+            "check",
+            str(path),
+            "--pool-blocks",
+            str(pool),
+            "--bytes-per-block",
+            "4096",
+        ]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    ok = check(_config(), 200)
+    assert ok.returncode == 0 and "acme: priority 10, reservation 50 blocks" in ok.stdout
+    over = _config(
+        tenants=[{"name": "a", "reservation": "60%"}, {"name": "b", "reservation": "300 blocks"}]
+    )
+    bad = check(over, 400)
+    assert bad.returncode == 2
+    assert "reservations add up to 540 blocks but the KV pool has 400" in bad.stderr
+
+
+def test_server_maps_keys_to_tenants(llama_dir, tmp_path):
+    import yaml
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(_config()))
+    usage = tmp_path / "usage.jsonl"
+    with running_server(
+        llama_dir,
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-model-len",
+        "256",
+        "--tenants",
+        str(path),
+        "--kv-usage-log",
+        str(usage),
+        "--kv-usage-interval",
+        "0.001",
+        log=tmp_path / "serve.log",
+    ) as server:
+
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+        out = client(ACME_KEY).completions.create(
+            model=str(llama_dir), prompt="x" * 40, max_tokens=40, extra_body={"ignore_eos": True}
+        )
+        assert out.usage.completion_tokens == 40
+        with pytest.raises(openai.AuthenticationError):
+            client("sk-nobody").completions.create(model=str(llama_dir), prompt="x")
+        req = urllib.request.Request(
+            server.url + "/v1/completions",
+            method="POST",
+            data=b'{"prompt": "x"}',
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as no_key:
+            urllib.request.urlopen(req, timeout=30)
+        assert no_key.value.code == 401  # no default tenant: key-less requests refused
+    samples = [json.loads(line) for line in usage.read_text().splitlines()]
+    assert any(s.get("tenants", {}).get("acme", 0) > 0 for s in samples)
+    assert not any("beta" in s.get("tenants", {}) for s in samples)
