@@ -11,6 +11,22 @@ from kvserve.model.cpu_kernels import load_cpu_kernels
 BS = 16
 
 
+def _decode_meta(lens: list[int], tables: torch.Tensor, window: int | None, sinks: int):
+    """Decode metadata with the validity mask the PyTorch reference path needs."""
+    pos = torch.arange(tables.shape[1] * BS).unsqueeze(0)
+    lens_t = torch.tensor(lens).unsqueeze(1)
+    mask = pos < lens_t
+    if window is not None:
+        mask &= (pos > lens_t - 1 - window) | (pos < sinks)
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_decodes=len(lens),
+        decode_block_tables=tables,
+        decode_lens=torch.tensor(lens),
+        decode_mask=mask.view(len(lens), 1, 1, -1),
+    )
+
+
 def test_cpu_kernel_builds_here():
     # CI machines have a compiler; the fallback exists for machines without one.
     assert load_cpu_kernels()
@@ -32,18 +48,7 @@ def test_decode_kernel_matches_sdpa_path(dtype, window, sinks, heads):
         nb = -(-n // BS)
         tables[i, :nb] = perm[i * 4 : i * 4 + nb]
     q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
-    pos = torch.arange(4 * BS).unsqueeze(0)
-    lens_t = torch.tensor(lens).unsqueeze(1)
-    mask = pos < lens_t
-    if window is not None:
-        mask &= (pos > lens_t - 1 - window) | (pos < sinks)
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        num_decodes=len(lens),
-        decode_block_tables=tables,
-        decode_lens=torch.tensor(lens),
-        decode_mask=mask.view(len(lens), 1, 1, -1),
-    )
+    meta = _decode_meta(lens, tables, window, sinks)
     ref = TorchPagedAttention(BS).decode(q.float(), cache.float(), meta, 0.3)
     got = CpuPagedAttention(BS, window, sinks).decode(q, cache, meta, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -97,8 +102,10 @@ def test_decode_kernel_reads_quantized_cache_like_the_dequantizing_path(fmt, win
     g = torch.Generator().manual_seed(1)
     num_blocks, hq, hkv, d = 16, 6, 2, 64
     cache = QuantizedKVCache(
-        kv_format("int8", torch.float32), num_blocks * BS, hkv, d, torch.device("cpu")
+        kv_format(fmt, torch.float32), num_blocks * BS, hkv, d, torch.device("cpu")
     )
+    if fmt != "int8":
+        cache.set_head_scales(torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.5]))
     slots = torch.arange(num_blocks * BS)
     cache.write(
         slots,
@@ -108,18 +115,7 @@ def test_decode_kernel_reads_quantized_cache_like_the_dequantizing_path(fmt, win
     lens = [1, 17, 40, 64]
     tables = torch.randperm(num_blocks, generator=g)[:16].view(4, 4)
     q = torch.randn(len(lens), hq, d, generator=g)
-    pos = torch.arange(4 * BS).unsqueeze(0)
-    lens_t = torch.tensor(lens).unsqueeze(1)
-    mask = pos < lens_t
-    if window is not None:
-        mask &= (pos > lens_t - 1 - window) | (pos < sinks)
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        num_decodes=len(lens),
-        decode_block_tables=tables,
-        decode_lens=torch.tensor(lens),
-        decode_mask=mask.view(len(lens), 1, 1, -1),
-    )
+    meta = _decode_meta(lens, tables, window, sinks)
     ref = TorchPagedAttention(BS).decode(q, cache, meta, 0.125)
     got = CpuPagedAttention(BS, window, sinks).decode(q, cache, meta, 0.125)
     assert (got - ref).abs().max().item() < 1e-4
