@@ -63,6 +63,18 @@ def worker(model: str, rate: float, caching: bool, n: int, length: int, out_len:
     }
 
 
+def _workload(args: argparse.Namespace) -> list[str]:
+    """The workload flags both engines' workers take."""
+    return [
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+    ]
+
+
 def run_kvserve(args: argparse.Namespace, rate: float, caching: bool) -> dict:
     env = dict(os.environ)
     lib = find_tcmalloc()
@@ -76,12 +88,7 @@ def run_kvserve(args: argparse.Namespace, rate: float, caching: bool) -> dict:
         args.model,
         "--rate",
         str(rate),
-        "--num-prompts",
-        str(args.num_prompts),
-        "--input-len",
-        str(args.input_len),
-        "--output-len",
-        str(args.output_len),
+        *_workload(args),
     ]
     if caching:
         cmd.append("--caching")
@@ -98,12 +105,7 @@ def run_vllm(args: argparse.Namespace, rate: float, caching: bool) -> dict | Non
         str(HERE / "peer_vllm.py"),
         "--model",
         args.model,
-        "--num-prompts",
-        str(args.num_prompts),
-        "--input-len",
-        str(args.input_len),
-        "--output-len",
-        str(args.output_len),
+        *_workload(args),
         "--shared-prefix-frac",
         str(rate),
         "--prefix-caching" if caching else "--no-prefix-caching",

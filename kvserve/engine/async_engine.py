@@ -186,19 +186,6 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, request_id, queue, num_prompt_tokens)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        seed: int | None = None,
-        **kwargs: Any,
-    ) -> AsyncIterator[RequestOutput]:
-        """``add_request`` and iterate its stream."""
-        stream = await self.add_request(request_id, prompt, params, seed, **kwargs)
-        async for out in stream:
-            yield out
-
     # ---- the thread -------------------------------------------------------------------
     def _run(self) -> None:
         try:

@@ -135,9 +135,6 @@ class BlockPool:
             return None
         return b
 
-    def block_hash(self, block: int) -> BlockHash | None:
-        return self._hash[block]
-
     def evict_cached(self) -> int:
         """Drop every cached-free block's hash (reset the prefix cache); returns how many."""
         n = 0

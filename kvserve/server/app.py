@@ -27,7 +27,7 @@ from kvserve.engine.llm_engine import EngineError
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams, child_seed
 from kvserve.server.auth import Principal, authenticate
-from kvserve.server.errors import APIError, bad_request
+from kvserve.server.errors import APIError, bad_request, unavailable
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.render import ChoiceState, usage
@@ -101,14 +101,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
-            raise APIError(503, "the engine is not running", "ServiceUnavailableError")
+            raise unavailable("the engine is not running")
         return Response(status_code=200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         if not engine.is_running or state.draining:
             reason = "draining" if state.draining else "engine not running"
-            raise APIError(503, f"not ready: {reason}", "ServiceUnavailableError")
+            raise unavailable(f"not ready: {reason}")
         return JSONResponse({"status": "ready", "model": state.model_name})
 
     @app.get("/metrics")
@@ -143,9 +143,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     # ---- generation -------------------------------------------------------------------------
     def _admit(body: CompletionRequest | ChatCompletionRequest) -> None:
         if state.draining:
-            raise APIError(503, "the server is shutting down", "ServiceUnavailableError")
+            raise unavailable("the server is shutting down")
         if not engine.is_running:
-            raise APIError(503, "the engine is not running", "ServiceUnavailableError")
+            raise unavailable("the engine is not running")
         if body.model is not None and body.model not in state.model_aliases:
             raise APIError(
                 404,
@@ -196,7 +196,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         except EngineDeadError as e:
             for s in streams:
                 s.abort()
-            raise APIError(503, str(e), "ServiceUnavailableError") from None
+            raise unavailable(str(e)) from None
         return streams
 
     @app.post("/v1/completions")
@@ -307,7 +307,7 @@ async def _respond(
                 observe(choices[i], out)
                 choices[i].update(out)
         except EngineDeadError as e:
-            raise APIError(503, str(e), "ServiceUnavailableError") from None
+            raise unavailable(str(e)) from None
         completion_tokens = sum(c.num_tokens for c in choices)
         cached = sum(c.num_cached_tokens for c in choices) // max(params.n, 1)
         return JSONResponse(
