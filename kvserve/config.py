@@ -15,6 +15,8 @@ from kvserve.kv.quant import KV_CACHE_DTYPES
 from kvserve.utils import parse_size
 
 PREFIX_CACHE_ISOLATION = ("none", "tenant")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+PREEMPTION_VICTIMS = ("cost", "latest")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
@@ -59,6 +61,8 @@ class CacheConfig:
     ``sliding_window`` (tokens) overrides the model's window, or applies one to any model;
     ``attention_sinks`` first tokens then stay visible (default 4 with a user window, 0 for
     a model's own window). Blocks outside the window are freed as a sequence grows.
+    ``swap_space`` (bytes) bounds the host memory holding swapped-out requests' K/V; it is
+    taken only while requests are swapped out (0 disables swapping).
     """
 
     block_size: int = 16
@@ -70,8 +74,11 @@ class CacheConfig:
     prefix_cache_isolation: str = "none"
     sliding_window: int | None = None
     attention_sinks: int | None = None
+    swap_space: int = 4 * 1024**3
 
     def __post_init__(self) -> None:
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -100,11 +107,20 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits per engine step."""
+    """Continuous-batching limits per engine step, and preemption.
+
+    ``preemption_mode``: ``swap`` (copy a victim's K/V to the host swap space while it has
+    room), ``recompute`` (free it, re-prefill later) or ``auto`` (per victim, whichever the
+    measured-cost model says is cheaper). ``preemption_victim``: ``cost`` (cheapest to
+    restore per freed block) or ``latest`` (latest arrival, vLLM's rule) among requests
+    of equal reservation standing and priority.
+    """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    preemption_victim: str = "cost"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -113,6 +129,16 @@ class SchedulerConfig:
             )
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode {self.preemption_mode!r} is not one of "
+                f"{', '.join(PREEMPTION_MODES)}"
+            )
+        if self.preemption_victim not in PREEMPTION_VICTIMS:
+            raise ValueError(
+                f"preemption_victim {self.preemption_victim!r} is not one of "
+                f"{', '.join(PREEMPTION_VICTIMS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -128,7 +154,7 @@ class ObservabilityConfig:
             raise ValueError(f"kv_usage_interval must be positive, got {self.kv_usage_interval}")
 
 
-_SIZE_FIELDS = {"kv_cache_memory"}
+_SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
 _STR_FIELDS = {"kv_usage_log"}
 _ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}  # extra flag that sets False
 
@@ -155,9 +181,12 @@ class EngineArgs:
     prefix_cache_isolation: str = "none"
     sliding_window: int | None = None
     attention_sinks: int | None = None
+    swap_space: int | str = "4GiB"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    preemption_victim: str = "cost"
     kv_usage_log: str | None = None
     kv_usage_interval: float = 10.0
 
@@ -183,11 +212,16 @@ class EngineArgs:
             self.prefix_cache_isolation,
             self.sliding_window,
             self.attention_sinks,
+            parse_size(self.swap_space),
         )
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
-            self.max_num_batched_tokens, self.max_num_seqs, self.enable_chunked_prefill
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
+            self.enable_chunked_prefill,
+            self.preemption_mode,
+            self.preemption_victim,
         )
 
     def observability_config(self) -> ObservabilityConfig:

@@ -1,8 +1,8 @@
 """Request state machine and the user-facing output types.
 
-States: WAITING → RUNNING → (PREEMPTED → WAITING → RUNNING …) → FINISHED_*.
+States: WAITING → RUNNING → (PREEMPTED | SWAPPED → RUNNING …) → FINISHED_*.
 A request's token list is prompt + generated tokens; ``num_computed_tokens`` counts how
-many of them have K/V in the cache. Preemption by recompute resets it to 0.
+many of them have K/V in the cache. Preemption by recompute resets it to 0; by swap it is kept.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from kvserve.sampling import Logprob, SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # blocks freed; recomputed when resumed
+    SWAPPED = "swapped"  # blocks copied to the host swap space; copied back when resumed
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

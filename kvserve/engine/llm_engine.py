@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,8 @@ from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import kv_format
+from kvserve.kv.swap import SwapSpace
+from kvserve.kv.tenant_ledger import Budget
 from kvserve.model.attention import (
     CPU_KERNEL_HEAD_DIMS,
     AttentionMetadata,
@@ -32,6 +35,7 @@ from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
 from kvserve.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from kvserve.sampling import SamplingParams
+from kvserve.sched.cost import PreemptionCostModel, attention_pairs
 from kvserve.sched.scheduler import Scheduler
 from kvserve.utils import cdiv, format_size, resolve_device
 
@@ -112,7 +116,20 @@ class LLMEngine:
             self.window,
             self.attention_sinks,
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.cost_model = PreemptionCostModel(self.kv_spec.bytes_per_token)
+        self.cost_model.calibrate_copy(self.device)
+        self.swap = None
+        if self.cache_config.swap_space and self.scheduler_config.preemption_mode != "recompute":
+            self.swap = SwapSpace(
+                self.runner.kv_caches,
+                self.kv.block_size,
+                self.kv_spec.bytes_per_block,
+                self.cache_config.swap_space,
+                on_copy=self.cost_model.observe_copy,
+            )
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.kv, swap=self.swap, cost=self.cost_model
+        )
         self.requests: dict[str, Request] = {}
         obs = args.observability_config()
         self.usage_recorder = (
@@ -274,6 +291,13 @@ class LLMEngine:
                 f"the request needs {self.kv.blocks_needed(len(ids) + max_tokens)} KV blocks, "
                 f"the whole cache has {self.kv.num_blocks}"
             )
+        tenant_limit = self.kv.ledger.limit(tenant)
+        if self.kv.blocks_needed(len(ids) + max_tokens) > tenant_limit:
+            raise EngineError(
+                f"the request needs {self.kv.blocks_needed(len(ids) + max_tokens)} KV blocks "
+                f"({len(ids)} prompt tokens + max_tokens {max_tokens}), more than tenant "
+                f"{tenant!r}'s limit of {tenant_limit} blocks"
+            )
         req_seed = seed if seed is not None else params.seed
         if req_seed is None:
             req_seed = self._rng.getrandbits(63)
@@ -324,7 +348,15 @@ class LLMEngine:
             )
         if sched.is_empty:
             return []
+        t0 = time.perf_counter()
         result = self.runner.run(sched.scheduled)
+        self.cost_model.observe_step(
+            sched.num_tokens,
+            attention_pairs(
+                [(s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+            ),
+            time.perf_counter() - t0,
+        )
         outputs = []
         for s in sched.scheduled:
             req = s.request
@@ -405,17 +437,22 @@ class LLMEngine:
         )
 
     def tenant_blocks(self) -> dict[str, int]:
-        """Live KV blocks per tenant of the running requests. A block shared by several
-        requests (prefix caching) counts for each holder's tenant: this is demand, so the
-        tenants may sum to more than the pool's used blocks."""
-        out: dict[str, int] = {}
-        for r in self.scheduler.running:
-            out[r.tenant] = out.get(r.tenant, 0) + self.kv.num_live_blocks(r.request_id)
-        return out
+        """KV blocks charged to each tenant (the ledger's rule: every distinct block its
+        requests hold, a block shared across tenants counting for each), so the tenants
+        may sum to more than the pool's used blocks."""
+        return {t: n for t, n in self.kv.ledger.usages().items() if n}
+
+    def set_tenant_budgets(self, budgets: dict[str, Budget]) -> None:
+        """Apply tenants' reservations and limits (at start or on a reload). Running
+        requests keep their blocks; a tenant above a lowered limit takes no more until it
+        is back under it (its own requests are preempted as they need blocks)."""
+        self.kv.ledger.set_budgets(budgets)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if KV bookkeeping is inconsistent (tests call this)."""
         self.kv.check_integrity()
+        if self.swap is not None:
+            self.swap.check_integrity()
         live = {r.request_id for r in self.scheduler.running}
         if self.kv.num_requests() > len(live):
             raise AssertionError("blocks are held by requests that are not running")

@@ -13,6 +13,11 @@ always left to compute, because the step that computes it produces the next toke
 
 Sliding windows: ``free_outside_window`` returns blocks no future query can attend to
 (except attention-sink blocks) and puts the pool's null block in their table slots.
+
+Tenants: every block a request takes is charged to its tenant in the ``TenantLedger``
+(see there for the rule); ``allocate_slots`` refuses what would push a tenant past its
+limit. After a refusal ``shortage`` says why: ``POOL`` (not enough free blocks) or
+``TENANT_LIMIT``.
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ from dataclasses import dataclass
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.hashing import BlockHash, hash_blocks, root_hash
+from kvserve.kv.tenant_ledger import TenantLedger
 from kvserve.request import Request
 from kvserve.utils import cdiv
+
+POOL = "pool"
+TENANT_LIMIT = "tenant_limit"
 
 
 @dataclass
@@ -63,6 +72,9 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already in the index
         self._roots: dict[str | None, BlockHash] = {}
+        self._tenant: dict[str, str] = {}  # request id → tenant charged for its blocks
+        self.ledger = TenantLedger(self.pool.num_usable)
+        self.shortage: str | None = None  # why the last allocate_slots returned None
 
     @property
     def num_blocks(self) -> int:
@@ -125,27 +137,64 @@ class KVCacheManager:
         and ``num_new_tokens`` more. ``cached_blocks`` (from ``find_cached_prefix``, first
         call only) are shared, not allocated.
 
-        Returns the newly allocated block ids (possibly empty), or None — changing nothing —
-        when the pool is short.
+        Returns the newly allocated block ids (possibly empty), or None — changing nothing
+        and setting ``shortage`` — when the pool is short or the tenant would pass its limit.
         """
         cached = cached_blocks or []
         table = self._tables.get(request.request_id, [])
         computed = request.num_computed_tokens + len(cached) * self.block_size
-        need = self.blocks_needed(computed + num_new_tokens) - len(table) - len(cached)
-        revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)
-        if need > self.pool.num_free - revived:
+        need = max(self.blocks_needed(computed + num_new_tokens) - len(table) - len(cached), 0)
+        if not self._admissible(request.tenant, need, cached):
             return None
         if self.enable_caching and request.num_computed_tokens == 0 and not table:
             self.stats.queries += request.num_tokens  # counted once per admission
             self.stats.hits += len(cached) * self.block_size
         table = self._tables.setdefault(request.request_id, [])
+        self._tenant[request.request_id] = request.tenant
         if cached:
             self.pool.touch(cached)
             table.extend(cached)
             self._num_cached[request.request_id] = len(cached)
-        new = self.pool.allocate(max(need, 0)) or []
+        new = self.pool.allocate(need) or []
         table.extend(new)
+        self.ledger.charge(request.tenant, [*cached, *new])
         return new
+
+    def _admissible(self, tenant: str, need: int, cached: list[int]) -> bool:
+        """Whether ``need`` new blocks plus sharing ``cached`` fit the pool and the tenant's
+        limit; sets ``shortage`` when not."""
+        revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)
+        charges = need + self.ledger.new_charges(tenant, cached)
+        if charges and charges > self.ledger.headroom(tenant):
+            self.shortage = TENANT_LIMIT
+            return False
+        if need > self.pool.num_free - revived:
+            self.shortage = POOL
+            return False
+        self.shortage = None
+        return True
+
+    def allocate_restored(
+        self, request: Request, live: list[bool], num_new_tokens: int
+    ) -> list[int] | None:
+        """Blocks for a request coming back from swap: a table whose entry ``i`` is a fresh
+        block where ``live[i]`` (the caller copies the K/V in) and the null block elsewhere,
+        plus room for ``num_new_tokens`` more. Returns the fresh blocks in table order, or
+        None (setting ``shortage``, changing nothing)."""
+        if request.request_id in self._tables:
+            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        extra = max(self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(live), 0)
+        need = sum(live) + extra
+        if not self._admissible(request.tenant, need, []):
+            return None
+        fresh = self.pool.allocate(need) or []
+        it = iter(fresh)
+        table = [next(it) if alive else self.pool.null_block for alive in live]
+        table.extend(it)
+        self._tables[request.request_id] = table  # type: ignore[assignment]
+        self._tenant[request.request_id] = request.tenant
+        self.ledger.charge(request.tenant, fresh)
+        return fresh
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that are now full of computed tokens."""
@@ -183,6 +232,7 @@ class KVCacheManager:
                 freed.append(table[i])
                 table[i] = null
         self.pool.free(reversed(freed))
+        self.ledger.release(self._tenant[request.request_id], freed)
         return len(freed)
 
     def free(self, request: Request) -> None:
@@ -192,8 +242,11 @@ class KVCacheManager:
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
         table = self._tables.pop(rid, None)
+        tenant = self._tenant.pop(rid, None)
         if table:
             self.pool.free(reversed(table))
+            null = self.pool.null_block
+            self.ledger.release(tenant or request.tenant, [b for b in table if b != null])
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -202,6 +255,15 @@ class KVCacheManager:
         """Blocks a request holds, not counting null-block placeholders."""
         null = self.pool.null_block
         return sum(1 for b in self._tables.get(request_id, ()) if b != null)
+
+    def num_exclusive_blocks(self, request_id: str) -> int:
+        """Blocks only this request references: what freeing it gives back to the pool."""
+        null = self.pool.null_block
+        refs = self.pool.ref_count
+        return sum(1 for b in self._tables.get(request_id, ()) if b != null and refs(b) == 1)
+
+    def tenant_of(self, request_id: str) -> str | None:
+        return self._tenant.get(request_id)
 
     def num_requests(self) -> int:
         return len(self._tables)
@@ -226,3 +288,14 @@ class KVCacheManager:
                 raise AssertionError(
                     f"block {b}: {owners.get(b, 0)} owners but ref count {self.pool.ref_count(b)}"
                 )
+        charged: dict[str, dict[int, int]] = {}
+        for rid, table in self._tables.items():
+            refs = charged.setdefault(self._tenant[rid], {})
+            for b in table:
+                if b != null:
+                    refs[b] = refs.get(b, 0) + 1
+        for tenant in set(charged) | set(self.ledger.usages()):
+            if self.ledger.references(tenant) != charged.get(tenant, {}):
+                raise AssertionError(f"tenant {tenant!r}: ledger and block tables disagree")
+        if sum(self.ledger.usages().values()) < self.pool.num_used:
+            raise AssertionError("tenants are charged for fewer blocks than the pool uses")

@@ -1,22 +1,39 @@
-"""Continuous batching with a per-step token budget, chunked prefill and recompute preemption.
+"""Continuous batching under a per-step token budget, with tenants' KV budgets and
+preemption by swap or recompute.
 
-Each step the scheduler hands every running request its next tokens (one for a decode, a
-chunk for an unfinished prefill) while the token budget lasts, then admits waiting
-requests in arrival order, each starting after the longest prefix the KV manager already
-holds (prefix caching; a recomputed preempted request finds its own freed blocks there).
-A running request whose blocks cannot be allocated preempts the most recently arrived
-running request (possibly itself): its blocks are freed and it goes back to the front of
-the queue to be recomputed (prompt + generated tokens).
+Each step:
+
+1. Every running request gets its next tokens (one for a decode, a chunk for an unfinished
+   prefill) while the token budget lasts. When its blocks cannot be allocated, a victim is
+   preempted (``PreemptionPolicy``: tenants above their reservation first, then lower
+   priority, then cheapest to restore) — among all running requests when the pool is
+   short, among its own tenant's when the tenant is at its limit — until the allocation
+   succeeds or the request itself was the victim. A victim already scheduled this step
+   gives its tokens back to the budget.
+2. Waiting requests are admitted in order: tenants below their reservation first, then
+   higher priority, then earlier arrival (preempted requests keep their arrival time, so
+   they come back first). A tenant at its limit or at its ``max_concurrent_requests`` is
+   skipped for the step; a pool shortage stops admission, except that a tenant below its
+   reservation preempts requests of tenants above theirs to get its blocks. In a step
+   that preempted, only tenants below their reservation are admitted.
+
+New requests start after the longest prefix the KV manager already holds (prefix caching);
+swapped requests get fresh blocks and their K/V copied back.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import POOL, KVCacheManager
+from kvserve.kv.swap import SwapSpace
 from kvserve.request import Request, RequestStatus
+from kvserve.sched.cost import PreemptionCostModel
+from kvserve.sched.preemption import PreemptionPolicy
+
+RESERVATION = "reservation"  # preempted so a tenant below its reservation gets its blocks
 
 
 @dataclass
@@ -42,14 +59,34 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting and running queues; mutates request status and KV blocks."""
+    """Owns the waiting and running queues; mutates request status and KV blocks.
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    ``preemptions`` counts preemptions by (mode, tenant, reason) with reason ``pool``,
+    ``tenant_limit`` or ``reservation``.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        *,
+        swap: SwapSpace | None = None,
+        cost: PreemptionCostModel | None = None,
+    ):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.swap = swap
+        self.cost = cost or PreemptionCostModel(bytes_per_token=1)
+        self.policy = PreemptionPolicy(
+            kv, self.cost, swap, config.preemption_mode, config.preemption_victim
+        )
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.preemptions: Counter[tuple[str, str, str]] = Counter()
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -58,60 +95,167 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, n) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
+                reason = self.kv.shortage or POOL
+                pool = self.running
+                if reason != POOL:
+                    pool = [r for r in self.running if r.tenant == req.tenant]
+                victim = self.policy.pick(req, pool)
+                budget += self._preempt(victim, reason, out, scheduled)
                 if victim is req:
                     break
-            if req.status is not RequestStatus.RUNNING:
-                break
-            out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
-            i += 1
-        if out.preempted:
-            return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req)
-            computed = req.num_computed_tokens + len(cached) * self.kv.block_size
-            remaining = req.num_tokens - computed
-            if not self.config.enable_chunked_prefill and remaining > budget:
-                break
-            n = min(remaining, budget)
-            if self.kv.allocate_slots(req, n, cached) is None:
-                break
-            if cached:
-                req.num_computed_tokens = computed
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = computed
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
+            if req.status is RequestStatus.RUNNING:
+                s = scheduled[req.request_id] = ScheduledRequest(req, n)
+                out.scheduled.append(s)
+                budget -= n
+        self._admit(out, scheduled, budget)
         return out
 
-    def _preempt(self, req: Request) -> None:
+    def _admit(
+        self, out: SchedulerOutput, scheduled: dict[str, ScheduledRequest], budget: int
+    ) -> None:
+        ledger = self.kv.ledger
+        skip: set[str] = set()  # tenants that admit nothing more this step
+        passed: set[str] = set()  # requests passed over this step
+        only_reserved = bool(out.preempted)
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_waiting(skip, passed)
+            if req is None:
+                return
+            tenant = req.tenant
+            below = ledger.usage(tenant) < ledger.reservation(tenant)
+            cap = ledger.budget(tenant).max_concurrent_requests
+            if (only_reserved and not below) or (
+                cap is not None and sum(r.tenant == tenant for r in self.running) >= cap
+            ):
+                skip.add(tenant)
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                return
+            n = self._try_admit(req, budget)
+            # within its reservation a tenant may take blocks from tenants above theirs
+            entitled = below and ledger.usage(tenant) + self.kv.blocks_needed(
+                min(req.num_tokens, req.num_computed_tokens + budget)
+            ) <= ledger.reservation(tenant)
+            while n is None and self.kv.shortage == POOL and entitled:
+                victims = [r for r in self.running if r.tenant != tenant]
+                victims = [r for r in victims if ledger.above_reservation(r.tenant)]
+                if not victims:
+                    break
+                victim = max(victims, key=self.policy.victim_key)
+                budget += self._preempt(victim, RESERVATION, out, scheduled)
+                n = self._try_admit(req, budget)
+            if n is None:
+                if below:  # too big for what the reservation covers now; smaller may fit
+                    passed.add(req.request_id)
+                elif self.kv.shortage != POOL:
+                    skip.add(tenant)  # at its limit
+                else:
+                    return  # first come, first served among the rest
+                continue
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            s = scheduled[req.request_id] = ScheduledRequest(req, n)
+            out.scheduled.append(s)
+            budget -= n
+
+    def _next_waiting(self, skip: set[str], passed: set[str]) -> Request | None:
+        """The waiting request to admit next (see the module docstring), or None."""
+        ledger = self.kv.ledger
+
+        def key(r: Request) -> tuple:
+            below = ledger.usage(r.tenant) < ledger.reservation(r.tenant)
+            return (not below, -ledger.budget(r.tenant).priority, -r.priority, r.arrival_time)
+
+        candidates = [
+            r for r in self.waiting if r.tenant not in skip and r.request_id not in passed
+        ]
+        return min(candidates, key=key) if candidates else None
+
+    def _try_admit(self, req: Request, budget: int) -> int | None:
+        """Allocate blocks for ``req``'s first chunk (≤ ``budget`` tokens); returns the
+        chunk's size, or None (``kv.shortage`` says why)."""
+        if req.status is RequestStatus.SWAPPED:
+            assert self.swap is not None
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            fresh = self.kv.allocate_restored(req, self.swap.live(req.request_id), n)
+            if fresh is None:
+                return None
+            self.swap.swap_in(req.request_id, fresh[: sum(self.swap.live(req.request_id))])
+            return n
+        cached = self.kv.find_cached_prefix(req)
+        computed = req.num_computed_tokens + len(cached) * self.kv.block_size
+        n = min(req.num_tokens - computed, budget)
+        if self.kv.allocate_slots(req, n, cached) is None:
+            return None
+        if cached:
+            req.num_computed_tokens = computed
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = computed
+        return n
+
+    def _preempt(
+        self,
+        req: Request,
+        reason: str,
+        out: SchedulerOutput,
+        scheduled: dict[str, ScheduledRequest],
+    ) -> int:
+        """Swap out or free ``req``'s blocks and send it back to the waiting queue. Returns
+        the tokens it gives back to this step's budget (it may already be scheduled)."""
+        mode = self.policy.mode_for(req)
+        table = self.kv.block_table(req.request_id)
+        null = self.kv.pool.null_block
+        if mode == "swap" and not (self.swap and self.swap.swap_out(req.request_id, table, null)):
+            mode = "recompute"
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        if mode == "swap":
+            req.status = RequestStatus.SWAPPED
+        else:
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
-        req.status = RequestStatus.PREEMPTED
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.preemptions[(mode, req.tenant, reason)] += 1
+        self.running.remove(req)
+        self.waiting.append(req)
+        out.preempted.append(req)
+        s = scheduled.pop(req.request_id, None)
+        if s is None:
+            return 0
+        out.scheduled.remove(s)
+        return s.num_new_tokens
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Mark ``req`` finished with ``status``, free its blocks, drop it from the queues."""
+        """Mark ``req`` finished with ``status``, free its blocks (and swap space), drop it
+        from the queues."""
+        if self.swap is not None:
+            self.swap.discard(req.request_id)
         req.status = status
         self.kv.free(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+    # ---- views ---------------------------------------------------------------------------
+    def queue_lengths(self) -> dict[str, tuple[int, int]]:
+        """(waiting, running) per tenant."""
+        out: dict[str, list[int]] = {}
+        for r in self.waiting:
+            out.setdefault(r.tenant, [0, 0])[0] += 1
+        for r in self.running:
+            out.setdefault(r.tenant, [0, 0])[1] += 1
+        return {t: (w, r) for t, (w, r) in out.items()}
