@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.kv.tenant_ledger import Budget
 from kvserve.utils import cdiv, parse_size
 
 _HASH = re.compile(r"sha256:[0-9a-f]{64}")
@@ -190,6 +191,18 @@ class TenantsConfig:
                 f"{pool_blocks}; lower them or give the engine more KV memory"
             )
         return out
+
+    def budgets(self, pool_blocks: int, block_size: int, bytes_per_block: int) -> dict[str, Budget]:
+        """``resolve``d into the scheduler's budgets (same errors)."""
+        return {
+            name: Budget(
+                b.reservation_blocks,
+                b.limit_blocks,
+                b.tenant.priority,
+                b.tenant.max_concurrent_requests,
+            )
+            for name, b in self.resolve(pool_blocks, block_size, bytes_per_block).items()
+        }
 
     def tenant_for_key(self, key: str | None) -> str | None:
         """The tenant owning API key ``key`` (compared as hashes, in constant time), the

@@ -157,3 +157,90 @@ def test_server_maps_keys_to_tenants(llama_dir, tmp_path):
     samples = [json.loads(line) for line in usage.read_text().splitlines()]
     assert any(s.get("tenants", {}).get("acme", 0) > 0 for s in samples)
     assert not any("beta" in s.get("tenants", {}) for s in samples)
+
+
+def _labelled(server, name: str, **labels: str) -> float | None:
+    """The value of metric ``name`` whose labels include ``labels`` (None if absent)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_reload_applies_new_limits_without_dropping_streams(llama_dir, tmp_path):
+    """SIGHUP and POST /admin/tenants/reload apply a changed file while a stream runs; an
+    invalid file is refused (400) and the old limits stay."""
+    import signal
+
+    import yaml
+    from server_proc import wait_until
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(_config()))
+    admin = "sk-admin"
+    with running_server(
+        llama_dir,
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-model-len",
+        "512",
+        "--tenants",
+        str(path),
+        "--admin-key",
+        admin,
+        log=tmp_path / "serve.log",
+    ) as server:
+        pool = server.metric("kvserve_kv_cache_capacity_bytes")
+        limit0 = _labelled(server, "kvserve_tenant_kv_limit_blocks", tenant="acme")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=ACME_KEY, max_retries=0)
+        stream = client.completions.create(
+            model=str(llama_dir),
+            prompt="x" * 40,
+            max_tokens=300,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        assert next(chunks).choices
+        assert _labelled(server, "kvserve_tenant_kv_blocks", tenant="acme") > 0
+        assert _labelled(server, "kvserve_kv_cache_usage_peak_perc", window="1m") > 0
+
+        path.write_text(
+            yaml.safe_dump(_config(tenants=[{**_config()["tenants"][0], "limit": "30%"}]))
+        )
+        server.proc.send_signal(signal.SIGHUP)
+        wait_until(
+            lambda: (
+                _labelled(server, "kvserve_tenant_kv_limit_blocks", tenant="acme") == limit0 // 2
+            ),
+            30,
+            "the SIGHUP reload",
+        )
+        assert _labelled(server, "kvserve_tenant_kv_limit_blocks", tenant="beta") is None
+
+        def reload() -> urllib.request.Request:
+            return urllib.request.Request(
+                server.url + "/admin/tenants/reload",
+                method="POST",
+                headers={"Authorization": f"Bearer {admin}"},
+            )
+
+        path.write_text(yaml.safe_dump(_config()))
+        with urllib.request.urlopen(reload(), timeout=30) as r:
+            assert json.loads(r.read())["tenants"] == ["acme", "beta"]
+        assert _labelled(server, "kvserve_tenant_kv_limit_blocks", tenant="acme") == limit0
+        path.write_text(yaml.safe_dump(_config(default_tenant="nobody")))
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(reload(), timeout=30)
+        assert bad.value.code == 400
+        assert "nobody" in json.loads(bad.value.read())["error"]["message"]
+        assert _labelled(server, "kvserve_tenant_kv_limit_blocks", tenant="acme") == limit0
+
+        rest = list(chunks)
+        assert rest[-2].choices[0].finish_reason == "length"
+        assert rest[-1].usage.completion_tokens == 300  # the stream outlived three reloads
+        assert pool > 0

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from kvserve.engine import kv_metrics
 from kvserve.engine.cpu_env import tune_malloc
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kv.cache import KVCacheSpec
@@ -131,6 +132,7 @@ class LLMEngine:
             self.scheduler_config, self.kv, swap=self.swap, cost=self.cost_model
         )
         self.requests: dict[str, Request] = {}
+        self.peak_usage = kv_metrics.PeakTracker()
         obs = args.observability_config()
         self.usage_recorder = (
             UsageRecorder(obs.kv_usage_log, obs.kv_usage_interval) if obs.kv_usage_log else None
@@ -339,6 +341,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns outputs of requests that got a token or finished."""
         sched = self.scheduler.schedule()
+        self.peak_usage.record(self.kv.pool.num_used / self.kv.num_blocks)
         if self.usage_recorder is not None and self.usage_recorder.due():
             self.usage_recorder.maybe_record(
                 self.kv.pool.num_used,
@@ -456,6 +459,11 @@ class LLMEngine:
         live = {r.request_id for r in self.scheduler.running}
         if self.kv.num_requests() > len(live):
             raise AssertionError("blocks are held by requests that are not running")
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """KV metrics (watermarks, fragmentation, tenants, preemptions, swap); call on the
+        engine's thread."""
+        return kv_metrics.snapshot(self)
 
     def info(self) -> dict[str, Any]:
         return {

@@ -63,6 +63,10 @@ class BlockPool:
         """Blocks registered in the prefix index (used or free)."""
         return len(self._index)
 
+    def free_blocks(self) -> list[int]:
+        """Ids of the free blocks (cached or not), least recently freed first."""
+        return list(self._free)
+
     @property
     def num_cached_free(self) -> int:
         return sum(1 for b in self._free if self._hash[b] is not None)

@@ -9,6 +9,8 @@ full (with ``Retry-After``), 503 draining, 500 for a bug (the server stays up).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -66,11 +68,30 @@ class ServerState:
         self.max_model_len = engine.engine.max_model_len
         self.tokenizer = engine.engine.tokenizer
 
+    async def reload_tenants(self) -> TenantsConfig:
+        """Re-read the tenants file and apply it: API keys at once, budgets on the engine
+        thread between steps (running requests keep their blocks). Raises ValueError, changing
+        nothing, when the file is invalid or there is none."""
+        current = self.config.tenants
+        if current is None:
+            raise ValueError("the server runs without a tenants file (--tenants)")
+        new = TenantsConfig.load(current.source)
+        e = self.engine.engine
+        budgets = new.budgets(e.kv.num_blocks, e.kv.block_size, e.kv_spec.bytes_per_block)
+        await self.engine.call(lambda eng: eng.set_tenant_budgets(budgets))
+        self.config = dataclasses.replace(self.config, tenants=new)
+        return new
+
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     """The app; the caller starts/stops ``engine`` (``kvserve serve`` does both)."""
     app = FastAPI(title="kvserve", version="0.1.0")
     state = ServerState(engine, config)
+    if config.tenants is not None:  # the engine is not stepping yet: set budgets directly
+        e = engine.engine
+        e.set_tenant_budgets(
+            config.tenants.budgets(e.kv.num_blocks, e.kv.block_size, e.kv_spec.bytes_per_block)
+        )
     app.state.kv = state
 
     @app.exception_handler(APIError)
@@ -113,11 +134,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        snap = None
+        if engine.is_running:
+            with contextlib.suppress(Exception):  # a busy or failed engine: basic metrics only
+                snap = await asyncio.wait_for(engine.call(lambda e: e.metrics_snapshot()), 10)
+        state.metrics.set_snapshot(snap)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        authenticate(request, config)
+        authenticate(request, state.config)
         return JSONResponse(
             {
                 "object": "list",
@@ -136,9 +162,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     # ---- admin ----------------------------------------------------------------------------
     @app.post("/admin/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
-        authenticate(request, config, admin=True)
+        authenticate(request, state.config, admin=True)
         n = await engine.call(lambda e: e.kv.reset_prefix_cache())
         return JSONResponse({"evicted_blocks": n})
+
+    @app.post("/admin/tenants/reload")
+    async def reload_tenants(request: Request) -> JSONResponse:
+        authenticate(request, state.config, admin=True)
+        try:
+            new = await state.reload_tenants()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        return JSONResponse({"tenants": [t.name for t in new.tenants], "source": new.source})
 
     # ---- generation -------------------------------------------------------------------------
     def _admit(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -201,7 +236,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        principal = authenticate(request, config)
+        principal = authenticate(request, state.config)
         _admit(body)
         try:
             prompts = body.prompts()
@@ -215,7 +250,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest) -> Response:
-        principal = authenticate(request, config)
+        principal = authenticate(request, state.config)
         _admit(body)
         tok = state.tokenizer
         if tok is None:

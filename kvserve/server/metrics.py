@@ -1,13 +1,16 @@
 """Prometheus metrics of one server, in a registry of its own (no global state).
 
 Request metrics are observed by the HTTP handlers; engine and KV state is read at scrape
-time from ``AsyncLLMEngine.stats()``. Names are vLLM's with the ``kvserve_`` prefix
-(``vllm:time_to_first_token_seconds`` → ``kvserve_time_to_first_token_seconds``).
+time from ``AsyncLLMEngine.stats()`` and from the KV snapshot the ``/metrics`` handler
+fetches from the engine thread (``LLMEngine.metrics_snapshot``) just before rendering.
+Names are vLLM's with the ``kvserve_`` prefix (``vllm:time_to_first_token_seconds`` →
+``kvserve_time_to_first_token_seconds``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,6 +43,7 @@ class _EngineCollector:
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine = engine
         self.labels = {"model_name": model_name}
+        self.snapshot: dict[str, Any] | None = None  # set by the /metrics handler
 
     def describe(self) -> list[Metric]:
         return []
@@ -97,17 +101,95 @@ class _EngineCollector:
             "Prompt tokens found in the prefix cache.",
             s["prefix_cache_hits"],
         )
-        yield counter(
-            "kvserve_num_preemptions", "Requests preempted (recompute).", s["num_preemptions"]
+        snap = self.snapshot
+        if snap is None:
+            return
+        yield gauge(
+            "kvserve_prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / looked up, since start.",
+            snap["prefix_cache_hit_rate"],
         )
+        pre = CounterMetricFamily(
+            "kvserve_num_preemptions",
+            "Requests preempted, by mode (swap|recompute), tenant and reason "
+            "(pool|tenant_limit|reservation).",
+            labels=[*names, "mode", "tenant", "reason"],
+        )
+        for (mode, tenant, reason), n in sorted(snap["preemptions"].items()):
+            pre.add_metric([*values, mode, tenant, reason], n)
+        yield pre
+        peak = GaugeMetricFamily(
+            "kvserve_kv_cache_usage_peak_perc",
+            "Peak fraction of KV blocks in use over a sliding window.",
+            labels=[*names, "window"],
+        )
+        for window, v in snap["peak_usage"].items():
+            peak.add_metric([*values, window], v)
+        yield peak
+        yield gauge(
+            "kvserve_kv_cache_internal_fragmentation_ratio",
+            "Unused token slots in allocated blocks / allocated slots.",
+            snap["internal_fragmentation"],
+        )
+        yield gauge(
+            "kvserve_kv_cache_free_fragmentation_ratio",
+            "Free blocks / the longest run of consecutive free blocks (1 = one run).",
+            snap["free_fragmentation"],
+        )
+        yield gauge(
+            "kvserve_swap_space_used_bytes",
+            "Host swap space holding swapped-out requests' K/V.",
+            snap["swap_used_bytes"],
+        )
+        yield gauge(
+            "kvserve_swap_space_capacity_bytes",
+            "Host swap space bound (--swap-space; 0 when swapping is off).",
+            snap["swap_capacity_bytes"],
+        )
+        per_tenant = {
+            "kvserve_tenant_kv_blocks": ("KV blocks charged to the tenant.", "blocks"),
+            "kvserve_tenant_kv_limit_blocks": ("The tenant's KV limit in blocks.", "limit"),
+            "kvserve_tenant_kv_reservation_blocks": (
+                "The tenant's KV reservation in blocks.",
+                "reservation",
+            ),
+            "kvserve_tenant_num_requests_waiting": ("The tenant's waiting requests.", "waiting"),
+            "kvserve_tenant_num_requests_running": ("The tenant's running requests.", "running"),
+        }
+        tenants = snap["tenants"]
+        for name, (doc, key) in per_tenant.items():
+            g = GaugeMetricFamily(name, doc, labels=[*names, "tenant"])
+            for t, d in tenants.items():
+                g.add_metric([*values, t], d[key])
+            yield g
+        usage = GaugeMetricFamily(
+            "kvserve_tenant_kv_cache_usage_perc",
+            "KV blocks charged to the tenant / blocks in the pool.",
+            labels=[*names, "tenant"],
+        )
+        of_limit = GaugeMetricFamily(
+            "kvserve_tenant_kv_limit_usage_perc",
+            "KV blocks charged to the tenant / its limit.",
+            labels=[*names, "tenant"],
+        )
+        for t, d in tenants.items():
+            usage.add_metric([*values, t], d["blocks"] / total)
+            of_limit.add_metric([*values, t], d["blocks"] / max(d["limit"], 1))
+        yield usage
+        yield of_limit
 
 
 class ServerMetrics:
     """The server's registry and the request-level instruments."""
 
+    def set_snapshot(self, snapshot: dict[str, Any] | None) -> None:
+        """The KV snapshot the next collection renders (None: only the basic gauges)."""
+        self._engine_collector.snapshot = snapshot
+
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self._engine_collector = _EngineCollector(engine, model_name)
+        self.registry.register(self._engine_collector)
         labels = ["model_name"]
         self.model_name = model_name
         r = self.registry

@@ -1,5 +1,8 @@
 """``kvserve serve``: load the engine, run the app under uvicorn, drain on SIGTERM/SIGINT.
 
+SIGHUP re-reads the tenants file (``--tenants``) and applies it without dropping running
+requests; an invalid file is logged and the old tenants stay.
+
 Shutdown: the first signal marks the server draining (``/ready`` → 503, new requests → 503)
 and uvicorn stops accepting connections, then waits up to ``graceful_timeout`` seconds for
 running requests and streams to finish; then the engine thread stops.
@@ -7,8 +10,10 @@ running requests and streams to finish; then the engine thread stops.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import Iterator
 
 import uvicorn
@@ -22,9 +27,16 @@ logger = logging.getLogger("kvserve")
 
 
 class _DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_exit):
+    def __init__(self, config: uvicorn.Config, on_exit, on_hangup):
         super().__init__(config)
         self._on_exit = on_exit
+        self._on_hangup = on_hangup
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not on this platform
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._on_hangup()))
 
     def handle_exit(self, sig: int, frame) -> None:
         self._on_exit()
@@ -54,11 +66,6 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
                 b.reservation_blocks,
                 b.limit_blocks,
             )
-        logger.warning(
-            "tenant KV reservations and limits are validated but not yet enforced by the "
-            "scheduler; tenants currently separate API keys, usage samples and (with "
-            "--prefix-cache-isolation tenant) the prefix cache"
-        )
     engine = AsyncLLMEngine(llm_engine)
     app = build_app(engine, config)
     engine.start()
@@ -76,7 +83,16 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
         timeout_graceful_shutdown=config.graceful_timeout,
         access_log=False,
     )
-    server = _DrainingServer(uv_config, drain)
+
+    async def hangup() -> None:
+        try:
+            new = await app.state.kv.reload_tenants()
+        except ValueError as e:
+            logger.error("SIGHUP: tenants not reloaded: %s", e)
+        else:
+            logger.info("SIGHUP: reloaded %d tenants from %s", len(new.tenants), new.source)
+
+    server = _DrainingServer(uv_config, drain, hangup)
     logger.info("serving %s on http://%s:%d", app.state.kv.model_name, config.host, config.port)
     try:
         server.run()

@@ -1,0 +1,91 @@
+"""KV-memory observations the engine keeps for its metrics: the peak-usage watermark over
+sliding windows, fragmentation, per-tenant usage and queues, preemptions and swap space.
+
+``snapshot`` is computed on the engine thread (the server asks for one per scrape), so it
+reads a consistent state; nothing here is on the per-token path except
+``PeakTracker.record``, which is O(1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
+
+WINDOWS = {"1m": 60, "5m": 300, "1h": 3600}
+
+
+class PeakTracker:
+    """Maximum of a value over the last 1m/5m/1h, from per-second maxima."""
+
+    def __init__(self, horizon: int = 3600):
+        self.horizon = horizon
+        self._buckets: deque[list[float]] = deque()  # [second, max]
+
+    def record(self, value: float, now: float | None = None) -> None:
+        sec = int(time.monotonic() if now is None else now)
+        if self._buckets and self._buckets[-1][0] == sec:
+            if value > self._buckets[-1][1]:
+                self._buckets[-1][1] = value
+        else:
+            self._buckets.append([sec, value])
+        while self._buckets and self._buckets[0][0] <= sec - self.horizon:
+            self._buckets.popleft()
+
+    def peak(self, window: float, now: float | None = None) -> float:
+        """The largest value recorded in the last ``window`` seconds (0 if none)."""
+        t = time.monotonic() if now is None else now
+        return max((v for s, v in self._buckets if s > t - window - 1), default=0.0)
+
+
+def largest_free_run(free_blocks: list[int]) -> int:
+    """Length of the longest run of consecutive block ids in ``free_blocks``."""
+    best = run = 0
+    prev = None
+    for b in sorted(free_blocks):
+        run = run + 1 if prev is not None and b == prev + 1 else 1
+        best = max(best, run)
+        prev = b
+    return best
+
+
+def snapshot(engine: LLMEngine) -> dict[str, Any]:
+    """Everything the KV metrics report, read on the engine thread."""
+    kv, sched = engine.kv, engine.scheduler
+    pool = kv.pool
+    bs = kv.block_size
+    engine.peak_usage.record(pool.num_used / kv.num_blocks)
+    allocated = pool.num_used * bs
+    unused = sum(
+        max(len(kv.block_table(r.request_id)) * bs - r.num_computed_tokens, 0)
+        for r in sched.running
+    )
+    free = pool.free_blocks()
+    run = largest_free_run(free)
+    ledger = kv.ledger
+    queues = sched.queue_lengths()
+    tenants = {}
+    for t in sorted(set(ledger.usages()) | set(queues)):
+        waiting, running = queues.get(t, (0, 0))
+        tenants[t] = {
+            "blocks": ledger.usage(t),
+            "limit": ledger.limit(t),
+            "reservation": ledger.reservation(t),
+            "waiting": waiting,
+            "running": running,
+        }
+    swap = engine.swap
+    return {
+        "peak_usage": {name: engine.peak_usage.peak(sec) for name, sec in WINDOWS.items()},
+        "internal_fragmentation": unused / allocated if allocated else 0.0,
+        "free_fragmentation": len(free) / run if run else 1.0,
+        "tenants": tenants,
+        "preemptions": dict(sched.preemptions),
+        "swap_used_bytes": swap.used_bytes if swap else 0,
+        "swap_capacity_bytes": swap.capacity_bytes if swap else 0,
+        "prefix_cache_hit_rate": kv.stats.hit_rate,
+        "cost_rates": engine.cost_model.rates(),
+    }
