@@ -114,6 +114,9 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
+    def is_cached(self, block: int) -> bool:
+        return self._hash[block] is not None
+
     # ---- prefix index -----------------------------------------------------------------
     def cache(self, block: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
         """Register a used, full ``block`` under ``block_hash``. Returns False (and leaves

@@ -262,6 +262,23 @@ class KVCacheManager:
         refs = self.pool.ref_count
         return sum(1 for b in self._tables.get(request_id, ()) if b != null and refs(b) == 1)
 
+    def num_shared_prefix_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request that are in the prefix index and referenced by
+        someone else too: they survive the request's preemption and a recompute finds them
+        (0 without prefix caching)."""
+        if not self.enable_caching:
+            return 0
+        n = 0
+        for b in self._tables.get(request_id, ()):
+            if (
+                b == self.pool.null_block
+                or self.pool.ref_count(b) < 2
+                or not self.pool.is_cached(b)
+            ):
+                break
+            n += 1
+        return n
+
     def tenant_of(self, request_id: str) -> str | None:
         return self._tenant.get(request_id)
 

@@ -5,7 +5,8 @@
   pairs of the step's attention (``Σ n·(start + (n+1)/2)`` over its chunks), fitted online
   by exponentially-forgetting least squares over the measured steps. Re-prefilling ``L``
   tokens then costs ``c_tok·L + c_attn·L(L+1)/2``: linear for the MLPs, quadratic for
-  attention.
+  attention — less the leading tokens whose blocks other requests keep in the prefix
+  cache, which a recompute gets back for free.
 - **Swap** copies the blocks out and back: ``2·(s0 + bytes/bandwidth)``, fitted the same
   way from the measured copies (and seeded with a memcpy of a few MiB at start).
 
@@ -23,8 +24,7 @@ import torch
 
 class DecayedLeastSquares:
     """``y ≈ θ·x`` fitted over observations weighted by ``decay ** age``, regularized
-    toward ``prior`` (``prior_weight`` scales how hard). Coefficients are clamped to be
-    non-negative."""
+    toward ``prior`` (``prior_weight`` scales how hard), with non-negative coefficients."""
 
     def __init__(self, prior: list[float], scale: list[float], prior_weight: float, decay: float):
         self.n = len(prior)
@@ -52,9 +52,27 @@ class DecayedLeastSquares:
             reg = self.prior_weight * (self.xx.diagonal() * 1e-4 + 1e-3)
             a = self.xx + torch.diag(reg)
             b = self.xy + reg * torch.tensor(self.prior, dtype=torch.float64)
-            theta = torch.linalg.solve(a, b).clamp_min(0.0).tolist()
+            theta = _nonnegative_solve(a, b)
             self._theta = [t / s for t, s in zip(theta, self.scale, strict=True)]
         return self._theta
+
+
+def _nonnegative_solve(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    """argmin over θ ≥ 0 of θᵀaθ − 2θᵀb (least squares in normal form), by trying every
+    subset of free coefficients — fine for the two or three features used here."""
+    n = a.shape[0]
+    best, best_obj = [0.0] * n, 0.0
+    for mask in range(1, 1 << n):
+        idx = [i for i in range(n) if mask >> i & 1]
+        sub = torch.linalg.solve(a[idx][:, idx], b[idx])
+        if (sub < 0).any():
+            continue
+        theta = torch.zeros(n, dtype=a.dtype)
+        theta[idx] = sub
+        obj = float(theta @ a @ theta - 2 * theta @ b)
+        if obj < best_obj:
+            best, best_obj = theta.tolist(), obj
+    return best
 
 
 class PreemptionCostModel:
@@ -85,9 +103,12 @@ class PreemptionCostModel:
         self.copy.observe([1.0, float(nbytes)], seconds)
 
     # ---- estimates ---------------------------------------------------------------------
-    def recompute_seconds(self, num_tokens: int) -> float:
+    def recompute_seconds(self, num_tokens: int, cached: int = 0) -> float:
+        """Re-prefilling tokens ``cached .. num_tokens`` (the first ``cached`` come back
+        from the prefix cache)."""
         _, c_tok, c_attn = self.step.coefficients()
-        return c_tok * num_tokens + c_attn * num_tokens * (num_tokens + 1) / 2
+        n = max(num_tokens - cached, 0)
+        return c_tok * n + c_attn * (num_tokens * (num_tokens + 1) - cached * (cached + 1)) / 2
 
     def swap_seconds(self, num_blocks: int, block_size: int) -> float:
         """Out and back in."""

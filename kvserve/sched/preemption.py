@@ -12,7 +12,10 @@ Victim order (the first in this order goes first):
 
 Mode per victim: ``recompute`` always re-prefills; ``swap`` copies the blocks to the host
 swap space while it has room and recomputes otherwise; ``auto`` takes whichever the cost
-model says is cheaper for this victim (swap only while it fits).
+model says is cheaper for this victim (swap only while it fits). A recompute's estimate
+leaves out the leading blocks other running requests share with the victim (prefix
+caching hands them back), so a victim that is mostly a shared system prompt is recomputed
+rather than copied out and back as private, no longer shared blocks.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class PreemptionPolicy:
         swap = None
         if self.swap is not None and self.swap.can_hold(live):
             swap = self.cost.swap_seconds(live, self.kv.block_size)
-        return swap, self.cost.recompute_seconds(req.num_computed_tokens)
+        shared = self.kv.num_shared_prefix_blocks(req.request_id) * self.kv.block_size
+        return swap, self.cost.recompute_seconds(req.num_computed_tokens, shared)
 
     def mode_for(self, req: Request) -> str:
         """``swap`` or ``recompute`` for this victim, now."""
