@@ -1,0 +1,78 @@
+"""``host://?capacity=8GiB``: a bounded in-process LRU of serialized blocks (the first
+tier, always there). ``on_evict`` sees every value pushed out, so a write-back tiered
+store can hand it to the tiers below before it is gone."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvserve.store.base import Key, KVStore
+
+
+class HostStore(KVStore):
+    name = "host"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        on_evict: Callable[[Key, bytes], None] | None = None,
+    ):
+        if capacity_bytes <= 0:
+            raise ValueError(f"host store capacity must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.on_evict = on_evict
+        self.num_evictions = 0
+        self._data: OrderedDict[Key, bytes] = OrderedDict()
+        self._lock = threading.Lock()  # the tiered store's writer thread shares it
+
+    def contains(self, keys: Sequence[Key]) -> int:
+        with self._lock:
+            n = 0
+            for k in keys:
+                if k not in self._data:
+                    break
+                n += 1
+            return n
+
+    def get(self, keys: Sequence[Key]) -> list[bytes | None]:
+        with self._lock:
+            out = []
+            for k in keys:
+                v = self._data.get(k)
+                if v is not None:
+                    self._data.move_to_end(k)
+                out.append(v)
+            return out
+
+    def put(self, items: Sequence[tuple[Key, bytes]]) -> None:
+        evicted = []
+        with self._lock:
+            for k, v in items:
+                if len(v) > self.capacity_bytes:
+                    continue  # could never fit
+                old = self._data.pop(k, None)
+                if old is not None:
+                    self.used_bytes -= len(old)
+                self._data[k] = v
+                self.used_bytes += len(v)
+                while self.used_bytes > self.capacity_bytes:
+                    ek, ev = self._data.popitem(last=False)
+                    self.used_bytes -= len(ev)
+                    self.num_evictions += 1
+                    evicted.append((ek, ev))
+        if self.on_evict is not None:
+            for ek, ev in evicted:
+                self.on_evict(ek, ev)
+
+    def delete(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            for k in keys:
+                v = self._data.pop(k, None)
+                if v is not None:
+                    self.used_bytes -= len(v)
+
+    def __len__(self) -> int:
+        return len(self._data)

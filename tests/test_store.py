@@ -1,0 +1,220 @@
+"""KV store tiers without a network: block serialization (header checks, corruption), the
+host and file LRUs (the file tier across a restart), and the tiered store's read-through
+promotion, write policies, shedding and circuit breaker."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvserve.store import serde
+from kvserve.store.base import KVStore, StoreUnavailable
+from kvserve.store.file_store import FileStore
+from kvserve.store.host import HostStore
+from kvserve.store.tiered import TieredStore
+from kvserve.store.url import open_store, open_tiered
+
+FMT = serde.BlockFormat("model-a", "int8", 4, 2, (("int8", (2, 4, 2, 8)), ("float16", (2, 4, 2))))
+
+
+def _block(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(FMT.num_layers):
+        out.append(torch.randint(-127, 127, (2, 4, 2, 8), generator=g, dtype=torch.int8))
+        out.append(torch.rand(2, 4, 2, generator=g).half())
+    return out
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def test_serde_round_trip_and_every_mismatch_is_a_miss():
+    key = _key(7)
+    data = serde.encode(FMT, key, _block(1))
+    got = serde.decode(FMT, key, data)
+    assert isinstance(got, list)
+    assert all(torch.equal(a, b) for a, b in zip(got, _block(1), strict=True))
+    assert len(data) - FMT.payload_bytes < 400  # the header is small
+
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x40
+    cases = {
+        "corrupt: checksum": bytes(flipped),
+        "corrupt: payload": data[:-10],  # truncated
+        "corrupt: bad magic": b"XXXX" + data[4:],
+        "corrupt: truncated header": data[:20],
+        "mismatch: key": serde.encode(FMT, _key(8), _block(1)),
+    }
+    for reason, bad in cases.items():
+        result = serde.decode(FMT, key, bad)
+        assert isinstance(result, str) and result.startswith(reason), (reason, result)
+    for field, other in {
+        "model": serde.BlockFormat("model-b", *list(FMT.__dict__.values())[1:]),
+        "kv": serde.BlockFormat("model-a", "fp8_e4m3", 4, 2, FMT.parts),
+        "layers": serde.BlockFormat("model-a", "int8", 4, 3, FMT.parts),
+        "scales": serde.BlockFormat("model-a", "int8", 4, 2, FMT.parts, "abc"),
+    }.items():
+        result = serde.decode(other, key, data)
+        assert result == f"mismatch: {field}", (field, result)
+    with pytest.raises(ValueError, match="expected"):
+        serde.encode(FMT, key, _block(1)[:-1])
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_store_contract_and_lru(kind, tmp_path):
+    size = len(serde.encode(FMT, _key(0), _block(0)))
+    cap = 3 * size
+    store: KVStore = HostStore(cap) if kind == "host" else FileStore(tmp_path, cap)
+    items = [(_key(i), serde.encode(FMT, _key(i), _block(i))) for i in range(3)]
+    store.put(items)
+    assert store.contains([_key(0), _key(1), _key(9), _key(2)]) == 2  # leading run only
+    assert store.get([_key(1), _key(9)]) == [items[1][1], None]
+    store.get([_key(0)])  # 0 is now more recent than 2
+    store.put([(_key(3), serde.encode(FMT, _key(3), _block(3)))])  # evicts 2, the LRU
+    assert store.contains([_key(2)]) == 0
+    assert store.contains([_key(0), _key(1), _key(3)]) == 3
+    store.delete([_key(1), _key(42)])
+    assert store.get([_key(1)]) == [None]
+    assert store.used_bytes <= cap
+
+
+def test_file_store_survives_a_restart_in_lru_order(tmp_path):
+    size = len(serde.encode(FMT, _key(0), _block(0)))
+    store = FileStore(tmp_path, 10 * size)
+    for i in range(4):
+        store.put([(_key(i), serde.encode(FMT, _key(i), _block(i)))])
+        time.sleep(0.01)  # distinct modification times (ordering, not synchronization)
+    store.get([_key(0)])  # refreshes 0's mtime: most recent now
+    (tmp_path / "ff").mkdir()
+    (tmp_path / "ff" / "junk.kvb.123.tmp").write_bytes(b"torn")  # an interrupted write
+    again = FileStore(tmp_path, 3 * size)  # smaller: the two least recent go
+    assert len(again) == 3
+    assert again.contains([_key(0)]) == 1 and again.contains([_key(1)]) == 0
+    got = serde.decode(FMT, _key(3), again.get([_key(3)])[0])
+    assert all(torch.equal(a, b) for a, b in zip(got, _block(3), strict=True))
+    assert not (tmp_path / "ff" / "junk.kvb.123.tmp").exists()
+
+
+class FlakyStore(HostStore):
+    """A host store that can be switched to fail (a stand-in for a tier whose server is
+    down, to test the breaker without timing a real network; the real-server versions
+    are in test_store_redis)."""
+
+    name = "flaky"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.down = False
+        self.calls = 0
+        self.gate: threading.Event | None = None
+
+    def _check(self) -> None:
+        self.calls += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.down:
+            raise StoreUnavailable("down")
+
+    def contains(self, keys):
+        self._check()
+        return super().contains(keys)
+
+    def get(self, keys):
+        self._check()
+        return super().get(keys)
+
+    def put(self, items):
+        self._check()
+        super().put(items)
+
+
+def test_tiered_read_through_promotes_and_extends_the_prefix():
+    top, mid, low = HostStore(1 << 20), HostStore(1 << 20), HostStore(1 << 20)
+    store = TieredStore([top, mid, low])
+    keys = [_key(i) for i in range(6)]
+    vals = [bytes([i]) * 10 for i in range(6)]
+    top.put(list(zip(keys[:2], vals[:2], strict=True)))
+    mid.put(list(zip(keys[:4], vals[:4], strict=True)))
+    low.put(list(zip(keys[3:5], vals[3:5], strict=True)))
+    assert store.lookup(keys) == 5  # top 0-1, mid 2-3, low 4
+    assert store.get(keys) == [*vals[:5], None]
+    assert top.contains(keys) == 5  # everything read was promoted into the first tier
+    assert store.flush()
+    assert mid.contains(keys) == 5  # 4 came from low: promoted into mid as well
+    assert [s.hits for s in store.stats] == [2, 2, 1]
+    assert store.stats[2].misses == 1
+    store.close()
+
+
+def test_write_through_and_write_back():
+    top, low = HostStore(1 << 20), HostStore(1 << 20)
+    wt = TieredStore([top, low])
+    wt.put([(_key(1), b"x" * 100)])
+    assert wt.flush() and low.contains([_key(1)]) == 1
+    wt.close()
+    top, low = HostStore(250), HostStore(1 << 20)
+    wb = TieredStore([top, low], write_policy="write-back")
+    wb.put([(_key(1), b"a" * 100), (_key(2), b"b" * 100)])
+    assert wb.flush() and low.contains([_key(1)]) == 0  # not evicted yet: only on top
+    wb.put([(_key(3), b"c" * 100)])  # evicts 1 from top → written to low
+    assert wb.flush() and low.get([_key(1)]) == [b"a" * 100]
+    assert wb.get([_key(1)]) == [b"a" * 100]
+    wb.close()
+
+
+def test_a_slow_tier_sheds_writes_instead_of_blocking():
+    top, slow = HostStore(1 << 20), FlakyStore(1 << 20)
+    slow.gate = threading.Event()  # the slow tier's writes hang until released
+    store = TieredStore([top, slow], queue_size=2)
+    t0 = time.perf_counter()
+    for i in range(20):
+        store.put([(_key(i), b"v" * 10)])
+    assert time.perf_counter() - t0 < 1.0  # never waited for the slow tier
+    assert top.contains([_key(i) for i in range(20)]) == 20
+    assert store.stats[1].dropped_writes >= 17  # queue of 2 + the one in flight
+    slow.gate.set()
+    assert store.flush()
+    store.close()
+
+
+def test_breaker_skips_a_failed_tier_and_probes_it_again():
+    top, flaky = HostStore(1 << 20), FlakyStore(1 << 20)
+    flaky.put([(_key(1), b"v")])
+    store = TieredStore([top, flaky])
+    store._breakers[1].base = 0.05  # probe quickly in the test
+    flaky.down = True
+    assert store.get([_key(1)]) == [None]  # a failed tier is a miss, not an error
+    assert store.breaker_open(1) and store.stats[1].errors == 1
+    calls = flaky.calls
+    assert store.lookup([_key(1)]) == 0 and flaky.calls == calls  # skipped while open
+    flaky.down = False
+    deadline = time.monotonic() + 5
+    while store.breaker_open(1):
+        assert time.monotonic() < deadline, "breaker never half-opened"
+        time.sleep(0.01)
+    assert store.get([_key(1)]) == [b"v"]  # probed, succeeded, closed
+    assert not store.breaker_open(1)
+    store.close()
+
+
+def test_urls(tmp_path):
+    assert isinstance(open_store("host://?capacity=1MiB"), HostStore)
+    f = open_store(f"file://{tmp_path}/kv?capacity=2MiB")
+    assert isinstance(f, FileStore) and f.capacity_bytes == 2 << 20
+    for bad, msg in {
+        "ftp://x": "unknown KV store scheme",
+        f"file://{tmp_path}": "capacity",
+        "host://?capacity=lots": "lots",
+    }.items():
+        with pytest.raises(ValueError, match=msg):
+            open_store(bad)
+    t = open_tiered([f"file://{tmp_path}/kv?capacity=2MiB"])
+    assert [x.name for x in t.tiers] == ["host", "file"]
+    t.close()
+    with pytest.raises(ValueError, match="first tier"):
+        open_tiered(["host://", "host://"])
