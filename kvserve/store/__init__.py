@@ -1,0 +1,1 @@
+"""KV store tiers: host RAM, local disk, Redis (and Redis Cluster), S3-compatible storage."""
