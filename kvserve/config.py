@@ -154,7 +154,30 @@ class ObservabilityConfig:
             raise ValueError(f"kv_usage_interval must be positive, got {self.kv_usage_interval}")
 
 
+@dataclass(frozen=True)
+class StoreConfig:
+    """KV store tiers (``--kv-store URL``, repeatable, fastest first; see
+    ``kvserve.store.url``). Full blocks are saved to them and prefixes restored from them;
+    the first tier is written synchronously, the others through a bounded queue of
+    ``kv_store_queue_size`` batches, every put (``write-through``) or when the first tier
+    evicts a block (``write-back``). Needs prefix caching."""
+
+    urls: tuple[str, ...] = ()
+    write_policy: str = "write-through"
+    queue_size: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in ("write-through", "write-back"):
+            raise ValueError(
+                f"kv_store_write_policy must be write-through or write-back, "
+                f"got {self.write_policy!r}"
+            )
+        if self.queue_size < 1:
+            raise ValueError(f"kv_store_queue_size must be positive, got {self.queue_size}")
+
+
 _SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
+_LIST_FIELDS = {"kv_store"}
 _STR_FIELDS = {"kv_usage_log"}
 _ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}  # extra flag that sets False
 
@@ -189,6 +212,9 @@ class EngineArgs:
     preemption_victim: str = "cost"
     kv_usage_log: str | None = None
     kv_usage_interval: float = 10.0
+    kv_store: tuple[str, ...] = ()
+    kv_store_write_policy: str = "write-through"
+    kv_store_queue_size: int = 1024
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -224,6 +250,11 @@ class EngineArgs:
             self.preemption_victim,
         )
 
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            tuple(self.kv_store), self.kv_store_write_policy, self.kv_store_queue_size
+        )
+
     def observability_config(self) -> ObservabilityConfig:
         return ObservabilityConfig(self.kv_usage_log, self.kv_usage_interval)
 
@@ -236,6 +267,9 @@ class EngineArgs:
                 parser.add_argument(flag, default=model_default, help="model directory")
                 continue
             default = f.default
+            if f.name in _LIST_FIELDS:
+                parser.add_argument(flag, action="append", default=[], metavar="URL")
+                continue
             if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 if f.name in _ALIASES:
@@ -254,4 +288,7 @@ class EngineArgs:
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{n: getattr(ns, n) for n in names})
+        values = {n: getattr(ns, n) for n in names}
+        for n in _LIST_FIELDS:
+            values[n] = tuple(values[n] or ())
+        return cls(**values)

@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # blocks freed; recomputed when resumed
     SWAPPED = "swapped"  # blocks copied to the host swap space; copied back when resumed
+    LOADING = "loading"  # its prefix is being loaded from the KV store into its blocks
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -17,6 +17,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.offload import KVOffloader
 from kvserve.kv.quant import kv_format
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tenant_ledger import Budget
@@ -128,8 +129,13 @@ class LLMEngine:
                 self.cache_config.swap_space,
                 on_copy=self.cost_model.observe_copy,
             )
+        self.offloader = self._offloader(args)
         self.scheduler = Scheduler(
-            self.scheduler_config, self.kv, swap=self.swap, cost=self.cost_model
+            self.scheduler_config,
+            self.kv,
+            swap=self.swap,
+            cost=self.cost_model,
+            offloader=self.offloader,
         )
         self.requests: dict[str, Request] = {}
         self.peak_usage = kv_metrics.PeakTracker()
@@ -138,6 +144,29 @@ class LLMEngine:
             UsageRecorder(obs.kv_usage_log, obs.kv_usage_interval) if obs.kv_usage_log else None
         )
         self._log_capacity()
+
+    def _offloader(self, args: EngineArgs) -> KVOffloader | None:
+        store_config = args.store_config()
+        if not store_config.urls:
+            return None
+        if not self.cache_config.enable_prefix_caching:
+            raise EngineError("--kv-store needs prefix caching (drop --no-prefix-caching)")
+        from kvserve.store.url import open_tiered
+
+        store = open_tiered(
+            store_config.urls,
+            write_policy=store_config.write_policy,
+            queue_size=store_config.queue_size,
+        )
+        logger.info("KV store tiers: %s", " → ".join(t.name for t in store.tiers))
+        return KVOffloader(
+            store, self.runner.kv_caches, self.kv, self.model_fingerprint, self.kv_format.name
+        )
+
+    def close(self) -> None:
+        """Flush and close the KV store (if any). The engine is unusable afterwards."""
+        if self.offloader is not None:
+            self.offloader.close()
 
     def _kernels(self) -> tuple[TorchPagedAttention, TorchOps]:
         """Attention backend and element-wise ops for ``attention_backend`` on this device.
@@ -366,6 +395,8 @@ class LLMEngine:
             start = req.num_computed_tokens
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req)
+            if self.offloader is not None:
+                self.offloader.save(req)
             if self.window is not None:
                 self.kv.free_outside_window(req, self.window, self.attention_sinks)
             plp = result.prompt_logprobs.get(req.request_id)
@@ -456,7 +487,7 @@ class LLMEngine:
         self.kv.check_integrity()
         if self.swap is not None:
             self.swap.check_integrity()
-        live = {r.request_id for r in self.scheduler.running}
+        live = {r.request_id for r in self.scheduler.running + self.scheduler.loading}
         if self.kv.num_requests() > len(live):
             raise AssertionError("blocks are held by requests that are not running")
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import POOL, KVCacheManager
+from kvserve.kv.offload import KVOffloader
 from kvserve.kv.swap import SwapSpace
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.cost import PreemptionCostModel
@@ -72,6 +73,7 @@ class Scheduler:
         *,
         swap: SwapSpace | None = None,
         cost: PreemptionCostModel | None = None,
+        offloader: KVOffloader | None = None,
     ):
         self.config = config
         self.kv = kv
@@ -80,8 +82,10 @@ class Scheduler:
         self.policy = PreemptionPolicy(
             kv, self.cost, swap, config.preemption_mode, config.preemption_victim
         )
+        self.offloader = offloader
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted, their prefix loading from the store
         self.preemptions: Counter[tuple[str, str, str]] = Counter()
 
     @property
@@ -93,13 +97,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
+        if self.loading:
+            self._finish_loads(wait=not self.running)
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -145,6 +151,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 return
             n = self._try_admit(req, budget)
+            if n == 0:  # its prefix is loading from the KV store
+                continue
             # within its reservation a tenant may take blocks from tenants above theirs
             entitled = below and ledger.usage(tenant) + self.kv.blocks_needed(
                 min(req.num_tokens, req.num_computed_tokens + budget)
@@ -198,6 +206,16 @@ class Scheduler:
             return n
         cached = self.kv.find_cached_prefix(req)
         computed = req.num_computed_tokens + len(cached) * self.kv.block_size
+        stored = 0
+        if (
+            self.offloader is not None
+            and self.kv.enable_caching
+            and not req.num_computed_tokens
+            and req.params.prompt_logprobs is None
+        ):
+            stored = self.offloader.lookup(req, len(cached))
+        if stored:
+            return self._start_load(req, cached, stored)
         n = min(req.num_tokens - computed, budget)
         if self.kv.allocate_slots(req, n, cached) is None:
             return None
@@ -206,6 +224,34 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = computed
         return n
+
+    def _start_load(self, req: Request, cached: list[int], stored: int) -> int | None:
+        """Take blocks for the device hits plus ``stored`` store hits and start loading
+        the latter; returns 0 (nothing to compute this step) or None (no blocks)."""
+        assert self.offloader is not None
+        new = self.kv.allocate_slots(req, stored * self.kv.block_size, cached)
+        if new is None:
+            return None
+        req.num_computed_tokens = len(cached) * self.kv.block_size
+        self.offloader.start_load(req, len(cached), new)
+        self.waiting.remove(req)
+        req.status = RequestStatus.LOADING
+        self.loading.append(req)
+        return 0
+
+    def _finish_loads(self, wait: bool) -> None:
+        """Loaded requests join the running queue with their loaded blocks computed."""
+        assert self.offloader is not None
+        for req, n in self.offloader.poll(wait=wait):
+            if req not in self.loading:
+                continue  # aborted meanwhile
+            self.loading.remove(req)
+            req.num_computed_tokens += n * self.kv.block_size
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.kv.cache_full_blocks(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
 
     def _preempt(
         self,
@@ -243,12 +289,14 @@ class Scheduler:
         from the queues."""
         if self.swap is not None:
             self.swap.discard(req.request_id)
+        if self.offloader is not None:
+            self.offloader.forget(req)
         req.status = status
         self.kv.free(req)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.waiting, self.loading):
+            if req in queue:
+                queue.remove(req)
+                break
 
     # ---- views ---------------------------------------------------------------------------
     def queue_lengths(self) -> dict[str, tuple[int, int]]:

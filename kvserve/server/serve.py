@@ -98,4 +98,5 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
         server.run()
     finally:
         engine.shutdown()
+        llm_engine.close()  # flushes queued KV store writes
         logger.info("engine stopped")

@@ -2,7 +2,8 @@
 
 Layout: ``b"KVSB"`` · u32 header length · header (JSON, UTF-8) · payload.
 
-The header carries the format version, the block's key (its chained hash), the model
+The header carries the format version, the block's key (its chained hash) and token ids,
+the model
 fingerprint, KV dtype, block size, layer count, each tensor's dtype and shape, the
 fp8 scales' digest (fp8 blocks are only meaningful under the scales they were written
 with) and a CRC32 of the payload. ``decode`` returns the tensors only when every field
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +55,11 @@ class BlockFormat:
             per_layer += n
         return per_layer * self.num_layers
 
-    def header(self, key: bytes, checksum: int) -> dict:
+    def header(self, key: bytes, checksum: int, tokens: Sequence[int]) -> dict:
         return {
             "v": VERSION,
             "key": key.hex(),
+            "tokens": list(tokens),
             "model": self.model_fingerprint,
             "kv": self.kv_dtype,
             "bs": self.block_size,
@@ -67,9 +70,12 @@ class BlockFormat:
         }
 
 
-def encode(fmt: BlockFormat, key: bytes, tensors: list[torch.Tensor]) -> bytes:
-    """``tensors``: ``num_layers × len(parts)`` CPU tensors in layer-major order, each of
-    its part's dtype and shape. Raises ValueError when they do not match ``fmt``."""
+def encode(
+    fmt: BlockFormat, key: bytes, tensors: list[torch.Tensor], tokens: Sequence[int] = ()
+) -> bytes:
+    """``tensors``: ``num_layers × len(parts)`` tensors in layer-major order, each of its
+    part's dtype and shape; ``tokens``: the block's token ids (checked on decode, so a hash
+    collision is a miss). Raises ValueError when the tensors do not match ``fmt``."""
     if len(tensors) != fmt.num_layers * len(fmt.parts):
         raise ValueError(f"expected {fmt.num_layers * len(fmt.parts)} tensors, got {len(tensors)}")
     chunks = []
@@ -79,11 +85,14 @@ def encode(fmt: BlockFormat, key: bytes, tensors: list[torch.Tensor]) -> bytes:
             raise ValueError(f"tensor {i}: {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}")
         chunks.append(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     payload = b"".join(chunks)
-    header = json.dumps(fmt.header(key, zlib.crc32(payload)), separators=(",", ":")).encode()
+    header = fmt.header(key, zlib.crc32(payload), tokens)
+    header = json.dumps(header, separators=(",", ":")).encode()
     return MAGIC + _LEN.pack(len(header)) + header + payload
 
 
-def decode(fmt: BlockFormat, key: bytes, data: bytes) -> list[torch.Tensor] | str:
+def decode(
+    fmt: BlockFormat, key: bytes, data: bytes, tokens: Sequence[int] = ()
+) -> list[torch.Tensor] | str:
     """The block's tensors, or a reason string (``corrupt: …`` or ``mismatch: …``)."""
     if len(data) < 8 or data[:4] != MAGIC:
         return "corrupt: bad magic"
@@ -97,8 +106,8 @@ def decode(fmt: BlockFormat, key: bytes, data: bytes) -> list[torch.Tensor] | st
     payload = memoryview(data)[8 + hlen :]
     if not isinstance(header, dict) or header.get("v") != VERSION:
         return f"mismatch: format version {header.get('v') if isinstance(header, dict) else '?'}"
-    expected = fmt.header(key, header.get("crc32", -1))
-    for field in ("key", "model", "kv", "bs", "layers", "parts", "scales"):
+    expected = fmt.header(key, header.get("crc32", -1), tokens)
+    for field in ("key", "tokens", "model", "kv", "bs", "layers", "parts", "scales"):
         if header.get(field) != expected[field]:
             return f"mismatch: {field}"
     if len(payload) != fmt.payload_bytes:

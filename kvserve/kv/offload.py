@@ -1,0 +1,183 @@
+"""The engine's side of the KV store: save full blocks, find and load stored prefixes.
+
+- ``save(request)`` (after each step): every block of the request that became full is
+  serialized (``store.serde``: header + checksum + token ids) and put into the tiered
+  store — synchronously into the host tier, asynchronously below it. Blocks the host tier
+  already holds are skipped (a shared prefix is stored once).
+- ``lookup(request, start)``: how many blocks after the device-pool hits the store holds
+  (leading, across tiers).
+- ``start_load(request, blocks)``: fetch and decode those blocks on a loader thread; the
+  request waits in the scheduler's loading set meanwhile, other requests keep running.
+- ``poll()`` (engine thread, before scheduling): copies finished loads into their device
+  blocks and returns how many leading blocks each request got. A block that is missing,
+  corrupt, foreign or fails to load ends the run there (counted; the store drops it): the
+  request computes the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.quant import QuantizedKVCache
+from kvserve.kv.swap import _block_tensors
+from kvserve.request import Request
+from kvserve.store import serde
+from kvserve.store.tiered import TieredStore
+
+logger = logging.getLogger("kvserve")
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+}
+
+
+@dataclass
+class _Load:
+    request: Request
+    blocks: list[int]  # device blocks to fill, in order
+    future: Future
+
+
+class KVOffloader:
+    def __init__(
+        self,
+        store: TieredStore,
+        caches: list,
+        kv: KVCacheManager,
+        model_fingerprint: str,
+        kv_dtype: str,
+    ):
+        self.store = store
+        self.kv = kv
+        self.caches = caches
+        self.block_size = kv.block_size
+        self._views = _block_tensors(caches, kv.block_size)
+        parts_per_layer = len(self._views) // len(caches)
+        parts = tuple(
+            (_DTYPE_NAMES[v.dtype], (v.shape[0], *v.shape[2:]))
+            for v in self._views[:parts_per_layer]
+        )
+        self._base = (model_fingerprint, kv_dtype, kv.block_size, len(caches), parts)
+        self._saved: dict[str, int] = {}  # request id → leading blocks already offered
+        self._loads: dict[str, _Load] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-loader")
+        self.num_loaded_blocks = 0
+        self.num_saved_blocks = 0
+        self.num_load_failures = 0
+
+    def _format(self) -> serde.BlockFormat:
+        """Recomputed per use: fp8 scales may be calibrated after start."""
+        digest = None
+        if isinstance(self.caches[0], QuantizedKVCache) and self.caches[0].fmt.scale == "head":
+            h = hashlib.blake2b(digest_size=8)
+            for c in self.caches:
+                h.update(c.scale.detach().cpu().numpy().tobytes())
+            digest = h.hexdigest()
+        return serde.BlockFormat(*self._base, scales_digest=digest)
+
+    def _tokens(self, request: Request, i: int) -> list[int]:
+        return request.token_slice(i * self.block_size, (i + 1) * self.block_size)
+
+    # ---- saving ------------------------------------------------------------------------
+    def save(self, request: Request) -> None:
+        """Offer the request's newly full blocks to the store."""
+        rid = request.request_id
+        full = request.num_computed_tokens // self.block_size
+        done = self._saved.get(rid, 0)
+        if full <= done:
+            return
+        table = self.kv.block_table(rid)
+        hashes = self.kv.block_hashes(request, full)
+        null = self.kv.pool.null_block
+        fresh = [i for i in range(done, full) if table[i] != null]
+        fresh = [i for i in fresh if not self.store.tiers[0].contains([hashes[i]])]
+        self._saved[rid] = full
+        if not fresh:
+            return
+        fmt = self._format()
+        idx = torch.tensor([table[i] for i in fresh], device=self._views[0].device)
+        gathered = [v.index_select(1, idx).cpu() for v in self._views]
+        items = []
+        for j, i in enumerate(fresh):
+            tensors = [g[:, j] for g in gathered]
+            value = serde.encode(fmt, hashes[i], tensors, self._tokens(request, i))
+            items.append((hashes[i], value))
+        self.store.put(items)
+        self.num_saved_blocks += len(items)
+
+    def forget(self, request: Request) -> None:
+        """The request left the engine; drop its bookkeeping (a pending load is ignored)."""
+        self._saved.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+
+    # ---- loading -----------------------------------------------------------------------
+    def lookup(self, request: Request, start: int) -> int:
+        """Stored blocks after the request's first ``start`` blocks (at least one token is
+        always left to compute)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks <= start:
+            return 0
+        hashes = self.kv.block_hashes(request, max_blocks)
+        return self.store.lookup(hashes[start:])
+
+    def start_load(self, request: Request, start: int, blocks: list[int]) -> None:
+        """Fetch blocks ``start .. start + len(blocks)`` of the request into ``blocks``."""
+        hashes = self.kv.block_hashes(request, start + len(blocks))[start:]
+        tokens = [self._tokens(request, start + j) for j in range(len(blocks))]
+        fut = self._pool.submit(self._fetch, self._format(), hashes, tokens)
+        self._loads[request.request_id] = _Load(request, blocks, fut)
+
+    def _fetch(self, fmt, hashes, tokens) -> list[list[torch.Tensor]]:
+        """Loader thread: the leading blocks that decode; stops at the first that does not."""
+        out = []
+        for key, value, toks in zip(hashes, self.store.get(hashes), tokens, strict=True):
+            if value is None:
+                break
+            blk = serde.decode(fmt, key, value, toks)
+            if isinstance(blk, str):
+                logger.warning("KV store block %s unusable (%s): recomputing", key.hex(), blk)
+                self.store.record_corrupt(key)
+                break
+            out.append(blk)
+        return out
+
+    def loading(self) -> int:
+        return len(self._loads)
+
+    def poll(self, wait: bool = False) -> list[tuple[Request, int]]:
+        """Finished loads: (request, leading blocks now in the device cache)."""
+        done = []
+        for rid, load in list(self._loads.items()):
+            if not (wait or load.future.done()):
+                continue
+            del self._loads[rid]
+            try:
+                blocks = load.future.result()
+            except Exception:  # a store bug must not kill the engine: recompute instead
+                logger.exception("KV store load failed; recomputing")
+                blocks = []
+            n = len(blocks)
+            if n < len(load.blocks):
+                self.num_load_failures += 1
+            if n:
+                idx = torch.tensor(load.blocks[:n], device=self._views[0].device)
+                for p, view in enumerate(self._views):
+                    src = torch.stack([b[p] for b in blocks], dim=1)
+                    view.index_copy_(1, idx, src.to(view.device))
+                self.num_loaded_blocks += n
+            done.append((load.request, n))
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.store.close()
