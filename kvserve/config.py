@@ -160,11 +160,13 @@ class StoreConfig:
     ``kvserve.store.url``). Full blocks are saved to them and prefixes restored from them;
     the first tier is written synchronously, the others through a bounded queue of
     ``kv_store_queue_size`` batches, every put (``write-through``) or when the first tier
-    evicts a block (``write-back``). Needs prefix caching."""
+    evicts a block (``write-back``). Session records expire after ``session_ttl`` seconds.
+    Needs prefix caching."""
 
     urls: tuple[str, ...] = ()
     write_policy: str = "write-through"
     queue_size: int = 1024
+    session_ttl: float = 86400.0
 
     def __post_init__(self) -> None:
         if self.write_policy not in ("write-through", "write-back"):
@@ -174,6 +176,8 @@ class StoreConfig:
             )
         if self.queue_size < 1:
             raise ValueError(f"kv_store_queue_size must be positive, got {self.queue_size}")
+        if self.session_ttl <= 0:
+            raise ValueError(f"kv_store_session_ttl must be positive, got {self.session_ttl}")
 
 
 _SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
@@ -215,6 +219,7 @@ class EngineArgs:
     kv_store: tuple[str, ...] = ()
     kv_store_write_policy: str = "write-through"
     kv_store_queue_size: int = 1024
+    kv_store_session_ttl: float = 86400.0
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -252,7 +257,10 @@ class EngineArgs:
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(
-            tuple(self.kv_store), self.kv_store_write_policy, self.kv_store_queue_size
+            tuple(self.kv_store),
+            self.kv_store_write_policy,
+            self.kv_store_queue_size,
+            self.kv_store_session_ttl,
         )
 
     def observability_config(self) -> ObservabilityConfig:

@@ -78,7 +78,21 @@ def snapshot(engine: LLMEngine) -> dict[str, Any]:
             "running": running,
         }
     swap = engine.swap
+    store = None
+    if engine.offloader is not None:
+        tiered = engine.offloader.store
+        store = {
+            "tiers": [
+                {"name": t.name, "up": not tiered.breaker_open(i), "stats": tiered.stats[i]}
+                for i, t in enumerate(tiered.tiers)
+            ],
+            "queue_depth": tiered.queue_depth,
+            "loaded_blocks": engine.offloader.num_loaded_blocks,
+            "saved_blocks": engine.offloader.num_saved_blocks,
+            "load_failures": engine.offloader.num_load_failures,
+        }
     return {
+        "store": store,
         "peak_usage": {name: engine.peak_usage.peak(sec) for name, sec in WINDOWS.items()},
         "internal_fragmentation": unused / allocated if allocated else 0.0,
         "free_fragmentation": len(free) / run if run else 1.0,

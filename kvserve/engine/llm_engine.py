@@ -160,7 +160,12 @@ class LLMEngine:
         )
         logger.info("KV store tiers: %s", " → ".join(t.name for t in store.tiers))
         return KVOffloader(
-            store, self.runner.kv_caches, self.kv, self.model_fingerprint, self.kv_format.name
+            store,
+            self.runner.kv_caches,
+            self.kv,
+            self.model_fingerprint,
+            self.kv_format.name,
+            store_config.session_ttl,
         )
 
     def close(self) -> None:
@@ -411,6 +416,8 @@ class LLMEngine:
             if req.request_id in result.logprobs:
                 req.output_logprobs.append(result.logprobs[req.request_id])
             self._check_stop(req, token)
+            if req.is_finished and req.session_id is not None and self.offloader is not None:
+                self.offloader.record_session(req)
             outputs.append(self._output(req))
             if req.is_finished:
                 self.requests.pop(req.request_id, None)

@@ -109,6 +109,11 @@ class KVCacheManager:
             hashes += hash_blocks(parent, tokens, bs)
         return hashes[:num_blocks]
 
+    def compute_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Like ``block_hashes`` but not remembered (for a request that left the pool)."""
+        tokens = request.token_slice(0, num_blocks * self.block_size)
+        return hash_blocks(self._root(request.cache_salt), tokens, self.block_size)
+
     # ---- prefix lookup and allocation ---------------------------------------------------
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Leading blocks of ``request`` already in the pool (empty when caching is off, the

@@ -28,6 +28,7 @@ from kvserve.kv.quant import QuantizedKVCache
 from kvserve.kv.swap import _block_tensors
 from kvserve.request import Request
 from kvserve.store import serde
+from kvserve.store.sessions import SessionStore
 from kvserve.store.tiered import TieredStore
 
 logger = logging.getLogger("kvserve")
@@ -56,8 +57,10 @@ class KVOffloader:
         kv: KVCacheManager,
         model_fingerprint: str,
         kv_dtype: str,
+        session_ttl: float = 86400.0,
     ):
         self.store = store
+        self.sessions = SessionStore(store, session_ttl)
         self.kv = kv
         self.caches = caches
         self.block_size = kv.block_size
@@ -114,6 +117,18 @@ class KVOffloader:
             items.append((hashes[i], value))
         self.store.put(items)
         self.num_saved_blocks += len(items)
+
+    def record_session(self, request: Request) -> None:
+        """Record a finished turn of ``request.session_id`` (its tokens and blocks)."""
+        if request.session_id is None:
+            return
+        n = request.num_computed_tokens // self.block_size
+        self.sessions.record(
+            request.tenant,
+            request.session_id,
+            request.token_slice(0, request.num_tokens),
+            self.kv.compute_block_hashes(request, n),
+        )
 
     def forget(self, request: Request) -> None:
         """The request left the engine; drop its bookkeeping (a pending load is ignored)."""

@@ -166,6 +166,42 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         n = await engine.call(lambda e: e.kv.reset_prefix_cache())
         return JSONResponse({"evicted_blocks": n})
 
+    # ---- sessions ------------------------------------------------------------------------
+    def _session_principal(request: Request) -> Principal:
+        principal = authenticate(request, state.config)
+        if engine.engine.offloader is None:
+            raise APIError(
+                404, "sessions need a KV store (--kv-store)", "NotFoundError", code="no_kv_store"
+            )
+        return principal
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(request: Request, session_id: str) -> JSONResponse:
+        principal = _session_principal(request)
+        record = await engine.call(lambda e: e.offloader.sessions.get(principal.tenant, session_id))
+        if record is None:
+            raise APIError(404, f"no session {session_id!r}", "NotFoundError", "session_id")
+        return JSONResponse(
+            {
+                "id": session_id,
+                "object": "session",
+                "num_tokens": len(record["tokens"]),
+                "num_blocks": len(record["blocks"]),
+                "updated_at": record["updated"],
+                "expires_at": record["expires"],
+            }
+        )
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(request: Request, session_id: str) -> JSONResponse:
+        principal = _session_principal(request)
+        deleted = await engine.call(
+            lambda e: e.offloader.sessions.delete(principal.tenant, session_id)
+        )
+        if not deleted:
+            raise APIError(404, f"no session {session_id!r}", "NotFoundError", "session_id")
+        return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
+
     @app.post("/admin/tenants/reload")
     async def reload_tenants(request: Request) -> JSONResponse:
         authenticate(request, state.config, admin=True)

@@ -13,7 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from kvserve.engine.async_engine import AsyncLLMEngine
 
@@ -177,6 +182,64 @@ class _EngineCollector:
             of_limit.add_metric([*values, t], d["blocks"] / max(d["limit"], 1))
         yield usage
         yield of_limit
+        if snap.get("store"):
+            yield from self._store_metrics(snap["store"], names, values)
+
+    def _store_metrics(self, store: dict, names: list[str], values: list[str]) -> Iterator[Metric]:
+        from kvserve.store.tiered import LATENCY_BUCKETS
+
+        counters = {
+            "kvserve_kv_store_hits": ("Blocks found in the tier.", "hits"),
+            "kvserve_kv_store_misses": ("Blocks looked for in the tier and not found.", "misses"),
+            "kvserve_kv_store_read_bytes": ("Bytes read from the tier.", "bytes_read"),
+            "kvserve_kv_store_written_bytes": ("Bytes written to the tier.", "bytes_written"),
+            "kvserve_kv_store_errors": ("Operations that failed (tier unavailable).", "errors"),
+            "kvserve_kv_store_dropped_writes": (
+                "Blocks not written to the tier (queue full or tier down).",
+                "dropped_writes",
+            ),
+            "kvserve_kv_store_corrupt_blocks": (
+                "Stored blocks refused on load (corrupt, truncated, foreign).",
+                "corrupt",
+            ),
+        }
+        labels = [*names, "tier"]
+        for name, (doc, field_name) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=labels)
+            for t in store["tiers"]:
+                c.add_metric([*values, t["name"]], getattr(t["stats"], field_name))
+            yield c
+        up = GaugeMetricFamily(
+            "kvserve_kv_store_up", "1 while the tier's circuit breaker is closed.", labels=labels
+        )
+        hist = HistogramMetricFamily(
+            "kvserve_kv_store_operation_seconds",
+            "Latency of store operations per tier.",
+            labels=[*labels, "op"],
+        )
+        for t in store["tiers"]:
+            up.add_metric([*values, t["name"]], 1.0 if t["up"] else 0.0)
+            st = t["stats"]
+            for op, counts in sorted(st.latency_counts.items()):
+                cumulative, buckets = 0, []
+                for le, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
+                    cumulative += n
+                    buckets.append(("+Inf" if le == float("inf") else str(le), cumulative))
+                hist.add_metric([*values, t["name"], op], buckets, st.latency_sums[op])
+        yield up
+        yield hist
+        for name, doc, key in (
+            ("kvserve_kv_store_loaded_blocks", "Blocks restored from the store.", "loaded_blocks"),
+            ("kvserve_kv_store_saved_blocks", "Blocks offered to the store.", "saved_blocks"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, store[key])
+            yield c
+        g = GaugeMetricFamily(
+            "kvserve_kv_store_queue_depth", "Write batches queued for lower tiers.", labels=names
+        )
+        g.add_metric(values, store["queue_depth"])
+        yield g
 
 
 class ServerMetrics:

@@ -1,0 +1,77 @@
+"""Session records: a conversation's token ids and block hashes, kept in the KV store.
+
+With a ``session_id`` on a request, the engine records, when the turn finishes, the
+session's tokens (prompt + output) and the hashes of its full blocks. The blocks
+themselves are in the store under those hashes already, so the next turn — here, after a
+restart, or on another node sharing the tier — restores its prefix by the usual lookup;
+the record says what the session holds, lets it expire (``ttl``) and be deleted with its
+blocks (``DELETE /v1/sessions/{id}``). Records are per tenant: another tenant's session
+with the same id is a different record.
+
+Key: BLAKE2b-16 of ``kvserve-session`` ‖ tenant ‖ id, so records share the block
+keyspace without colliding with blocks. Value: JSON. An expired record reads as absent
+and is deleted (a Redis tier with ``ttl=`` also expires it on its own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.store.tiered import TieredStore
+
+
+def session_key(tenant: str, session_id: str) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"kvserve-session\0" + tenant.encode() + b"\0" + session_id.encode())
+    return h.digest()
+
+
+class SessionStore:
+    def __init__(self, store: TieredStore, ttl: float):
+        self.store = store
+        self.ttl = ttl
+
+    def record(
+        self, tenant: str, session_id: str, token_ids: Sequence[int], blocks: Sequence[bytes]
+    ) -> None:
+        now = time.time()
+        value = {
+            "session": session_id,
+            "tenant": tenant,
+            "tokens": list(token_ids),
+            "blocks": [b.hex() for b in blocks],
+            "updated": now,
+            "expires": now + self.ttl,
+        }
+        self.store.put([(session_key(tenant, session_id), json.dumps(value).encode())])
+
+    def get(self, tenant: str, session_id: str) -> dict[str, Any] | None:
+        """The session's record, or None when there is none or it expired."""
+        key = session_key(tenant, session_id)
+        raw = self.store.get([key])[0]
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            self.store.delete([key])
+            return None
+        if value.get("expires", 0) < time.time():
+            self.store.delete([key])
+            return None
+        return value
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        """Delete the record and its blocks; False when there was none. Blocks shared
+        with other sessions (a common system prompt) are deleted too: they are recomputed
+        and stored again by whoever needs them next."""
+        value = self.get(tenant, session_id)
+        if value is None:
+            return False
+        self.store.delete([session_key(tenant, session_id)])
+        self.store.delete([bytes.fromhex(h) for h in value["blocks"]])
+        return True
