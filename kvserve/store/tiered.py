@@ -7,7 +7,8 @@
   queue drained by a writer thread: ``write-through`` queues every put for every lower
   tier; ``write-back`` queues a block only when the first tier evicts it. When the queue is
   full the write is dropped and counted — decoding never waits for a slow tier.
-- **Faults**: a tier raising ``StoreUnavailable`` opens its circuit breaker: it is skipped
+- **Faults**: a tier raising ``StoreUnavailable`` (or anything else: a backend bug must
+  not fail requests either) opens its circuit breaker: it is skipped
   (reads miss, writes are dropped, both counted) for a backoff that doubles on each
   consecutive failure (0.5 s → 30 s) and is probed again after it; one success closes it.
 - **Metrics** per tier come from this wrapper, not from the backends: hits, misses, bytes
@@ -117,12 +118,15 @@ class TieredStore:
         t0 = time.perf_counter()
         try:
             result = fn(*args)
-        except StoreUnavailable as e:
+        except Exception as e:  # any tier failure degrades to "not there", never further
             self.stats[i].errors += 1
             was_open = br.failures > 0
             br.failed()
             if not was_open:
-                logger.warning("KV store tier %s unavailable: %s", self.tiers[i].name, e)
+                if isinstance(e, StoreUnavailable):
+                    logger.warning("KV store tier %s unavailable: %s", self.tiers[i].name, e)
+                else:
+                    logger.exception("KV store tier %s failed", self.tiers[i].name)
             return _SKIPPED
         self.stats[i].observe(op, time.perf_counter() - t0)
         if br.failures:

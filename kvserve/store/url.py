@@ -23,7 +23,7 @@ from kvserve.store.tiered import TieredStore
 from kvserve.utils import parse_size
 
 DEFAULT_HOST_CAPACITY = "1GiB"
-_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 def _query(url: str) -> dict[str, str]:
