@@ -35,10 +35,15 @@ def _key(i: int) -> bytes:
 
 def test_serde_round_trip_and_every_mismatch_is_a_miss():
     key = _key(7)
-    data = serde.encode(FMT, key, _block(1))
-    got = serde.decode(FMT, key, data)
-    assert isinstance(got, list)
-    assert all(torch.equal(a, b) for a, b in zip(got, _block(1), strict=True))
+    data = serde.encode(FMT, key, serde.pack(FMT, _block(1)))
+    got = serde.decode(FMT, key, data, tokens=[5, 6, 7, 8])
+    assert isinstance(got, str) and got == "mismatch: tokens"  # stored without tokens
+    data = serde.encode(FMT, key, serde.pack(FMT, _block(1)), tokens=[5, 6, 7, 8])
+    got = serde.decode(FMT, key, data, tokens=[5, 6, 7, 8])
+    assert not isinstance(got, str)
+    assert all(torch.equal(a, b) for a, b in zip(serde.unpack(FMT, got), _block(1), strict=True))
+    assert serde.decode(FMT, key, data, tokens=[5, 6, 7, 9]) == "mismatch: tokens"
+    data = serde.encode(FMT, key, serde.pack(FMT, _block(1)))
     assert len(data) - FMT.payload_bytes < 400  # the header is small
 
     flipped = bytearray(data)
@@ -48,7 +53,7 @@ def test_serde_round_trip_and_every_mismatch_is_a_miss():
         "corrupt: payload": data[:-10],  # truncated
         "corrupt: bad magic": b"XXXX" + data[4:],
         "corrupt: truncated header": data[:20],
-        "mismatch: key": serde.encode(FMT, _key(8), _block(1)),
+        "mismatch: key": serde.encode(FMT, _key(8), serde.pack(FMT, _block(1))),
     }
     for reason, bad in cases.items():
         result = serde.decode(FMT, key, bad)
@@ -62,20 +67,23 @@ def test_serde_round_trip_and_every_mismatch_is_a_miss():
         result = serde.decode(other, key, data)
         assert result == f"mismatch: {field}", (field, result)
     with pytest.raises(ValueError, match="expected"):
-        serde.encode(FMT, key, _block(1)[:-1])
+        serde.pack(FMT, _block(1)[:-1])
+    with pytest.raises(ValueError, match="payload"):
+        serde.encode(FMT, key, b"short")
 
 
 @pytest.mark.parametrize("kind", ["host", "file"])
 def test_store_contract_and_lru(kind, tmp_path):
-    size = len(serde.encode(FMT, _key(0), _block(0)))
+    size = len(serde.encode(FMT, _key(0), serde.pack(FMT, _block(0))))
     cap = 3 * size
     store: KVStore = HostStore(cap) if kind == "host" else FileStore(tmp_path, cap)
-    items = [(_key(i), serde.encode(FMT, _key(i), _block(i))) for i in range(3)]
+    items = [(_key(i), serde.encode(FMT, _key(i), serde.pack(FMT, _block(i)))) for i in range(3)]
     store.put(items)
     assert store.contains([_key(0), _key(1), _key(9), _key(2)]) == 2  # leading run only
     assert store.get([_key(1), _key(9)]) == [items[1][1], None]
     store.get([_key(0)])  # 0 is now more recent than 2
-    store.put([(_key(3), serde.encode(FMT, _key(3), _block(3)))])  # evicts 2, the LRU
+    # evicts 2, the least recently used
+    store.put([(_key(3), serde.encode(FMT, _key(3), serde.pack(FMT, _block(3))))])
     assert store.contains([_key(2)]) == 0
     assert store.contains([_key(0), _key(1), _key(3)]) == 3
     store.delete([_key(1), _key(42)])
@@ -84,10 +92,10 @@ def test_store_contract_and_lru(kind, tmp_path):
 
 
 def test_file_store_survives_a_restart_in_lru_order(tmp_path):
-    size = len(serde.encode(FMT, _key(0), _block(0)))
+    size = len(serde.encode(FMT, _key(0), serde.pack(FMT, _block(0))))
     store = FileStore(tmp_path, 10 * size)
     for i in range(4):
-        store.put([(_key(i), serde.encode(FMT, _key(i), _block(i)))])
+        store.put([(_key(i), serde.encode(FMT, _key(i), serde.pack(FMT, _block(i))))])
         time.sleep(0.01)  # distinct modification times (ordering, not synchronization)
     store.get([_key(0)])  # refreshes 0's mtime: most recent now
     (tmp_path / "ff").mkdir()
@@ -96,7 +104,7 @@ def test_file_store_survives_a_restart_in_lru_order(tmp_path):
     assert len(again) == 3
     assert again.contains([_key(0)]) == 1 and again.contains([_key(1)]) == 0
     got = serde.decode(FMT, _key(3), again.get([_key(3)])[0])
-    assert all(torch.equal(a, b) for a, b in zip(got, _block(3), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(serde.unpack(FMT, got), _block(3), strict=True))
     assert not (tmp_path / "ff" / "junk.kvb.123.tmp").exists()
 
 

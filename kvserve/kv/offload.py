@@ -108,12 +108,19 @@ class KVOffloader:
         if not fresh:
             return
         fmt = self._format()
+        n = len(fresh)
         idx = torch.tensor([table[i] for i in fresh], device=self._views[0].device)
-        gathered = [v.index_select(1, idx).cpu() for v in self._views]
+        # one row of payload bytes per block: every layer's parts, layer-major (serde.pack)
+        rows = torch.cat(
+            [
+                v.index_select(1, idx).transpose(0, 1).contiguous().view(torch.uint8).reshape(n, -1)
+                for v in self._views
+            ],
+            dim=1,
+        ).cpu()
         items = []
         for j, i in enumerate(fresh):
-            tensors = [g[:, j] for g in gathered]
-            value = serde.encode(fmt, hashes[i], tensors, self._tokens(request, i))
+            value = serde.encode(fmt, hashes[i], rows[j], self._tokens(request, i))
             items.append((hashes[i], value))
         self.store.put(items)
         self.num_saved_blocks += len(items)
@@ -152,7 +159,7 @@ class KVOffloader:
         fut = self._pool.submit(self._fetch, self._format(), hashes, tokens)
         self._loads[request.request_id] = _Load(request, blocks, fut)
 
-    def _fetch(self, fmt, hashes, tokens) -> list[list[torch.Tensor]]:
+    def _fetch(self, fmt, hashes, tokens) -> list[torch.Tensor]:
         """Loader thread: the leading blocks that decode; stops at the first that does not."""
         out = []
         for key, value, toks in zip(hashes, self.store.get(hashes), tokens, strict=True):
@@ -185,13 +192,22 @@ class KVOffloader:
             if n < len(load.blocks):
                 self.num_load_failures += 1
             if n:
-                idx = torch.tensor(load.blocks[:n], device=self._views[0].device)
-                for p, view in enumerate(self._views):
-                    src = torch.stack([b[p] for b in blocks], dim=1)
-                    view.index_copy_(1, idx, src.to(view.device))
+                self._copy_in(load.blocks[:n], torch.stack(blocks))
                 self.num_loaded_blocks += n
             done.append((load.request, n))
         return done
+
+    def _copy_in(self, blocks: list[int], rows: torch.Tensor) -> None:
+        """Payload ``rows`` ([n, payload bytes]) into device ``blocks``."""
+        n = len(blocks)
+        idx = torch.tensor(blocks, device=self._views[0].device)
+        offset = 0
+        for view in self._views:
+            shape = (n, 2, *view.shape[2:])
+            size = view[:, :1].numel() * view.element_size()  # bytes of one block
+            part = rows[:, offset : offset + size].contiguous().view(view.dtype).view(shape)
+            view.index_copy_(1, idx, part.transpose(0, 1).to(view.device))
+            offset += size
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

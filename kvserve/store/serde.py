@@ -15,6 +15,7 @@ miss with a reason, never data.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from collections.abc import Sequence
@@ -47,12 +48,7 @@ class BlockFormat:
 
     @property
     def payload_bytes(self) -> int:
-        per_layer = 0
-        for dtype, shape in self.parts:
-            n = _DTYPES[dtype].itemsize
-            for d in shape:
-                n *= d
-            per_layer += n
+        per_layer = sum(_DTYPES[d].itemsize * math.prod(s) for d, s in self.parts)
         return per_layer * self.num_layers
 
     def header(self, key: bytes, checksum: int, tokens: Sequence[int]) -> dict:
@@ -70,21 +66,42 @@ class BlockFormat:
         }
 
 
-def encode(
-    fmt: BlockFormat, key: bytes, tensors: list[torch.Tensor], tokens: Sequence[int] = ()
-) -> bytes:
-    """``tensors``: ``num_layers × len(parts)`` tensors in layer-major order, each of its
-    part's dtype and shape; ``tokens``: the block's token ids (checked on decode, so a hash
-    collision is a miss). Raises ValueError when the tensors do not match ``fmt``."""
+def pack(fmt: BlockFormat, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One block's ``num_layers × len(parts)`` tensors (layer-major, each of its part's
+    dtype and shape) as the flat uint8 payload. Raises ValueError on a mismatch."""
     if len(tensors) != fmt.num_layers * len(fmt.parts):
         raise ValueError(f"expected {fmt.num_layers * len(fmt.parts)} tensors, got {len(tensors)}")
-    chunks = []
+    flat = []
     for i, t in enumerate(tensors):
         dtype, shape = fmt.parts[i % len(fmt.parts)]
         if t.dtype != _DTYPES[dtype] or tuple(t.shape) != shape:
             raise ValueError(f"tensor {i}: {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}")
-        chunks.append(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    payload = b"".join(chunks)
+        flat.append(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1))
+    return torch.cat(flat)
+
+
+def unpack(fmt: BlockFormat, payload: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of ``pack`` (views into ``payload``)."""
+    out = []
+    offset = 0
+    for _ in range(fmt.num_layers):
+        for dtype, shape in fmt.parts:
+            n = _DTYPES[dtype].itemsize * math.prod(shape)
+            out.append(payload[offset : offset + n].view(_DTYPES[dtype]).view(shape))
+            offset += n
+    return out
+
+
+def encode(
+    fmt: BlockFormat, key: bytes, payload: torch.Tensor | bytes, tokens: Sequence[int] = ()
+) -> bytes:
+    """Header + ``payload`` (the block's bytes, see ``pack``); ``tokens``: the block's
+    token ids (checked on decode, so a hash collision is a miss). Raises ValueError for a
+    payload of the wrong size."""
+    if isinstance(payload, torch.Tensor):
+        payload = payload.contiguous().view(torch.uint8).numpy().tobytes()
+    if len(payload) != fmt.payload_bytes:
+        raise ValueError(f"payload of {len(payload)} bytes, expected {fmt.payload_bytes}")
     header = fmt.header(key, zlib.crc32(payload), tokens)
     header = json.dumps(header, separators=(",", ":")).encode()
     return MAGIC + _LEN.pack(len(header)) + header + payload
@@ -92,8 +109,9 @@ def encode(
 
 def decode(
     fmt: BlockFormat, key: bytes, data: bytes, tokens: Sequence[int] = ()
-) -> list[torch.Tensor] | str:
-    """The block's tensors, or a reason string (``corrupt: …`` or ``mismatch: …``)."""
+) -> torch.Tensor | str:
+    """The block's payload as a flat uint8 tensor (``unpack`` splits it), or a reason
+    string (``corrupt: …`` or ``mismatch: …``)."""
     if len(data) < 8 or data[:4] != MAGIC:
         return "corrupt: bad magic"
     (hlen,) = _LEN.unpack_from(data, 4)
@@ -114,15 +132,5 @@ def decode(
         return f"corrupt: payload of {len(payload)} bytes, expected {fmt.payload_bytes}"
     if zlib.crc32(payload) != header["crc32"]:
         return "corrupt: checksum"
-    buf = bytearray(data)  # torch.frombuffer wants a writable buffer; one copy
-    out = []
-    offset = 8 + hlen
-    for _ in range(fmt.num_layers):
-        for dtype, shape in fmt.parts:
-            n = _DTYPES[dtype].itemsize
-            for d in shape:
-                n *= d
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
-            out.append(t.view(_DTYPES[dtype]).view(shape))
-            offset += n
-    return out
+    buf = bytearray(payload)  # torch.frombuffer wants a writable buffer; one copy
+    return torch.frombuffer(buf, dtype=torch.uint8)
