@@ -6,7 +6,8 @@ The header carries the format version, the block's key (its chained hash) and to
 the model
 fingerprint, KV dtype, block size, layer count, each tensor's dtype and shape, the
 fp8 scales' digest (fp8 blocks are only meaningful under the scales they were written
-with) and a CRC32 of the payload. ``decode`` returns the tensors only when every field
+with) and an XXH3-64 checksum of the payload (~50 GB/s, so checking costs little next
+to moving the bytes). ``decode`` returns the tensors only when every field
 equals what the reader expects and the checksum holds; anything else — truncated,
 corrupted, another model's, another dtype's, a value stored under the wrong key — is a
 miss with a reason, never data.
@@ -17,11 +18,11 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 MAGIC = b"KVSB"
 VERSION = 1
@@ -51,7 +52,7 @@ class BlockFormat:
         per_layer = sum(_DTYPES[d].itemsize * math.prod(s) for d, s in self.parts)
         return per_layer * self.num_layers
 
-    def header(self, key: bytes, checksum: int, tokens: Sequence[int]) -> dict:
+    def header(self, key: bytes, checksum: str, tokens: Sequence[int]) -> dict:
         return {
             "v": VERSION,
             "key": key.hex(),
@@ -62,7 +63,7 @@ class BlockFormat:
             "layers": self.num_layers,
             "parts": [[d, list(s)] for d, s in self.parts],
             "scales": self.scales_digest,
-            "crc32": checksum,
+            "xxh3": checksum,
         }
 
 
@@ -102,7 +103,7 @@ def encode(
         payload = payload.contiguous().view(torch.uint8).numpy().tobytes()
     if len(payload) != fmt.payload_bytes:
         raise ValueError(f"payload of {len(payload)} bytes, expected {fmt.payload_bytes}")
-    header = fmt.header(key, zlib.crc32(payload), tokens)
+    header = fmt.header(key, xxhash.xxh3_64_hexdigest(payload), tokens)
     header = json.dumps(header, separators=(",", ":")).encode()
     return MAGIC + _LEN.pack(len(header)) + header + payload
 
@@ -124,13 +125,13 @@ def decode(
     payload = memoryview(data)[8 + hlen :]
     if not isinstance(header, dict) or header.get("v") != VERSION:
         return f"mismatch: format version {header.get('v') if isinstance(header, dict) else '?'}"
-    expected = fmt.header(key, header.get("crc32", -1), tokens)
+    expected = fmt.header(key, header.get("xxh3", ""), tokens)
     for field in ("key", "tokens", "model", "kv", "bs", "layers", "parts", "scales"):
         if header.get(field) != expected[field]:
             return f"mismatch: {field}"
     if len(payload) != fmt.payload_bytes:
         return f"corrupt: payload of {len(payload)} bytes, expected {fmt.payload_bytes}"
-    if zlib.crc32(payload) != header["crc32"]:
+    if xxhash.xxh3_64_hexdigest(payload) != header["xxh3"]:
         return "corrupt: checksum"
     buf = bytearray(payload)  # torch.frombuffer wants a writable buffer; one copy
     return torch.frombuffer(buf, dtype=torch.uint8)
