@@ -55,6 +55,16 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Flush queued KV store writes and close the store (``kv_store=`` only)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -108,11 +108,11 @@ def encode(
     return MAGIC + _LEN.pack(len(header)) + header + payload
 
 
-def decode(
+def check(
     fmt: BlockFormat, key: bytes, data: bytes, tokens: Sequence[int] = ()
-) -> torch.Tensor | str:
-    """The block's payload as a flat uint8 tensor (``unpack`` splits it), or a reason
-    string (``corrupt: …`` or ``mismatch: …``)."""
+) -> memoryview | str:
+    """The payload of a valid block (a view into ``data``, no copy), or a reason string
+    (``corrupt: …`` or ``mismatch: …``) for anything else."""
     if len(data) < 8 or data[:4] != MAGIC:
         return "corrupt: bad magic"
     (hlen,) = _LEN.unpack_from(data, 4)
@@ -133,5 +133,14 @@ def decode(
         return f"corrupt: payload of {len(payload)} bytes, expected {fmt.payload_bytes}"
     if xxhash.xxh3_64_hexdigest(payload) != header["xxh3"]:
         return "corrupt: checksum"
-    buf = bytearray(payload)  # torch.frombuffer wants a writable buffer; one copy
-    return torch.frombuffer(buf, dtype=torch.uint8)
+    return payload
+
+
+def decode(
+    fmt: BlockFormat, key: bytes, data: bytes, tokens: Sequence[int] = ()
+) -> torch.Tensor | str:
+    """``check``, then the payload copied into a flat uint8 tensor (``unpack`` splits it)."""
+    payload = check(fmt, key, data, tokens)
+    if isinstance(payload, str):
+        return payload
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
