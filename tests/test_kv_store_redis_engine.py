@@ -51,7 +51,10 @@ def _share(llama_dir, url: str, reference: list[int]) -> None:
 
 def test_a_prompt_computed_on_one_engine_is_restored_on_another(llama_dir, tmp_path, reference):
     with redis_server(tmp_path) as server:
-        _share(llama_dir, f"redis://127.0.0.1:{server.port}/0?prefix=t1", reference)
+        _share(llama_dir, f"redis://127.0.0.1:{server.port}/0", reference)
+        keys = server.client().keys("*")
+        # the default prefix names the model, KV dtype and block size
+        assert keys and all(k.startswith(b"kvserve:") and b"-float32-bs16:" in k for k in keys)
 
 
 def test_the_same_through_a_redis_cluster(llama_dir, tmp_path, reference):

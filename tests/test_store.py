@@ -15,7 +15,7 @@ from kvserve.store.base import KVStore, StoreUnavailable
 from kvserve.store.file_store import FileStore
 from kvserve.store.host import HostStore
 from kvserve.store.tiered import TieredStore
-from kvserve.store.url import open_store, open_tiered
+from kvserve.store.url import open_store, open_tiered, with_namespace
 
 FMT = serde.BlockFormat("model-a", "int8", 4, 2, (("int8", (2, 4, 2, 8)), ("float16", (2, 4, 2))))
 
@@ -226,3 +226,15 @@ def test_urls(tmp_path):
     t.close()
     with pytest.raises(ValueError, match="first tier"):
         open_tiered(["host://", "host://"])
+
+
+def test_shared_tiers_get_a_namespace_unless_they_set_a_prefix():
+    ns = "0123abcd-bfloat16-bs16"
+    assert with_namespace("redis://h:6379/0?ttl=5", ns) == (
+        "redis://h:6379/0?ttl=5&prefix=kvserve%3A0123abcd-bfloat16-bs16"
+    )
+    assert with_namespace("unix:///run/r.sock", ns).startswith("unix:///run/r.sock?prefix=")
+    assert with_namespace("redis://h:6379/0?prefix=mine", ns).endswith("prefix=mine")
+    assert with_namespace("s3://bucket", ns) == "s3://bucket/kvserve/0123abcd-bfloat16-bs16"
+    assert with_namespace("s3://bucket/p", ns) == "s3://bucket/p"
+    assert with_namespace("file:///x?capacity=1GiB", ns) == "file:///x?capacity=1GiB"

@@ -157,6 +157,7 @@ class LLMEngine:
             store_config.urls,
             write_policy=store_config.write_policy,
             queue_size=store_config.queue_size,
+            namespace=f"{self.model_fingerprint[:16]}-{self.kv_format.name}-bs{self.kv.block_size}",
         )
         logger.info("KV store tiers: %s", " → ".join(t.name for t in store.tiers))
         return KVOffloader(

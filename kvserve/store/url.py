@@ -14,7 +14,7 @@ first tier is where writes land synchronously and what the other tiers promote i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit, urlunsplit
 
 from kvserve.store.base import KVStore
 from kvserve.store.file_store import FileStore
@@ -28,6 +28,25 @@ _REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 def _query(url: str) -> dict[str, str]:
     return {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items()}
+
+
+def with_namespace(url: str, namespace: str | None) -> str:
+    """``url`` with a default key prefix naming what the blocks are (model fingerprint, KV
+    dtype, block size), for shared tiers that do not set their own: Redis
+    ``prefix=kvserve:<namespace>``, S3 path ``kvserve/<namespace>``. The keys are
+    already hashes rooted in the same facts; the prefix lets an operator see and drop one
+    model's blocks (``SCAN``/``UNLINK``, an S3 lifecycle rule) without touching others."""
+    if not namespace:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme in _REDIS_SCHEMES and "prefix" not in _query(url):
+        query = "&".join(q for q in (parts.query, "prefix=" + quote(f"kvserve:{namespace}")) if q)
+        if parts.scheme == "unix":  # urlunsplit would drop the empty authority
+            return f"unix://{parts.path}?{query}"
+        return urlunsplit(parts._replace(query=query))
+    if parts.scheme == "s3" and not parts.path.strip("/"):
+        return urlunsplit(parts._replace(path=f"/kvserve/{namespace}"))
+    return url
 
 
 def open_store(url: str) -> KVStore:
@@ -58,14 +77,21 @@ def open_store(url: str) -> KVStore:
 
 
 def open_tiered(
-    urls: Sequence[str], *, write_policy: str = "write-through", queue_size: int = 1024
+    urls: Sequence[str],
+    *,
+    write_policy: str = "write-through",
+    queue_size: int = 1024,
+    namespace: str | None = None,
 ) -> TieredStore:
-    """The tiered store for ``urls`` in order (a host tier is added in front if missing)."""
+    """The tiered store for ``urls`` in order (a host tier is added in front if missing;
+    shared tiers get ``namespace`` as their default key prefix, see ``with_namespace``)."""
     urls = list(urls)
     if not urls or urlsplit(urls[0]).scheme != "host":
         urls.insert(0, f"host://?capacity={DEFAULT_HOST_CAPACITY}")
     if any(urlsplit(u).scheme == "host" for u in urls[1:]):
         raise ValueError("host:// can only be the first tier")
     return TieredStore(
-        [open_store(u) for u in urls], write_policy=write_policy, queue_size=queue_size
+        [open_store(with_namespace(u, namespace)) for u in urls],
+        write_policy=write_policy,
+        queue_size=queue_size,
     )
