@@ -1,0 +1,1 @@
+"""High availability: coordination in Redis (registry, ownership, fencing)."""

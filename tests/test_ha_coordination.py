@@ -1,0 +1,78 @@
+"""Cluster coordination against a real ``redis-server``: leases expire, epochs fence a
+stale owner's writes atomically, and racing takeovers have exactly one winner."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from redis_proc import redis_server
+from server_proc import wait_until
+
+from kvserve.ha.coordination import Coordinator
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    with redis_server(tmp_path_factory.mktemp("ha")) as server:
+        yield f"redis://127.0.0.1:{server.port}/0"
+
+
+def test_nodes_live_while_they_heartbeat(url):
+    c = Coordinator.from_url(url, prefix="t-nodes", lease_s=0.3)
+    c.register("a", "http://a", role="worker")
+    c.register("b", "http://b")
+    assert set(c.nodes()) == {"a", "b"} and c.nodes()["a"]["role"] == "worker"
+    stop = threading.Event()
+
+    def beat():  # a keeps heart-beating, b stops
+        while not stop.wait(0.1):
+            c.heartbeat("a", "http://a", role="worker")
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        wait_until(lambda: set(c.nodes()) == {"a"}, 10, "b's lease to expire")
+    finally:
+        stop.set()
+        t.join(5)
+    c.deregister("a")
+    assert c.nodes() == {}
+
+
+def test_a_stale_owner_is_fenced(url):
+    c = Coordinator.from_url(url, prefix="t-fence")
+    e1 = c.take_over("s", "primary")
+    assert e1 == 1
+    assert c.write_state("s", "primary", e1, b"tokens 1..16")
+    e2 = c.take_over("s", "standby", seen_epoch=e1)  # failover
+    assert e2 == 2
+    assert not c.write_state("s", "primary", e1, b"late tokens")  # the paused primary
+    assert not c.write_state("s", "primary", e2, b"wrong node, right epoch")
+    assert c.write_state("s", "standby", e2, b"tokens 1..32")
+    own = c.owner("s")
+    assert (own.node, own.epoch, own.state) == ("standby", 2, b"tokens 1..32")
+    assert not c.release("s", "primary", e1)
+    assert c.release("s", "standby", e2) and c.owner("s") is None
+
+
+def test_racing_takeovers_have_one_winner(url):
+    c = Coordinator.from_url(url, prefix="t-race")
+    seen = c.take_over("s", "primary")
+    results = []
+    barrier = threading.Barrier(8)
+
+    def router(i: int) -> None:
+        mine = Coordinator.from_url(url, prefix="t-race")
+        barrier.wait(10)
+        results.append((i, mine.take_over("s", f"standby{i}", seen_epoch=seen)))
+
+    threads = [threading.Thread(target=router, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    winners = [(i, e) for i, e in results if e is not None]
+    assert len(results) == 8 and len(winners) == 1
+    i, epoch = winners[0]
+    assert epoch == seen + 1 and c.owner("s").node == f"standby{i}"
