@@ -180,9 +180,24 @@ class StoreConfig:
             raise ValueError(f"kv_store_session_ttl must be positive, got {self.session_ttl}")
 
 
+@dataclass(frozen=True)
+class ReplicationConfig:
+    """Session replication to a cluster's Redis (``cluster`` URL; None: off). This engine
+    is ``node_id`` (default: host:pid) and publishes each session's state every
+    ``replicate_every`` generated tokens and when it finishes."""
+
+    cluster: str | None = None
+    node_id: str | None = None
+    replicate_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.replicate_every < 1:
+            raise ValueError(f"replicate_every must be positive, got {self.replicate_every}")
+
+
 _SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
 _LIST_FIELDS = {"kv_store"}
-_STR_FIELDS = {"kv_usage_log"}
+_STR_FIELDS = {"kv_usage_log", "cluster", "node_id"}
 _ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}  # extra flag that sets False
 
 
@@ -220,6 +235,9 @@ class EngineArgs:
     kv_store_write_policy: str = "write-through"
     kv_store_queue_size: int = 1024
     kv_store_session_ttl: float = 86400.0
+    cluster: str | None = None
+    node_id: str | None = None
+    replicate_every: int = 16
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -262,6 +280,9 @@ class EngineArgs:
             self.kv_store_queue_size,
             self.kv_store_session_ttl,
         )
+
+    def replication_config(self) -> ReplicationConfig:
+        return ReplicationConfig(self.cluster, self.node_id, self.replicate_every)
 
     def observability_config(self) -> ObservabilityConfig:
         return ObservabilityConfig(self.kv_usage_log, self.kv_usage_interval)

@@ -76,3 +76,41 @@ def test_racing_takeovers_have_one_winner(url):
     assert len(results) == 8 and len(winners) == 1
     i, epoch = winners[0]
     assert epoch == seen + 1 and c.owner("s").node == f"standby{i}"
+
+
+def test_the_primary_replicates_session_state_and_a_fenced_primary_stops(url, llama_dir):
+    """An engine in a cluster publishes each session's record every 16 tokens and at the
+    end; once another node takes the session over, the old primary's writes are refused,
+    it drops the request, and the new owner's state is never overwritten."""
+    import json
+
+    from helpers import greedy, make_engine, random_prompts, run_to_end
+
+    engine = make_engine(llama_dir, cluster=url, node_id="primary", replicate_every=16)
+    coord = Coordinator.from_url(url)
+    prompt = random_prompts([20], seed=4)[0]
+    engine.add_request("r1", prompt, greedy(40), session_id="chat-1")
+    done = run_to_end(engine)
+    assert engine.replicator.flush()
+    own = coord.owner("chat-1")
+    record = json.loads(own.state)
+    assert (own.node, own.epoch) == ("primary", 1)
+    assert record["output_token_ids"] == done["r1"] and record["finished"]
+    assert record["prompt_token_ids"] == prompt and record["params"]["max_tokens"] == 40
+    assert record["stored_tokens"] % 16 == 0 and record["epoch"] == 1
+    assert engine.replicator.num_published == 3  # at 16, 32 and the end (40)
+
+    req = engine.add_request("r2", prompt, greedy(200), session_id="chat-2")
+    for _ in range(20):
+        engine.step()
+    assert engine.replicator.flush() and coord.owner("chat-2").node == "primary"
+    epoch = coord.take_over("chat-2", "standby", seen_epoch=coord.owner("chat-2").epoch)
+    assert coord.write_state("chat-2", "standby", epoch, b"standby state")
+    for _ in range(200):  # the primary's next publish is refused; it drops the request
+        if req.is_finished:
+            break
+        engine.step()
+        engine.replicator.flush()
+    assert req.status.value == "abort" and len(req.output_token_ids) < 200
+    assert coord.owner("chat-2").state == b"standby state"
+    engine.close()

@@ -130,6 +130,7 @@ class LLMEngine:
                 on_copy=self.cost_model.observe_copy,
             )
         self.offloader = self._offloader(args)
+        self.replicator = self._replicator(args)
         self.scheduler = Scheduler(
             self.scheduler_config,
             self.kv,
@@ -169,8 +170,26 @@ class LLMEngine:
             store_config.session_ttl,
         )
 
+    def _replicator(self, args: EngineArgs):
+        config = args.replication_config()
+        if config.cluster is None:
+            return None
+        import os
+        import socket
+
+        from kvserve.ha.coordination import Coordinator
+        from kvserve.ha.replicator import Replicator
+
+        node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
+        return Replicator(
+            Coordinator.from_url(config.cluster), node, config.replicate_every, self.kv.block_size
+        )
+
     def close(self) -> None:
-        """Flush and close the KV store (if any). The engine is unusable afterwards."""
+        """Flush and close the KV store and replication (if any). The engine is unusable
+        afterwards."""
+        if self.replicator is not None:
+            self.replicator.close()
         if self.offloader is not None:
             self.offloader.close()
 
@@ -353,6 +372,8 @@ class LLMEngine:
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
+        if self.replicator is not None and session_id is not None:
+            self.replicator.start(req)
         return req
 
     def _salt(self, tenant: str, cache_salt: str | None) -> str | None:
@@ -375,6 +396,7 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns outputs of requests that got a token or finished."""
+        fenced = self._drop_fenced()
         sched = self.scheduler.schedule()
         self.peak_usage.record(self.kv.pool.num_used / self.kv.num_blocks)
         if self.usage_recorder is not None and self.usage_recorder.due():
@@ -385,7 +407,7 @@ class LLMEngine:
                 self.tenant_blocks(),
             )
         if sched.is_empty:
-            return []
+            return fenced
         t0 = time.perf_counter()
         result = self.runner.run(sched.scheduled)
         self.cost_model.observe_step(
@@ -395,7 +417,7 @@ class LLMEngine:
             ),
             time.perf_counter() - t0,
         )
-        outputs = []
+        outputs = fenced
         for s in sched.scheduled:
             req = s.request
             start = req.num_computed_tokens
@@ -419,10 +441,27 @@ class LLMEngine:
             self._check_stop(req, token)
             if req.is_finished and req.session_id is not None and self.offloader is not None:
                 self.offloader.record_session(req)
+            if self.replicator is not None and req.session_id is not None:
+                self.replicator.after_step(req)
             outputs.append(self._output(req))
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _drop_fenced(self) -> list[RequestOutput]:
+        """Abort requests whose session another node took over; their final outputs."""
+        if self.replicator is None:
+            return []
+        out = []
+        for req in list(self.requests.values()):
+            if req.session_id is not None and self.replicator.fenced(req.session_id):
+                logger.warning(
+                    "request %s: session %s fenced; dropped", req.request_id, req.session_id
+                )
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                self.requests.pop(req.request_id, None)
+                out.append(self._output(req))
+        return out
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params

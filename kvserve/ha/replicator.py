@@ -1,0 +1,171 @@
+"""Asynchronous session replication from a primary (issue 8, first part).
+
+For every running request with a ``session_id`` the primary owns the session in the
+coordinator (``take_over`` when it starts the request, epoch noted). Every
+``every_tokens`` generated tokens — and when it finishes — it publishes the delta: the
+newly full KV blocks are already offered to the shared store by the KV offloader
+(content-addressed, so a block is stored once), and the session record goes to the
+coordinator through a fenced write. The record holds what a standby needs to continue
+the stream exactly: prompt and output token ids so far, sampling parameters and seed, the
+number of tokens whose KV is in the store, and the epoch.
+
+Publishing runs on a background thread; per session only the newest record waits (older
+ones are superseded), so the queue is bounded by the number of sessions. A refused write
+means another node took the session over: the session is marked fenced and the engine
+aborts its request at the next step (the stale primary must not keep streaming).
+Replication lag — tokens generated but not yet published, and seconds since the last
+publish — is tracked per session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvserve.ha.coordination import Coordinator
+from kvserve.request import Request
+
+logger = logging.getLogger("kvserve")
+
+
+@dataclass
+class _Tracked:
+    epoch: int
+    published_tokens: int = 0  # output tokens covered by the newest queued record
+    acked_tokens: int = 0  # … by the newest record Redis accepted
+    acked_at: float = field(default_factory=time.monotonic)
+
+
+def session_record(req: Request, epoch: int, block_size: int) -> bytes:
+    """The state a standby resumes from (JSON)."""
+    params = {f.name: getattr(req.params, f.name) for f in dataclasses.fields(req.params) if f.init}
+    return json.dumps(
+        {
+            "session_id": req.session_id,
+            "request_id": req.request_id,
+            "tenant": req.tenant,
+            "cache_salt": req.cache_salt,
+            "prompt_token_ids": req.prompt_token_ids,
+            "output_token_ids": req.output_token_ids,
+            "params": params,
+            "seed": req.seed,
+            "max_tokens": req.max_tokens,
+            "stored_tokens": (req.num_computed_tokens // block_size) * block_size,
+            "finished": req.is_finished,
+            "epoch": epoch,
+        }
+    ).encode()
+
+
+class Replicator:
+    def __init__(self, coordinator: Coordinator, node_id: str, every_tokens: int, block_size: int):
+        if every_tokens < 1:
+            raise ValueError(f"replicate_every must be positive, got {every_tokens}")
+        self.coord = coordinator
+        self.node_id = node_id
+        self.every = every_tokens
+        self.block_size = block_size
+        self._tracked: dict[str, _Tracked] = {}  # session id → state (engine thread)
+        self._pending: dict[str, tuple[int, int, bytes]] = {}  # session → (epoch, n, record)
+        self._fenced: set[str] = set()
+        self._inflight = 0  # records taken by the publisher, not yet answered
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.num_published = 0
+        self.num_errors = 0
+        self._thread = threading.Thread(target=self._run, name="kvserve-replicator", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread -----------------------------------------------------------------
+    def start(self, req: Request) -> None:
+        """The request begins serving its session here: take ownership (new epoch)."""
+        if req.session_id is None or req.session_id in self._tracked:
+            return
+        epoch = self.coord.take_over(req.session_id, self.node_id)
+        self._tracked[req.session_id] = _Tracked(epoch or 0)
+
+    def after_step(self, req: Request) -> None:
+        """Queue the session's record every ``every_tokens`` tokens and at its end."""
+        t = self._tracked.get(req.session_id or "")
+        if t is None:
+            return
+        n = len(req.output_token_ids)
+        if n - t.published_tokens < self.every and not req.is_finished:
+            return
+        t.published_tokens = n
+        record = session_record(req, t.epoch, self.block_size)
+        with self._lock:
+            self._pending[req.session_id] = (t.epoch, n, record)
+        self._wake.set()
+        if req.is_finished:
+            self._tracked.pop(req.session_id, None)
+
+    def fenced(self, session_id: str | None) -> bool:
+        """True once another node took this session over (abort the request)."""
+        with self._lock:
+            return session_id in self._fenced
+
+    def lag(self) -> dict[str, tuple[int, float]]:
+        """Per tracked session: (tokens queued but not yet acknowledged, seconds since the
+        last acknowledged publish)."""
+        now = time.monotonic()
+        return {
+            s: (t.published_tokens - t.acked_tokens, now - t.acked_at)
+            for s, t in self._tracked.items()
+        }
+
+    # ---- publisher thread --------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            with self._lock:
+                jobs, self._pending = self._pending, {}
+                self._inflight = len(jobs)
+            for session, (epoch, n, record) in jobs.items():
+                self._publish(session, epoch, n, record)
+            with self._lock:
+                self._inflight = 0
+
+    def _publish(self, session: str, epoch: int, n: int, record: bytes) -> None:
+        try:
+            ok = self.coord.write_state(session, self.node_id, epoch, record)
+        except Exception as e:  # Redis unavailable: keep it for the next round
+            self.num_errors += 1
+            logger.warning("replication of session %s failed: %s", session, e)
+            with self._lock:
+                self._pending.setdefault(session, (epoch, n, record))
+            time.sleep(0.1)
+            return
+        if not ok:
+            logger.warning("session %s was taken over (epoch > %d): fenced", session, epoch)
+            with self._lock:
+                self._fenced.add(session)
+            return
+        self.num_published += 1
+        t = self._tracked.get(session)
+        if t is not None and t.epoch == epoch:
+            t.acked_tokens, t.acked_at = max(t.acked_tokens, n), time.monotonic()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued record was written (or refused); True if so."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._pending and not self._inflight:
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.flush(5.0)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(5.0)
