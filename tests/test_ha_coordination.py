@@ -114,3 +114,55 @@ def test_the_primary_replicates_session_state_and_a_fenced_primary_stops(url, ll
     assert req.status.value == "abort" and len(req.output_token_ids) < 200
     assert coord.owner("chat-2").state == b"standby state"
     engine.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_standby_resumes_the_stream_exactly(url, llama_dir, temperature):
+    """Primary A replicates a session (KV blocks to the shared Redis tier, the record to
+    the coordinator) and is abandoned mid-stream; standby B resumes from the record and the
+    tokens the client already has: delivered + B's tokens equal an uninterrupted run, B
+    restored the replicated KV instead of recomputing it, and A, stepping on, is fenced."""
+    import json
+
+    from helpers import make_engine, random_prompts, run_to_end
+
+    from kvserve.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, seed=11, max_tokens=60, ignore_eos=True)
+    prompt = random_prompts([70], seed=9)[0]
+    plain = make_engine(llama_dir)
+    plain.add_request("ref", prompt, params)
+    want = run_to_end(plain)["ref"]
+
+    session = f"failover-{temperature}"
+    ha = dict(kv_store=(url,), cluster=url, replicate_every=16)
+    a = make_engine(llama_dir, node_id="a", **ha)
+    req = a.add_request("x", prompt, params, session_id=session)
+    while len(req.output_token_ids) < 37:  # 2 records published (16, 32), 5 tokens unsynced
+        a.step()
+    assert a.replicator.flush() and a.offloader.store.flush()
+    delivered = list(req.output_token_ids)
+
+    coord = Coordinator.from_url(url)
+    owner = coord.owner(session)
+    record = json.loads(owner.state)
+    assert owner.node == "a" and len(record["output_token_ids"]) == 32
+    b = make_engine(llama_dir, node_id="b", **ha)
+    resumed = b.resume_request("x-b", record, delivered, seen_epoch=owner.epoch)
+    out = run_to_end(b)["x-b"]
+    assert out == want  # delivered + continuation, no token lost or repeated
+    assert out[: len(delivered)] == delivered
+    assert resumed.num_cached_tokens >= 96 and b.offloader.num_loaded_blocks >= 6
+    assert coord.owner(session).node == "b"
+
+    for _ in range(50):  # the old primary steps on: fenced at its next publish
+        if req.is_finished:
+            break
+        a.step()
+        a.replicator.flush()
+    assert req.status.value == "abort"
+    assert json.loads(coord.owner(session).state)["output_token_ids"] == want
+    with pytest.raises(Exception, match="taken over"):  # a late resume loses the race
+        a.resume_request("x-late", record, delivered, seen_epoch=owner.epoch)
+    a.close()
+    b.close()

@@ -323,6 +323,67 @@ class LLMEngine:
         ``cache_salt`` restricts prefix-cache sharing to requests with the same salt; with
         ``prefix_cache_isolation`` ``tenant`` the tenant name is part of the salt too.
         """
+        req = self._build_request(
+            request_id, prompt, params, seed, tenant, self._salt(tenant, cache_salt), priority
+        )
+        req.session_id = session_id
+        self._queue(req)
+        return req
+
+    def resume_request(
+        self,
+        request_id: str,
+        record: dict[str, Any],
+        delivered: Sequence[int],
+        seen_epoch: int | None = None,
+    ) -> Request:
+        """Continue a stream another node started (failover). ``record`` is the session
+        state the primary replicated (``ha.replicator.session_record``); ``delivered`` are
+        the output tokens the client already has. They become this request's output so
+        far: generation continues at the next position with the same (seed, position)
+        draws, so the stream goes on exactly as it would have. The prefix whose KV was
+        stored is restored from the KV store, the rest recomputed. With a cluster the
+        session is taken over (conditionally on ``seen_epoch``). Raises EngineError when
+        the record does not fit this engine or another node took the session first."""
+        try:
+            params = SamplingParams(**record["params"])
+            req = self._build_request(
+                request_id,
+                [int(t) for t in record["prompt_token_ids"]],
+                params,
+                int(record["seed"]),
+                str(record["tenant"]),
+                record.get("cache_salt"),
+                0,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise EngineError(f"not a session record: {e}") from None
+        bad = [t for t in delivered if not 0 <= int(t) < self.spec.vocab_size]
+        if bad or len(delivered) >= req.max_tokens:
+            raise EngineError("delivered tokens outside the vocabulary or past max_tokens")
+        req.output_token_ids = [int(t) for t in delivered]
+        req.session_id = record.get("session_id")
+        self._queue(req, seen_epoch)
+        return req
+
+    def _queue(self, req: Request, seen_epoch: int | None = None) -> None:
+        replicated = self.replicator is not None and req.session_id is not None
+        if replicated and not self.replicator.start(req, seen_epoch):
+            raise EngineError(f"session {req.session_id!r} was taken over by another node")
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def _build_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        seed: int | None,
+        tenant: str,
+        salt: str | None,
+        priority: int,
+    ) -> Request:
+        """A validated request (not queued); raises EngineError."""
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -365,15 +426,10 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             prompt=text,
-            cache_salt=self._salt(tenant, cache_salt),
+            cache_salt=salt,
             tenant=tenant,
             priority=priority,
-            session_id=session_id,
         )
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        if self.replicator is not None and session_id is not None:
-            self.replicator.start(req)
         return req
 
     def _salt(self, tenant: str, cache_salt: str | None) -> str | None:

@@ -82,12 +82,18 @@ class Replicator:
         self._thread.start()
 
     # ---- engine thread -----------------------------------------------------------------
-    def start(self, req: Request) -> None:
-        """The request begins serving its session here: take ownership (new epoch)."""
-        if req.session_id is None or req.session_id in self._tracked:
-            return
-        epoch = self.coord.take_over(req.session_id, self.node_id)
-        self._tracked[req.session_id] = _Tracked(epoch or 0)
+    def start(self, req: Request, seen_epoch: int | None = None) -> bool:
+        """The request begins serving its session here: take ownership (a new epoch; with
+        ``seen_epoch``, only if the session is still at it). False: another node won."""
+        if req.session_id is None:
+            return True
+        epoch = self.coord.take_over(req.session_id, self.node_id, seen_epoch)
+        if epoch is None:
+            return False
+        with self._lock:
+            self._fenced.discard(req.session_id)
+        self._tracked[req.session_id] = _Tracked(epoch, len(req.output_token_ids))
+        return True
 
     def after_step(self, req: Request) -> None:
         """Queue the session's record every ``every_tokens`` tokens and at its end."""
