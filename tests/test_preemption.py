@@ -145,3 +145,35 @@ def test_swapped_request_aborted_releases_its_swap_space(llama_dir):
     engine.check_integrity()
     run_to_end(engine)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def test_swap_in_shares_a_prefix_still_in_the_pool_instead_of_copying_it(llama_dir):
+    """B shares A's 4-block prefix; B is swapped out and back: its prefix comes back as
+    A's blocks (referenced, not copied into private duplicates) and its tokens are those
+    of an unpreempted run."""
+    from kvserve.sched.scheduler import SchedulerOutput
+
+    prefix = random_prompts([64], seed=1)[0]
+    tails = random_prompts([20, 20], seed=2)
+    prompts = [prefix + t for t in tails]
+    plain = make_engine(llama_dir)
+    for i, p in enumerate(prompts):
+        plain.add_request(f"r{i}", p, greedy(30))
+    want = run_to_end(plain)
+
+    engine = make_engine(llama_dir, preemption_mode="swap")
+    a = engine.add_request("r0", prompts[0], greedy(30))
+    engine.step()  # A's prefix is in the prefix cache now
+    b = engine.add_request("r1", prompts[1], greedy(30))
+    engine.step()
+    assert engine.kv.block_table("r1")[:4] == engine.kv.block_table("r0")[:4]
+    engine.scheduler._preempt(b, "pool", SchedulerOutput(), {})
+    assert b.status is RequestStatus.SWAPPED and engine.swap.used_blocks == 6
+    used_before = engine.kv.pool.num_used
+    engine.step()  # B comes back
+    assert b.status is RequestStatus.RUNNING and engine.swap.used_blocks == 0
+    assert engine.kv.block_table("r1")[:4] == engine.kv.block_table("r0")[:4]
+    assert engine.kv.pool.num_used == used_before + 2  # only B's 2 private blocks came back
+    engine.check_integrity()
+    assert run_to_end(engine) == want
+    assert a.is_finished

@@ -179,26 +179,53 @@ class KVCacheManager:
         self.shortage = None
         return True
 
+    def shared_prefix_for_restore(self, request: Request, live: list[bool]) -> list[int]:
+        """For a request coming back from swap: its leading full blocks that the pool
+        still holds under the same hash and tokens (another request's, or cached-free), to
+        be shared instead of copied back. Stops at the first missing or null entry."""
+        if not self.enable_caching:
+            return []
+        full = min(request.num_computed_tokens // self.block_size, len(live))
+        hits: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(self.compute_block_hashes(request, full)):
+            if not live[i]:
+                break
+            b = self.pool.lookup(h, request.token_slice(i * bs, (i + 1) * bs))
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
     def allocate_restored(
-        self, request: Request, live: list[bool], num_new_tokens: int
+        self,
+        request: Request,
+        live: list[bool],
+        num_new_tokens: int,
+        shared: list[int] | None = None,
     ) -> list[int] | None:
-        """Blocks for a request coming back from swap: a table whose entry ``i`` is a fresh
-        block where ``live[i]`` (the caller copies the K/V in) and the null block elsewhere,
-        plus room for ``num_new_tokens`` more. Returns the fresh blocks in table order, or
-        None (setting ``shortage``, changing nothing)."""
+        """Blocks for a request coming back from swap: a table whose first entries are the
+        ``shared`` blocks (``shared_prefix_for_restore``, referenced, not copied), then a
+        fresh block where ``live[i]`` (the caller copies the K/V in) and the null block
+        elsewhere, plus room for ``num_new_tokens`` more. Returns the fresh blocks in table
+        order, or None (setting ``shortage``, changing nothing)."""
         if request.request_id in self._tables:
             raise ValueError(f"request {request.request_id!r} already holds blocks")
+        shared = shared or []
         extra = max(self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(live), 0)
-        need = sum(live) + extra
-        if not self._admissible(request.tenant, need, []):
+        need = sum(live) - len(shared) + extra
+        if not self._admissible(request.tenant, need, shared):
             return None
+        self.pool.touch(shared)
         fresh = self.pool.allocate(need) or []
         it = iter(fresh)
-        table = [next(it) if alive else self.pool.null_block for alive in live]
+        rest = live[len(shared) :]
+        table = [*shared, *(next(it) if alive else self.pool.null_block for alive in rest)]
         table.extend(it)
         self._tables[request.request_id] = table  # type: ignore[assignment]
         self._tenant[request.request_id] = request.tenant
-        self.ledger.charge(request.tenant, fresh)
+        self._num_cached[request.request_id] = len(shared)
+        self.ledger.charge(request.tenant, [*shared, *fresh])
         return fresh
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -100,21 +100,25 @@ class SwapSpace:
         self._observe(len(ids), time.perf_counter() - t0)
         return True
 
-    def swap_in(self, request_id: str, blocks: list[int]) -> None:
-        """Copy the request's host blocks into device ``blocks`` (one per live entry, in
+    def swap_in(self, request_id: str, blocks: list[int], skip: int = 0) -> None:
+        """Copy the request's host blocks, after the first ``skip`` (shared back from the
+        prefix cache instead), into device ``blocks`` (one per remaining live entry, in
         table order) and release the host copy."""
         sw = self._swapped.pop(request_id)
         n = sum(sw.live)
-        if len(blocks) != n:
-            raise ValueError(f"swap_in of {request_id!r}: {n} blocks saved, {len(blocks)} given")
+        if len(blocks) != n - skip:
+            raise ValueError(
+                f"swap_in of {request_id!r}: {n} blocks saved, {skip} shared, {len(blocks)} given"
+            )
         t0 = time.perf_counter()
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         for t, h in zip(self._dev, sw.tensors, strict=True):
-            t.index_copy_(1, idx, h.to(self.device, non_blocking=True))
+            if blocks:
+                t.index_copy_(1, idx, h[:, skip:].to(self.device, non_blocking=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.used_blocks -= n
-        self._observe(n, time.perf_counter() - t0)
+        self._observe(n - skip, time.perf_counter() - t0)
 
     def discard(self, request_id: str) -> None:
         """Drop a swapped request's host copy (it finished or was aborted); no-op if none."""

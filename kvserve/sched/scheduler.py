@@ -199,10 +199,13 @@ class Scheduler:
         if req.status is RequestStatus.SWAPPED:
             assert self.swap is not None
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            fresh = self.kv.allocate_restored(req, self.swap.live(req.request_id), n)
+            live = self.swap.live(req.request_id)
+            shared = self.kv.shared_prefix_for_restore(req, live)
+            fresh = self.kv.allocate_restored(req, live, n, shared)
             if fresh is None:
                 return None
-            self.swap.swap_in(req.request_id, fresh[: sum(self.swap.live(req.request_id))])
+            copied = sum(live) - len(shared)
+            self.swap.swap_in(req.request_id, fresh[:copied], skip=len(shared))
             return n
         cached = self.kv.find_cached_prefix(req)
         computed = req.num_computed_tokens + len(cached) * self.kv.block_size
