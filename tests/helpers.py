@@ -55,3 +55,22 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def run_counting(engine: LLMEngine, prompt: list[int], rid: str = "r", max_tokens: int = 8):
+    """Run one greedy request to the end; returns (output tokens, the request's cached
+    tokens, the tokens the engine computed for it — counted at the real scheduler)."""
+    computed = [0]
+    schedule = engine.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        computed[0] += out.num_tokens
+        return out
+
+    engine.scheduler.schedule = counting
+    req = engine.add_request(rid, prompt, greedy(max_tokens))
+    done = run_to_end(engine)
+    engine.scheduler.schedule = schedule
+    engine.check_integrity()
+    return done[rid], req.num_cached_tokens, computed[0]

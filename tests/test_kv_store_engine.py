@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import greedy, make_engine, random_prompts, run_to_end
+from helpers import greedy, make_engine, random_prompts, run_counting, run_to_end
 
 from kvserve.request import RequestStatus
 
@@ -19,20 +19,7 @@ def _store_url(path: Path) -> str:
 
 
 def _run(engine, prompt=PROMPT, rid="r"):
-    """Output tokens, the request's cached tokens and the tokens the engine computed."""
-    computed = [0]
-    schedule = engine.scheduler.schedule
-
-    def counting():  # the real scheduler; counts what each step computes
-        out = schedule()
-        computed[0] += out.num_tokens
-        return out
-
-    engine.scheduler.schedule = counting
-    req = engine.add_request(rid, prompt, greedy(8))
-    done = run_to_end(engine)
-    engine.check_integrity()
-    return done[rid], req.num_cached_tokens, computed[0]
+    return run_counting(engine, prompt, rid)
 
 
 @pytest.fixture(scope="module")

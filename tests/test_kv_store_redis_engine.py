@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers import greedy, make_engine, random_prompts, run_to_end
+from helpers import greedy, make_engine, random_prompts, run_counting, run_to_end
 from redis_proc import redis_cluster, redis_server
 from server_proc import wait_until
 
@@ -16,19 +16,7 @@ PROMPT = random_prompts([100], seed=21)[0]
 
 
 def _run(engine, prompt=PROMPT, rid="r"):
-    computed = [0]
-    schedule = engine.scheduler.schedule
-
-    def counting():  # the real scheduler; counts what each step computes
-        out = schedule()
-        computed[0] += out.num_tokens
-        return out
-
-    engine.scheduler.schedule = counting
-    req = engine.add_request(rid, prompt, greedy(8))
-    done = run_to_end(engine)
-    engine.check_integrity()
-    return done[rid], req.num_cached_tokens, computed[0]
+    return run_counting(engine, prompt, rid)
 
 
 @pytest.fixture(scope="module")
