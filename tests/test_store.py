@@ -4,11 +4,13 @@ promotion, write policies, shedding and circuit breaker."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 import torch
+from server_proc import wait_until
 
 from kvserve.store import serde
 from kvserve.store.base import KVStore, StoreUnavailable
@@ -94,10 +96,12 @@ def test_store_contract_and_lru(kind, tmp_path):
 def test_file_store_survives_a_restart_in_lru_order(tmp_path):
     size = len(serde.encode(FMT, _key(0), serde.pack(FMT, _block(0))))
     store = FileStore(tmp_path, 10 * size)
+    past = time.time_ns() - 100 * 10**9
     for i in range(4):
         store.put([(_key(i), serde.encode(FMT, _key(i), serde.pack(FMT, _block(i))))])
-        time.sleep(0.01)  # distinct modification times (ordering, not synchronization)
-    store.get([_key(0)])  # refreshes 0's mtime: most recent now
+        path = tmp_path / _key(i).hex()[:2] / f"{_key(i).hex()}.kvb"
+        os.utime(path, ns=(past + i * 10**9,) * 2)  # written one second apart
+    store.get([_key(0)])  # refreshes 0's mtime to now: most recent
     (tmp_path / "ff").mkdir()
     (tmp_path / "ff" / "junk.kvb.123.tmp").write_bytes(b"torn")  # an interrupted write
     again = FileStore(tmp_path, 3 * size)  # smaller: the two least recent go
@@ -201,10 +205,7 @@ def test_breaker_skips_a_failed_tier_and_probes_it_again():
     calls = flaky.calls
     assert store.lookup([_key(1)]) == 0 and flaky.calls == calls  # skipped while open
     flaky.down = False
-    deadline = time.monotonic() + 5
-    while store.breaker_open(1):
-        assert time.monotonic() < deadline, "breaker never half-opened"
-        time.sleep(0.01)
+    wait_until(lambda: not store.breaker_open(1), 5, "the breaker to half-open")
     assert store.get([_key(1)]) == [b"v"]  # probed, succeeded, closed
     assert not store.breaker_open(1)
     store.close()
