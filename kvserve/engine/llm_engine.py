@@ -506,7 +506,7 @@ class LLMEngine:
 
     def _drop_fenced(self) -> list[RequestOutput]:
         """Abort requests whose session another node took over; their final outputs."""
-        if self.replicator is None:
+        if self.replicator is None or not self.replicator.any_fenced():
             return []
         out = []
         for req in list(self.requests.values()):

@@ -111,6 +111,10 @@ class Replicator:
         if req.is_finished:
             self._tracked.pop(req.session_id, None)
 
+    def any_fenced(self) -> bool:
+        """Cheap per-step check before looking at individual sessions."""
+        return bool(self._fenced)
+
     def fenced(self, session_id: str | None) -> bool:
         """True once another node took this session over (abort the request)."""
         with self._lock:

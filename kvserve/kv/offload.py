@@ -26,7 +26,7 @@ import torch
 
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import QuantizedKVCache
-from kvserve.kv.swap import _block_tensors
+from kvserve.kv.swap import block_tensors
 from kvserve.request import Request
 from kvserve.store import serde
 from kvserve.store.sessions import SessionStore
@@ -67,7 +67,7 @@ class KVOffloader:
         self.kv = kv
         self.caches = caches
         self.block_size = kv.block_size
-        self._views = _block_tensors(caches, kv.block_size)
+        self._views = block_tensors(caches, kv.block_size)
         parts_per_layer = len(self._views) // len(caches)
         parts = tuple(
             (_DTYPE_NAMES[v.dtype], (v.shape[0], *v.shape[2:]))

@@ -25,7 +25,7 @@ class _Swapped:
     tensors: list[torch.Tensor]  # one per device tensor, [2, n_live, block_size, ...]
 
 
-def _block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
+def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
     """Every device tensor holding per-slot data, viewed as ``[2, blocks, block_size, …]``
     (fp8 through uint8: CPU index kernels do not cover fp8). Per-head fp8 scales are
     global and stay on the device."""
@@ -52,7 +52,7 @@ class SwapSpace:
         capacity_bytes: int,
         on_copy: Callable[[int, float], None] | None = None,
     ):
-        self._dev = _block_tensors(caches, block_size)
+        self._dev = block_tensors(caches, block_size)
         self.device = self._dev[0].device
         self.bytes_per_block = bytes_per_block
         self.capacity_bytes = capacity_bytes

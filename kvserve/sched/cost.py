@@ -32,15 +32,20 @@ class DecayedLeastSquares:
         self.prior = [p * s for p, s in zip(prior, scale, strict=True)]
         self.prior_weight = prior_weight
         self.decay = decay
-        self.xx = torch.zeros(self.n, self.n, dtype=torch.float64)
-        self.xy = torch.zeros(self.n, dtype=torch.float64)
+        # plain floats: observe() runs once per engine step, a few µs of Python
+        self.xx = [[0.0] * self.n for _ in range(self.n)]
+        self.xy = [0.0] * self.n
         self.count = 0
         self._theta: list[float] | None = None
 
     def observe(self, x: list[float], y: float) -> None:
-        v = torch.tensor([a / s for a, s in zip(x, self.scale, strict=True)], dtype=torch.float64)
-        self.xx.mul_(self.decay).add_(torch.outer(v, v))
-        self.xy.mul_(self.decay).add_(v * y)
+        v = [a / s for a, s in zip(x, self.scale, strict=True)]
+        d = self.decay
+        for i in range(self.n):
+            row = self.xx[i]
+            for j in range(self.n):
+                row[j] = row[j] * d + v[i] * v[j]
+            self.xy[i] = self.xy[i] * d + v[i] * y
         self.count += 1
         self._theta = None
 
@@ -49,9 +54,11 @@ class DecayedLeastSquares:
         if self._theta is None:
             # ridge toward the prior, scaled by each feature's own weight in the data
             # (plus a floor), so the prior rules an empty fit and barely biases a full one
-            reg = self.prior_weight * (self.xx.diagonal() * 1e-4 + 1e-3)
-            a = self.xx + torch.diag(reg)
-            b = self.xy + reg * torch.tensor(self.prior, dtype=torch.float64)
+            xx = torch.tensor(self.xx, dtype=torch.float64)
+            reg = self.prior_weight * (xx.diagonal() * 1e-4 + 1e-3)
+            a = xx + torch.diag(reg)
+            b = torch.tensor(self.xy, dtype=torch.float64)
+            b = b + reg * torch.tensor(self.prior, dtype=torch.float64)
             theta = _nonnegative_solve(a, b)
             self._theta = [t / s for t, s in zip(theta, self.scale, strict=True)]
         return self._theta
