@@ -349,7 +349,8 @@ async def _respond(
     request: Request,
 ) -> Response:
     chat = kind == "chat.completion"
-    choices = [ChoiceState(i, state.tokenizer, params, chat) for i in range(len(streams))]
+    ids = bool(getattr(body, "return_token_ids", False))
+    choices = [ChoiceState(i, state.tokenizer, params, chat, ids) for i in range(len(streams))]
     created = int(time.time())
     metrics = state.metrics
     name = state.model_name
@@ -381,16 +382,17 @@ async def _respond(
             raise unavailable(str(e)) from None
         completion_tokens = sum(c.num_tokens for c in choices)
         cached = sum(c.num_cached_tokens for c in choices) // max(params.n, 1)
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": name,
-                "choices": [c.final_choice() for c in choices],
-                "usage": usage(prompt_tokens, completion_tokens, cached),
-            }
-        )
+        response = {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": name,
+            "choices": [c.final_choice() for c in choices],
+            "usage": usage(prompt_tokens, completion_tokens, cached),
+        }
+        if ids:
+            response["prompt_token_ids"] = list(choices[0].prompt_token_ids)
+        return JSONResponse(response)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -415,12 +417,17 @@ async def _respond(
             if chat:
                 for c in choices:
                     yield sse(chunk([c.role_delta()]))
+            prompt_ids_sent = not ids
             async for i, out in _merge(streams):
                 c = choices[i]
                 observe(c, out)
                 delta = c.update(out)
                 if delta is not None:
-                    yield sse(chunk([delta]))
+                    payload = chunk([delta])
+                    if not prompt_ids_sent:  # with return_token_ids: once, first chunk
+                        payload["prompt_token_ids"] = list(out.prompt_token_ids)
+                        prompt_ids_sent = True
+                    yield sse(payload)
             if include_usage:
                 completion_tokens = sum(c.num_tokens for c in choices)
                 cached = sum(c.num_cached_tokens for c in choices) // max(params.n, 1)

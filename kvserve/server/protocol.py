@@ -39,6 +39,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    return_token_ids: bool = False  # token ids of the prompt and of each choice / delta
     # kvserve extensions
     session_id: str | None = Field(None, max_length=256)
     priority: int = 0

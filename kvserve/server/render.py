@@ -26,8 +26,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 class ChoiceState:
     """One output sequence of a response, updated with each engine snapshot."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer | None, params: SamplingParams, chat: bool):
+    def __init__(
+        self,
+        index: int,
+        tokenizer: Tokenizer | None,
+        params: SamplingParams,
+        chat: bool,
+        return_token_ids: bool = False,
+    ):
         self.index = index
+        self.return_token_ids = return_token_ids
+        self._ids_sent = 0  # token ids already streamed (with return_token_ids)
+        self.prompt_token_ids: list[int] = []
         self.tok = tokenizer
         self.params = params
         self.chat = chat
@@ -51,6 +61,7 @@ class ChoiceState:
         """Take a snapshot; return the streaming delta choice, or None if nothing is new."""
         comp = out.outputs[0]
         self.text, self.token_ids = comp.text, comp.token_ids
+        self.prompt_token_ids = out.prompt_token_ids
         self.num_cached_tokens = out.num_cached_tokens
         if comp.logprobs is not None:
             self.logprobs = comp.logprobs
@@ -63,26 +74,32 @@ class ChoiceState:
                 end -= 1
         delta = self.text[self._sent : end] if end > self._sent else ""
         new_lps = self.logprobs[self._lp_sent :]
-        if not delta and not new_lps and not out.finished:
+        new_ids = self.token_ids[self._ids_sent :] if self.return_token_ids else []
+        if not delta and not new_lps and not new_ids and not out.finished:
             return None
+        self._ids_sent = len(self.token_ids)
         first = self._lp_sent
         self._sent = max(self._sent, end)
         self._lp_sent = len(self.logprobs)
         lp = self._render_logprobs(first, new_lps) if self.params.logprobs is not None else None
         if self.chat:
-            return {
+            choice = {
                 "index": self.index,
                 "delta": {"content": delta},
                 "logprobs": lp,
                 "finish_reason": self.finish_reason,
             }
-        return {
-            "index": self.index,
-            "text": delta,
-            "logprobs": lp,
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
-        }
+        else:
+            choice = {
+                "index": self.index,
+                "text": delta,
+                "logprobs": lp,
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+            }
+        if self.return_token_ids:
+            choice["token_ids"] = new_ids
+        return choice
 
     def role_delta(self) -> dict[str, Any]:
         return {
@@ -98,19 +115,23 @@ class ChoiceState:
             self._offset = 0
             lp = self._render_logprobs(0, self.logprobs)
         if self.chat:
-            return {
+            choice = {
                 "index": self.index,
                 "message": {"role": "assistant", "content": self.text},
                 "logprobs": lp,
                 "finish_reason": self.finish_reason,
             }
-        return {
-            "index": self.index,
-            "text": self.text,
-            "logprobs": lp,
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
-        }
+        else:
+            choice = {
+                "index": self.index,
+                "text": self.text,
+                "logprobs": lp,
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+            }
+        if self.return_token_ids:
+            choice["token_ids"] = list(self.token_ids)
+        return choice
 
     # ---- logprobs -----------------------------------------------------------------------
     def _piece(self, token_id: int) -> str:
