@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -83,6 +84,8 @@ def _serve(ns: argparse.Namespace) -> int:
         max_waiting_requests=ns.max_waiting_requests,
         graceful_timeout=ns.graceful_timeout,
         tenants=TenantsConfig.load(ns.tenants) if ns.tenants else None,
+        cluster_secret=ns.cluster_secret or os.environ.get("KVSERVE_CLUSTER_SECRET"),
+        advertise_url=ns.advertise_url,
     )
     run_server(EngineArgs.from_cli(ns), config, ns.log_level)
     return 0
@@ -223,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--admin-key", default=None, help="Bearer key for /admin/* endpoints")
     sv.add_argument("--tenants", default=None, help="tenants YAML: API key hashes → tenant")
+    sv.add_argument(
+        "--cluster-secret",
+        default=None,
+        help="secret for /internal/* (or env KVSERVE_CLUSTER_SECRET)",
+    )
+    sv.add_argument(
+        "--advertise-url", default=None, help="URL other cluster members reach this worker at"
+    )
     sv.add_argument(
         "--max-waiting-requests", type=int, default=1024, help="queue bound; beyond: 429"
     )

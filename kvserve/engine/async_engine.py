@@ -161,6 +161,23 @@ class AsyncLLMEngine:
         """Add one sequence; returns its output stream once the engine accepted it.
         Raises ``EngineError`` for a request the engine rejects. ``kwargs`` go to
         ``LLMEngine.add_request`` (``tenant``, ``cache_salt`` …)."""
+        return await self._add(
+            request_id, lambda e: e.add_request(request_id, prompt, params, seed, **kwargs)
+        )
+
+    async def resume(
+        self,
+        request_id: str,
+        record: dict[str, Any],
+        delivered: Sequence[int],
+        seen_epoch: int | None,
+    ) -> RequestStream:
+        """``LLMEngine.resume_request`` as a stream (a failover's continuation)."""
+        return await self._add(
+            request_id, lambda e: e.resume_request(request_id, record, delivered, seen_epoch)
+        )
+
+    async def _add(self, request_id: str, make: Callable[[LLMEngine], Any]) -> RequestStream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
@@ -169,7 +186,7 @@ class AsyncLLMEngine:
             with self._lock:
                 self._pending_adds -= 1
             try:
-                req = self.engine.add_request(request_id, prompt, params, seed, **kwargs)
+                req = make(self.engine)
             except Exception as e:
                 _deliver(loop, _settle, added, None, e)
                 return

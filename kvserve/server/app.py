@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import time
 import uuid
@@ -48,6 +49,8 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     graceful_timeout: float = 30.0
     tenants: TenantsConfig | None = None  # API key → tenant; overrides api_keys
+    cluster_secret: str | None = None  # authenticates /internal/* (header X-Kvserve-Cluster-Secret)
+    advertise_url: str | None = None  # how other cluster members reach this worker
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -202,6 +205,63 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError(404, f"no session {session_id!r}", "NotFoundError", "session_id")
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
 
+    # ---- internal (cluster) -------------------------------------------------------------
+    def _cluster_auth(request: Request) -> None:
+        secret = state.config.cluster_secret
+        if secret is None:
+            raise APIError(403, "internal endpoints need --cluster-secret", "PermissionDeniedError")
+        given = request.headers.get("x-kvserve-cluster-secret", "")
+        if not hmac.compare_digest(given.encode(), secret.encode()):
+            raise APIError(401, "invalid cluster secret", "AuthenticationError")
+
+    @app.post("/internal/resume")
+    async def internal_resume(request: Request) -> Response:
+        """Continue a session's stream after a failover. Body: ``session_id``,
+        ``delivered_token_ids`` and ``delivered_text_chars`` (what the client has),
+        optional ``seen_epoch``, and the client's original ``request`` (``kind``
+        ``completion`` or ``chat``). The response continues exactly where the client is."""
+        _cluster_auth(request)
+        replicator = engine.engine.replicator
+        if replicator is None:
+            raise APIError(404, "this worker is not in a cluster (--cluster)", "NotFoundError")
+        try:
+            body = await request.json()
+            session_id = str(body["session_id"])
+            delivered = [int(t) for t in body.get("delivered_token_ids", [])]
+            chars = int(body.get("delivered_text_chars", 0))
+            seen = body.get("seen_epoch")
+            chat = body.get("kind", "completion") == "chat"
+            model = ChatCompletionRequest if chat else CompletionRequest
+            original = model.model_validate(body.get("request") or {})
+        except (ValueError, KeyError, TypeError) as e:
+            raise bad_request(f"bad resume request: {e}") from None
+        if original.logprobs:
+            raise bad_request("streams with logprobs cannot be resumed")
+        owner = await asyncio.to_thread(replicator.coord.owner, session_id)
+        if owner is None or owner.state is None:
+            raise APIError(404, f"no replicated session {session_id!r}", "NotFoundError")
+        record = json.loads(owner.state)
+        rid = f"resume-{uuid.uuid4().hex[:24]}"
+        try:
+            stream = await engine.resume(
+                rid, record, delivered, owner.epoch if seen is None else int(seen)
+            )
+        except EngineError as e:
+            raise APIError(409, str(e), "ConflictError") from None
+        params = SamplingParams(**record["params"])
+        kind = "chat.completion" if chat else "text_completion"
+        resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return await _respond(
+            state,
+            original,
+            [stream],
+            params,
+            kind,
+            resp_id,
+            request,
+            resume=(len(delivered), chars),
+        )
+
     @app.post("/admin/tenants/reload")
     async def reload_tenants(request: Request) -> JSONResponse:
         authenticate(request, state.config, admin=True)
@@ -347,10 +407,15 @@ async def _respond(
     kind: str,
     rid: str,
     request: Request,
+    resume: tuple[int, int] | None = None,
 ) -> Response:
+    """``resume``: (token ids, text characters) the client already has — the response
+    continues after them (a failover)."""
     chat = kind == "chat.completion"
     ids = bool(getattr(body, "return_token_ids", False))
     choices = [ChoiceState(i, state.tokenizer, params, chat, ids) for i in range(len(streams))]
+    if resume is not None:
+        choices[0].resume_after(*resume)
     created = int(time.time())
     metrics = state.metrics
     name = state.model_name
@@ -414,10 +479,10 @@ async def _respond(
 
     async def events() -> AsyncIterator[str]:
         try:
-            if chat:
+            if chat and resume is None:
                 for c in choices:
                     yield sse(chunk([c.role_delta()]))
-            prompt_ids_sent = not ids
+            prompt_ids_sent = not ids or resume is not None
             async for i, out in _merge(streams):
                 c = choices[i]
                 observe(c, out)

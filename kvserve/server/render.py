@@ -53,6 +53,11 @@ class ChoiceState:
         self._offset = 0  # completions text_offset of the next token
         self._hold = max((len(s) for s in params.stop_strings), default=1) - 1
 
+    def resume_after(self, num_token_ids: int, num_chars: int) -> None:
+        """The client already has this many token ids and text characters: stream only
+        what follows them."""
+        self._ids_sent, self._sent = num_token_ids, num_chars
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

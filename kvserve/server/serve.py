@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import Iterator
 
 import uvicorn
@@ -50,6 +51,44 @@ class _DrainingServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
+def _start_heartbeat(engine: AsyncLLMEngine, config: ServerConfig):
+    """With ``--cluster``: register this worker and refresh its lease (a third of it)
+    until the returned stop function is called (which deregisters it)."""
+    replicator = engine.engine.replicator
+    if replicator is None:
+        return lambda: None
+    coord, node = replicator.coord, replicator.node_id
+    url = config.advertise_url or f"http://{config.host}:{config.port}"
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            try:
+                s = engine.stats()
+                coord.heartbeat(
+                    node,
+                    url,
+                    running=s["running"],
+                    waiting=s["waiting"],
+                    kv_usage=s["kv_blocks_used"] / max(s["kv_blocks_total"], 1),
+                )
+            except Exception as e:  # Redis away: keep trying; the lease lapses meanwhile
+                logger.warning("cluster heartbeat failed: %s", e)
+            stop.wait(coord.lease_ms / 3000)
+
+    thread = threading.Thread(target=beat, name="kvserve-heartbeat", daemon=True)
+    thread.start()
+    logger.info("cluster: node %s at %s", node, url)
+
+    def finish() -> None:
+        stop.set()
+        thread.join(5)
+        with contextlib.suppress(Exception):
+            coord.deregister(node)
+
+    return finish
+
+
 def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
     """Serve until a signal; returns after a graceful shutdown."""
     llm_engine = LLMEngine(engine_args)
@@ -69,6 +108,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
     engine = AsyncLLMEngine(llm_engine)
     app = build_app(engine, config)
     engine.start()
+    stop_heartbeat = _start_heartbeat(engine, config)
 
     def drain() -> None:
         if not app.state.kv.draining:
@@ -97,6 +137,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
     try:
         server.run()
     finally:
+        stop_heartbeat()
         engine.shutdown()
         llm_engine.close()  # flushes queued KV store writes
         logger.info("engine stopped")
