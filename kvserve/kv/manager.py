@@ -126,9 +126,18 @@ class KVCacheManager:
         ):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
+        return self._cached_run(request, self.block_hashes(request, max_blocks))
+
+    def _cached_run(
+        self, request: Request, hashes: list[BlockHash], live: list[bool] | None = None
+    ) -> list[int]:
+        """The pool blocks holding the request's leading blocks (by hash and tokens), up to
+        the first miss or the first entry ``live`` marks dead."""
         hits: list[int] = []
         bs = self.block_size
-        for i, h in enumerate(self.block_hashes(request, max_blocks)):
+        for i, h in enumerate(hashes):
+            if live is not None and not live[i]:
+                break
             b = self.pool.lookup(h, request.token_slice(i * bs, (i + 1) * bs))
             if b is None:
                 break
@@ -186,16 +195,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         full = min(request.num_computed_tokens // self.block_size, len(live))
-        hits: list[int] = []
-        bs = self.block_size
-        for i, h in enumerate(self.compute_block_hashes(request, full)):
-            if not live[i]:
-                break
-            b = self.pool.lookup(h, request.token_slice(i * bs, (i + 1) * bs))
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        return self._cached_run(request, self.compute_block_hashes(request, full), live)
 
     def allocate_restored(
         self,
@@ -310,9 +310,6 @@ class KVCacheManager:
                 break
             n += 1
         return n
-
-    def tenant_of(self, request_id: str) -> str | None:
-        return self._tenant.get(request_id)
 
     def num_requests(self) -> int:
         return len(self._tables)

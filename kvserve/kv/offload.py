@@ -182,9 +182,6 @@ class KVOffloader:
                 n += 1
         return rows[:n]
 
-    def loading(self) -> int:
-        return len(self._loads)
-
     def poll(self, wait: bool = False) -> list[tuple[Request, int]]:
         """Finished loads: (request, leading blocks now in the device cache)."""
         done = []

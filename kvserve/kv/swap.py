@@ -69,9 +69,6 @@ class SwapSpace:
     def can_hold(self, num_blocks: int) -> bool:
         return self.used_blocks + num_blocks <= self.capacity_blocks
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._swapped
-
     def live(self, request_id: str) -> list[bool]:
         return list(self._swapped[request_id].live)
 

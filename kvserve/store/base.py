@@ -25,7 +25,7 @@ Batches are lists so that network backends can pipeline them in one round trip.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 Key = bytes
 
@@ -59,5 +59,11 @@ class KVStore(ABC):
         """Release resources."""
 
 
-def key_hex(key: Key) -> str:
-    return key.hex()
+def count_leading(keys: Sequence[Key], present: Callable[[Key], bool]) -> int:
+    """How many leading ``keys`` are ``present`` (the ``contains`` contract)."""
+    n = 0
+    for k in keys:
+        if not present(k):
+            break
+        n += 1
+    return n

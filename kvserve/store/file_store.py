@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvserve.store.base import Key, KVStore
+from kvserve.store.base import Key, KVStore, count_leading
 
 _SUFFIX = ".kvb"
 
@@ -64,12 +64,7 @@ class FileStore(KVStore):
 
     def contains(self, keys: Sequence[Key]) -> int:
         with self._lock:
-            n = 0
-            for k in keys:
-                if k not in self._index:
-                    break
-                n += 1
-            return n
+            return count_leading(keys, self._index.__contains__)
 
     def get(self, keys: Sequence[Key]) -> list[bytes | None]:
         out: list[bytes | None] = []

@@ -8,7 +8,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvserve.store.base import Key, KVStore
+from kvserve.store.base import Key, KVStore, count_leading
 
 
 class HostStore(KVStore):
@@ -30,12 +30,7 @@ class HostStore(KVStore):
 
     def contains(self, keys: Sequence[Key]) -> int:
         with self._lock:
-            n = 0
-            for k in keys:
-                if k not in self._data:
-                    break
-                n += 1
-            return n
+            return count_leading(keys, self._data.__contains__)
 
     def get(self, keys: Sequence[Key]) -> list[bytes | None]:
         with self._lock:
