@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
 import socket
 import subprocess
 import uuid
@@ -18,7 +17,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
-from server_proc import free_port, wait_until
+from server_proc import free_port, kill_process, stop_process, wait_until
 
 READY_TIMEOUT_S = 20.0
 CLUSTER_TIMEOUT_S = 40.0
@@ -105,17 +104,10 @@ class RedisServer:
         return _raw(self.port, self.unix, db)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+        kill_process(self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,23 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(POLL_INTERVAL_S)
 
 
+def kill_process(proc: subprocess.Popen | None) -> None:
+    """SIGKILL ``proc`` if it still runs, and reap it."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+
+def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """SIGTERM ``proc`` if it still runs; SIGKILL it after ``timeout`` seconds."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_process(proc)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

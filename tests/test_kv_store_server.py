@@ -59,4 +59,3 @@ def test_sessions_need_a_store(llama_dir, tmp_path):
     with running_server(llama_dir, "--kv-cache-memory", "8MiB", log=tmp_path / "s.log") as s:
         status, body = _http("GET", s.url + "/v1/sessions/x")
         assert status == 404 and body["error"]["code"] == "no_kv_store"
-

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.exceptions import ClientError
-from server_proc import free_port, wait_until
+from server_proc import free_port, kill_process, stop_process, wait_until
 
 from kvserve.store.base import StoreUnavailable
 from kvserve.store.s3_store import S3Store
@@ -89,17 +88,10 @@ class MotoServer:
         return f"s3://{BUCKET}/{prefix}?" + "&".join(f"{k}={v}" for k, v in query.items())
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+        kill_process(self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc)
 
 
 @contextlib.contextmanager
