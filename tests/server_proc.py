@@ -86,13 +86,13 @@ class ServerProcess:
     def wait_ready(self, timeout: float = 120.0) -> None:
         wait_until(self._ready, timeout, f"server ready (log: {self.log})")
 
-    def metric(self, name: str) -> float:
-        """Sum of a metric's samples on /metrics."""
+    def metric(self, name: str, having: str = "") -> float:
+        """Sum of a metric's samples on /metrics (only lines containing ``having``)."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
             text = r.read().decode()
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name) and (line[len(name)] in " {"):
+            if line.startswith(name) and (line[len(name)] in " {") and having in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
