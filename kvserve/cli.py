@@ -1,7 +1,7 @@
 """``kvserve`` command line: ``generate`` (offline), ``plan`` (capacity), ``eval perplexity``
-(quality), ``serve`` (OpenAI-compatible server), ``bench serve`` (load generator) —
-``router`` arrives with its issue. Engine flags map
-one-to-one to ``EngineArgs`` fields; ``--model`` defaults to the bundled default model."""
+(quality), ``serve`` (OpenAI-compatible server), ``router`` (the front of a cluster of
+servers), ``bench serve`` (load generator). Engine flags map one-to-one to ``EngineArgs``
+fields, router flags to ``RouterConfig``; ``--model`` defaults to the bundled default model."""
 
 from __future__ import annotations
 
@@ -88,6 +88,26 @@ def _serve(ns: argparse.Namespace) -> int:
         advertise_url=ns.advertise_url,
     )
     run_server(EngineArgs.from_cli(ns), config, ns.log_level)
+    return 0
+
+
+def _router(ns: argparse.Namespace) -> int:
+    from kvserve.router.config import RouterConfig
+    from kvserve.router.serve import run_router
+
+    config = RouterConfig(
+        cluster=ns.cluster,
+        host=ns.host,
+        port=ns.port,
+        cluster_secret=ns.cluster_secret or os.environ.get("KVSERVE_CLUSTER_SECRET"),
+        health_interval=ns.health_interval,
+        stall_timeout=ns.stall_timeout,
+        probe_timeout=ns.probe_timeout,
+        max_failovers=ns.max_failovers,
+        registry_grace=ns.registry_grace,
+        graceful_timeout=ns.graceful_timeout,
+    )
+    run_router(config, ns.log_level)
     return 0
 
 
@@ -241,6 +261,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
     )
     sv.set_defaults(func=_serve)
+
+    rt = sub.add_parser("router", help="OpenAI-compatible front of a cluster (failover)")
+    rt.add_argument("--cluster", required=True, help="coordinator Redis URL (as the workers')")
+    rt.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    rt.add_argument("--port", type=int, default=8080)
+    rt.add_argument(
+        "--cluster-secret", default=None, help="as the workers' (or env KVSERVE_CLUSTER_SECRET)"
+    )
+    rt.add_argument("--health-interval", type=float, default=0.5, help="seconds between probes")
+    rt.add_argument(
+        "--stall-timeout", type=float, default=1.0, help="silence before probing a worker"
+    )
+    rt.add_argument("--probe-timeout", type=float, default=0.5, help="/health probe deadline")
+    rt.add_argument("--max-failovers", type=int, default=3, help="resume attempts per request")
+    rt.add_argument(
+        "--registry-grace",
+        type=float,
+        default=10.0,
+        help="seconds to keep routing to workers while the registry cannot be read",
+    )
+    rt.add_argument("--graceful-timeout", type=float, default=30.0)
+    rt.set_defaults(func=_router)
 
     bn = sub.add_parser("bench", help="benchmarks against a running server")
     bn_sub = bn.add_subparsers(dest="bench_command", required=True)

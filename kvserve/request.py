@@ -48,6 +48,7 @@ class Request:
     tenant: str = "default"
     priority: int = 0  # larger = more important (used by the tenant pool's preemption)
     session_id: str | None = None  # the conversation this turn belongs to
+    session_ephemeral: bool = False  # a router-made id for one request: forget it at the end
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

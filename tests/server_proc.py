@@ -49,24 +49,27 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``kvserve serve --model MODEL *args`` on a free loopback port."""
+    """``kvserve serve --model MODEL *args`` on a free loopback port (or, with
+    ``command="router"``, ``kvserve router *args``; then ``model`` is unused)."""
 
-    def __init__(self, model: Path, *args: str, log: Path):
-        self.port = free_port()
+    def __init__(
+        self, model: Path | None, *args: str, log: Path, command: str = "serve", port: int = 0
+    ):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        model_args = ["--model", str(model)] if command == "serve" else []
         cmd = [
             sys.executable,
             "-m",
             "kvserve.cli",
-            "serve",
-            "--model",
-            str(model),
+            command,
+            *model_args,
             "--port",
             str(self.port),
             *args,
         ]
-        self._log = log.open("w")
+        self._log = log.open("a")
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,

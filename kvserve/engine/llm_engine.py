@@ -317,17 +317,24 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         session_id: str | None = None,
+        session_epoch: int | None = None,
+        ephemeral_session: bool = False,
     ) -> Request:
         """Validate and queue one sequence. Raises EngineError for what can never be served.
 
         ``cache_salt`` restricts prefix-cache sharing to requests with the same salt; with
         ``prefix_cache_isolation`` ``tenant`` the tenant name is part of the salt too.
+        In a cluster the session is claimed for this node, only if still at
+        ``session_epoch`` when given (the epoch the router saw; else the request is
+        fenced and aborted). An ``ephemeral_session`` (an id a router made up for a request
+        that had none) is replicated while it runs and released when it ends.
         """
         req = self._build_request(
             request_id, prompt, params, seed, tenant, self._salt(tenant, cache_salt), priority
         )
         req.session_id = session_id
-        self._queue(req)
+        req.session_ephemeral = ephemeral_session and session_id is not None
+        self._queue(req, session_epoch)
         return req
 
     def resume_request(
@@ -363,13 +370,19 @@ class LLMEngine:
             raise EngineError("delivered tokens outside the vocabulary or past max_tokens")
         req.output_token_ids = [int(t) for t in delivered]
         req.session_id = record.get("session_id")
-        self._queue(req, seen_epoch)
+        req.session_ephemeral = bool(record.get("ephemeral", False))
+        self._queue(req, seen_epoch, claim_now=True)
         return req
 
-    def _queue(self, req: Request, seen_epoch: int | None = None) -> None:
+    def _queue(self, req: Request, seen_epoch: int | None = None, claim_now: bool = False) -> None:
         replicated = self.replicator is not None and req.session_id is not None
-        if replicated and not self.replicator.start(req, seen_epoch):
-            raise EngineError(f"session {req.session_id!r} was taken over by another node")
+        if replicated:
+            try:
+                won = self.replicator.start(req, seen_epoch, claim_now)
+            except Exception as e:  # the coordinator (Redis) is unreachable
+                raise EngineError(f"cannot take session {req.session_id!r} over: {e}") from None
+            if not won:
+                raise EngineError(f"session {req.session_id!r} was taken over by another node")
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 

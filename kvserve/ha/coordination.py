@@ -85,8 +85,10 @@ class Coordinator:
         self._release = client.register_script(_RELEASE)
 
     @classmethod
-    def from_url(cls, url: str, **kw: Any) -> Coordinator:
-        return cls(redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2), **kw)
+    def from_url(cls, url: str, timeout: float = 2.0, **kw: Any) -> Coordinator:
+        """A coordinator on the Redis at ``url``; ``timeout`` bounds every round trip."""
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        return cls(client, **kw)
 
     def _node_key(self, node_id: str) -> str:
         return f"{self.prefix}:node:{node_id}"

@@ -1,7 +1,9 @@
-"""Asynchronous session replication from a primary (issue 8, first part).
+"""Asynchronous session replication from a primary.
 
-For every running request with a ``session_id`` the primary owns the session in the
-coordinator (``take_over`` when it starts the request, epoch noted). Every
+For every running request with a ``session_id`` the primary claims the session in the
+coordinator (``take_over``; conditional on the epoch the router saw when it routed the
+request, so a primary that wakes up after a failover cannot take the session back). The
+claim is made on the publisher thread, never on the engine's step path. Every
 ``every_tokens`` generated tokens — and when it finishes — it publishes the delta: the
 newly full KV blocks are already offered to the shared store by the KV offloader
 (content-addressed, so a block is stored once), and the session record goes to the
@@ -10,9 +12,11 @@ the stream exactly: prompt and output token ids so far, sampling parameters and 
 number of tokens whose KV is in the store, and the epoch.
 
 Publishing runs on a background thread; per session only the newest record waits (older
-ones are superseded), so the queue is bounded by the number of sessions. A refused write
-means another node took the session over: the session is marked fenced and the engine
-aborts its request at the next step (the stale primary must not keep streaming).
+ones are superseded), so the queue is bounded by the number of sessions; while Redis is
+unreachable records wait and the newest is written when it is back (replication catches
+up, serving goes on). A refused claim or write means another node took the session
+over: the session is marked fenced and the engine aborts its request at the next step
+(the stale primary must not keep streaming).
 Replication lag — tokens generated but not yet published, and seconds since the last
 publish — is tracked per session.
 """
@@ -32,36 +36,41 @@ from kvserve.request import Request
 logger = logging.getLogger("kvserve")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Tracked:
-    epoch: int
+    session: str
+    seen_epoch: int | None  # the claim's condition (None: unconditional)
+    epoch: int | None = None  # once the claim succeeded
     published_tokens: int = 0  # output tokens covered by the newest queued record
     acked_tokens: int = 0  # … by the newest record Redis accepted
     acked_at: float = field(default_factory=time.monotonic)
 
 
-def session_record(req: Request, epoch: int, block_size: int) -> bytes:
-    """The state a standby resumes from (JSON)."""
+def session_record(req: Request, block_size: int) -> dict:
+    """The state a standby resumes from (the publisher adds ``epoch``)."""
     params = {f.name: getattr(req.params, f.name) for f in dataclasses.fields(req.params) if f.init}
-    return json.dumps(
-        {
-            "session_id": req.session_id,
-            "request_id": req.request_id,
-            "tenant": req.tenant,
-            "cache_salt": req.cache_salt,
-            "prompt_token_ids": req.prompt_token_ids,
-            "output_token_ids": req.output_token_ids,
-            "params": params,
-            "seed": req.seed,
-            "max_tokens": req.max_tokens,
-            "stored_tokens": (req.num_computed_tokens // block_size) * block_size,
-            "finished": req.is_finished,
-            "epoch": epoch,
-        }
-    ).encode()
+    return {
+        "session_id": req.session_id,
+        "request_id": req.request_id,
+        "tenant": req.tenant,
+        "cache_salt": req.cache_salt,
+        "prompt_token_ids": list(req.prompt_token_ids),
+        "output_token_ids": list(req.output_token_ids),
+        "params": params,
+        "seed": req.seed,
+        "max_tokens": req.max_tokens,
+        "stored_tokens": (req.num_computed_tokens // block_size) * block_size,
+        "finished": req.is_finished,
+        "ephemeral": req.session_ephemeral,
+    }
 
 
 class Replicator:
+    """Publishes session records of the requests running here (see the module doc).
+
+    Engine-thread methods (``start``, ``after_step``, ``fenced``, ``lag``) never wait for
+    Redis except ``start(claim_now=True)`` (the failover path, which needs the answer)."""
+
     def __init__(self, coordinator: Coordinator, node_id: str, every_tokens: int, block_size: int):
         if every_tokens < 1:
             raise ValueError(f"replicate_every must be positive, got {every_tokens}")
@@ -70,7 +79,7 @@ class Replicator:
         self.every = every_tokens
         self.block_size = block_size
         self._tracked: dict[str, _Tracked] = {}  # session id → state (engine thread)
-        self._pending: dict[str, tuple[int, int, bytes]] = {}  # session → (epoch, n, record)
+        self._pending: dict[str, tuple[_Tracked, int, dict | None, bool]] = {}  # newest/session
         self._fenced: set[str] = set()
         self._inflight = 0  # records taken by the publisher, not yet answered
         self._lock = threading.Lock()
@@ -78,21 +87,31 @@ class Replicator:
         self._stop = False
         self.num_published = 0
         self.num_errors = 0
+        self.num_fenced = 0
+        self.num_bytes = 0  # session records written (the KV blocks go through the store)
         self._thread = threading.Thread(target=self._run, name="kvserve-replicator", daemon=True)
         self._thread.start()
 
     # ---- engine thread -----------------------------------------------------------------
-    def start(self, req: Request, seen_epoch: int | None = None) -> bool:
-        """The request begins serving its session here: take ownership (a new epoch; with
-        ``seen_epoch``, only if the session is still at it). False: another node won."""
+    def start(self, req: Request, seen_epoch: int | None = None, claim_now: bool = False) -> bool:
+        """The request begins serving its session here: claim ownership (a new epoch;
+        with ``seen_epoch``, only if the session is still at it). The claim is queued for
+        the publisher (a refusal fences the session) unless ``claim_now``: then it is made
+        here and False means another node won (Redis errors propagate)."""
         if req.session_id is None:
             return True
-        epoch = self.coord.take_over(req.session_id, self.node_id, seen_epoch)
-        if epoch is None:
-            return False
+        t = _Tracked(req.session_id, seen_epoch, published_tokens=len(req.output_token_ids))
+        if claim_now:
+            t.epoch = self.coord.take_over(req.session_id, self.node_id, seen_epoch)
+            if t.epoch is None:
+                return False
         with self._lock:
             self._fenced.discard(req.session_id)
-        self._tracked[req.session_id] = _Tracked(epoch, len(req.output_token_ids))
+            if not claim_now:
+                self._pending[req.session_id] = (t, t.published_tokens, None, False)
+        self._tracked[req.session_id] = t
+        if not claim_now:
+            self._wake.set()
         return True
 
     def after_step(self, req: Request) -> None:
@@ -104,9 +123,10 @@ class Replicator:
         if n - t.published_tokens < self.every and not req.is_finished:
             return
         t.published_tokens = n
-        record = session_record(req, t.epoch, self.block_size)
+        release = req.is_finished and req.session_ephemeral  # nobody resumes it any more
+        record = None if release else session_record(req, self.block_size)
         with self._lock:
-            self._pending[req.session_id] = (t.epoch, n, record)
+            self._pending[req.session_id] = (t, n, record, release)
         self._wake.set()
         if req.is_finished:
             self._tracked.pop(req.session_id, None)
@@ -121,12 +141,12 @@ class Replicator:
             return session_id in self._fenced
 
     def lag(self) -> dict[str, tuple[int, float]]:
-        """Per tracked session: (tokens queued but not yet acknowledged, seconds since the
-        last acknowledged publish)."""
+        """Per tracked session: (tokens generated but not yet acknowledged by Redis,
+        seconds since the last acknowledged publish)."""
         now = time.monotonic()
         return {
             s: (t.published_tokens - t.acked_tokens, now - t.acked_at)
-            for s, t in self._tracked.items()
+            for s, t in list(self._tracked.items())
         }
 
     # ---- publisher thread --------------------------------------------------------------
@@ -137,30 +157,55 @@ class Replicator:
             with self._lock:
                 jobs, self._pending = self._pending, {}
                 self._inflight = len(jobs)
-            for session, (epoch, n, record) in jobs.items():
-                self._publish(session, epoch, n, record)
+            for job in jobs.values():
+                self._publish(*job)
             with self._lock:
                 self._inflight = 0
 
-    def _publish(self, session: str, epoch: int, n: int, record: bytes) -> None:
+    def _claim(self, t: _Tracked) -> int | None:
+        """Take the session over for this node (publisher thread). A concurrent request of
+        the same session on this same node may have moved the epoch: then re-claim."""
+        epoch = self.coord.take_over(t.session, self.node_id, t.seen_epoch)
+        if epoch is None:
+            own = self.coord.owner(t.session)
+            if own is not None and own.node == self.node_id:
+                epoch = self.coord.take_over(t.session, self.node_id, own.epoch)
+        return epoch
+
+    def _publish(self, t: _Tracked, n: int, record: dict | None, release: bool) -> None:
         try:
-            ok = self.coord.write_state(session, self.node_id, epoch, record)
+            if t.epoch is None:
+                epoch = self._claim(t)
+                if epoch is None:
+                    self._fence(t.session, "its claim was refused")
+                    return
+                t.epoch = epoch
+            if release:
+                self.coord.release(t.session, self.node_id, t.epoch)
+                return
+            if record is None:
+                return
+            data = json.dumps(record | {"epoch": t.epoch}).encode()
+            ok = self.coord.write_state(t.session, self.node_id, t.epoch, data)
         except Exception as e:  # Redis unavailable: keep it for the next round
             self.num_errors += 1
-            logger.warning("replication of session %s failed: %s", session, e)
+            logger.warning("replication of session %s failed: %s", t.session, e)
             with self._lock:
-                self._pending.setdefault(session, (epoch, n, record))
+                self._pending.setdefault(t.session, (t, n, record, release))
             time.sleep(0.1)
             return
         if not ok:
-            logger.warning("session %s was taken over (epoch > %d): fenced", session, epoch)
-            with self._lock:
-                self._fenced.add(session)
+            self._fence(t.session, f"taken over (epoch > {t.epoch})")
             return
         self.num_published += 1
-        t = self._tracked.get(session)
-        if t is not None and t.epoch == epoch:
-            t.acked_tokens, t.acked_at = max(t.acked_tokens, n), time.monotonic()
+        self.num_bytes += len(data)
+        t.acked_tokens, t.acked_at = max(t.acked_tokens, n), time.monotonic()
+
+    def _fence(self, session: str, why: str) -> None:
+        logger.warning("session %s fenced on %s: %s", session, self.node_id, why)
+        self.num_fenced += 1
+        with self._lock:
+            self._fenced.add(session)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued record was written (or refused); True if so."""

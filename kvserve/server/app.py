@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -218,7 +219,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def internal_resume(request: Request) -> Response:
         """Continue a session's stream after a failover. Body: ``session_id``,
         ``delivered_token_ids`` and ``delivered_text_chars`` (what the client has),
-        optional ``seen_epoch``, and the client's original ``request`` (``kind``
+        optional ``seen_epoch`` and ``ephemeral``, and the client's original ``request`` (``kind``
         ``completion`` or ``chat``). The response continues exactly where the client is."""
         _cluster_auth(request)
         replicator = engine.engine.replicator
@@ -237,15 +238,27 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise bad_request(f"bad resume request: {e}") from None
         if original.logprobs:
             raise bad_request("streams with logprobs cannot be resumed")
-        owner = await asyncio.to_thread(replicator.coord.owner, session_id)
-        if owner is None or owner.state is None:
-            raise APIError(404, f"no replicated session {session_id!r}", "NotFoundError")
-        record = json.loads(owner.state)
+        principal = authenticate(request, state.config)  # the client's key, forwarded
+        try:
+            record = _record_from_request(
+                original, principal.tenant, session_id, chat, bool(body.get("ephemeral"))
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        try:
+            owner = await asyncio.to_thread(replicator.coord.owner, session_id)
+        except Exception as e:
+            raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
+        replicated = json.loads(owner.state) if owner is not None and owner.state else None
+        if replicated is not None and all(
+            replicated.get(k) == record[k] for k in ("prompt_token_ids", "params", "tenant")
+        ):
+            record = replicated  # this very request (its seed, when the client gave none)
+        if seen is None:
+            seen = owner.epoch if owner is not None else 0
         rid = f"resume-{uuid.uuid4().hex[:24]}"
         try:
-            stream = await engine.resume(
-                rid, record, delivered, owner.epoch if seen is None else int(seen)
-            )
+            stream = await engine.resume(rid, record, delivered, int(seen))
         except EngineError as e:
             raise APIError(409, str(e), "ConflictError") from None
         params = SamplingParams(**record["params"])
@@ -261,6 +274,44 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             request,
             resume=(len(delivered), chars),
         )
+
+    def _record_from_request(
+        original: CompletionRequest | ChatCompletionRequest,
+        tenant: str,
+        session_id: str,
+        chat: bool,
+        request_ephemeral: bool,
+    ) -> dict[str, Any]:
+        """The session record of ``original`` as its primary started it (nothing
+        generated): a stream resumes from it when its primary replicated nothing yet.
+        Exact for greedy and seeded requests. Raises ValueError."""
+        params = original.sampling_params()
+        if params.n != 1:
+            raise ValueError("only single-choice (n = 1) streams can be resumed")
+        if chat:
+            tok = state.tokenizer
+            if tok is None:
+                raise ValueError("the model has no tokenizer, so chat is unavailable")
+            text = tok.apply_chat_template(original.conversation(), original.add_generation_prompt)
+            prompt_ids = tok.encode(text, add_special_tokens=False)
+        else:
+            prompts = original.prompts()
+            if len(prompts) != 1:
+                raise ValueError("only single-prompt streams can be resumed")
+            p = prompts[0]
+            prompt_ids = engine.engine.tokenize(p) if isinstance(p, str) else list(p)
+        return {
+            "session_id": session_id,
+            "tenant": tenant,
+            "cache_salt": original.cache_salt,
+            "prompt_token_ids": prompt_ids,
+            "params": {
+                f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init
+            },
+            # no seed: exact only when greedy (the router always sends one)
+            "seed": params.seed if params.seed is not None else secrets.randbits(63),
+            "ephemeral": request_ephemeral,
+        }
 
     @app.post("/admin/tenants/reload")
     async def reload_tenants(request: Request) -> JSONResponse:
@@ -301,8 +352,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         request: Request,
     ) -> list[RequestStream]:
         """Add every (prompt, n) sequence; on any rejection abort the rest → 400.
-        The session id comes from the body or the ``X-Session-Id`` header."""
+        The session id comes from the body or the ``X-Session-Id`` header; a router adds
+        ``X-Kvserve-Session-Epoch`` (and ``X-Kvserve-Ephemeral-Session: 1`` for an id it
+        made up for a request that had none)."""
         session_id = body.session_id or request.headers.get("x-session-id")
+        try:  # the session's epoch when the router routed it (the claim's condition)
+            epoch = int(request.headers["x-kvserve-session-epoch"])
+        except (KeyError, ValueError):
+            epoch = None
+        ephemeral = request.headers.get("x-kvserve-ephemeral-session") == "1"
         base = f"{uuid.uuid4().hex[:24]}"
         streams: list[RequestStream] = []
         try:
@@ -318,6 +376,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                             cache_salt=body.cache_salt,
                             priority=body.priority,
                             session_id=session_id,
+                            session_epoch=epoch,
+                            ephemeral_session=ephemeral,
                         )
                     )
         except EngineError as e:

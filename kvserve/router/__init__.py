@@ -1,0 +1,1 @@
+"""``kvserve router``: the OpenAI-compatible front of a cluster (session affinity, failover)."""

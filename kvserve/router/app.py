@@ -1,0 +1,190 @@
+"""The router's HTTP app: OpenAI-compatible endpoints relayed to the cluster's workers.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` go through ``relay.Relay`` (session
+affinity, failover); ``GET /v1/models`` is answered by any routable worker; ``/health``
+(the router process is up), ``/ready`` (at least one routable worker), ``/metrics``
+(Prometheus, the router's own ``kvserve_router_*`` series) and ``GET /router/workers``
+(the router's view, JSON) are local. Errors use OpenAI's format. Responses name the worker
+that took the request in ``X-Kvserve-Worker`` (the first one, for a stream that later
+failed over).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.ha.coordination import Coordinator
+from kvserve.router.config import RouterConfig
+from kvserve.router.relay import Flow, Relay, Unroutable
+from kvserve.router.workers import WorkerPool
+
+
+class RouterMetrics:
+    def __init__(self, pool_view: Any):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvserve_router_requests", "Client requests routed", ["endpoint"], registry=r
+        )
+        self.failovers = Counter(
+            "kvserve_router_failovers", "Streams continued on a standby", registry=r
+        )
+        self.failovers_detected = Counter(
+            "kvserve_router_worker_failures",
+            "Worker failures seen mid-request, by how they showed",
+            ["how"],
+            registry=r,
+        )
+        self.failover_failures = Counter(
+            "kvserve_router_failover_failures",
+            "Requests that failed because no standby could continue them",
+            registry=r,
+        )
+        self.failover_seconds = Histogram(
+            "kvserve_router_failover_seconds",
+            "From detecting a failure to the standby's answer",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+            registry=r,
+        )
+        workers = Gauge("kvserve_router_workers", "Workers by state", ["state"], registry=r)
+        workers.labels("known").set_function(lambda: len(pool_view().workers))
+        workers.labels("routable").set_function(lambda: len(pool_view().routable()))
+
+
+def _error(status: int, message: str, type_: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> FastAPI:
+    # short round trips: while Redis is away requests are routed without affinity
+    coord = coord or Coordinator.from_url(config.cluster, timeout=config.probe_timeout * 2)
+    holder: dict[str, Any] = {}
+    metrics = RouterMetrics(lambda: holder["pool"])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(limits=limits) as http:
+            pool = WorkerPool(coord, http, config)
+            holder["pool"] = pool
+            holder["relay"] = Relay(pool, coord, http, config, metrics)
+            await pool.refresh()
+            pool.start()
+            try:
+                yield
+            finally:
+                await pool.stop()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_ = "NotFoundError" if e.status_code == 404 else "APIError"
+        return _error(e.status_code, str(e.detail), type_)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        n = len(holder["pool"].routable())
+        return JSONResponse({"routable_workers": n}, status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/router/workers")
+    async def workers() -> JSONResponse:
+        pool: WorkerPool = holder["pool"]
+        routable = {w.node_id for w in pool.routable()}
+        return JSONResponse(
+            {
+                "registry_ok": pool.registry_ok,
+                "workers": [
+                    {
+                        "id": w.node_id,
+                        "url": w.url,
+                        "healthy": w.healthy,
+                        "routable": w.node_id in routable,
+                        "inflight": w.inflight,
+                        "running": w.info.get("running"),
+                        "waiting": w.info.get("waiting"),
+                    }
+                    for w in pool.workers.values()
+                ],
+            }
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        pool: WorkerPool = holder["pool"]
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        for w in sorted(pool.routable(), key=lambda w: w.load):
+            try:
+                r = await pool.http.get(w.url + "/v1/models", headers=headers, timeout=5)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, r.status_code, media_type="application/json")
+        return _error(503, "no worker is available", "ServiceUnavailableError")
+
+    async def generate(request: Request, kind: str) -> Response:
+        metrics.requests.labels(kind).inc()
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return _error(400, f"the body is not valid JSON: {e}", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "BadRequestError")
+        flow = Flow.from_client(kind, body, request.headers)
+        relay: Relay = holder["relay"]
+        try:
+            w, resp = await relay.open(flow)
+        except Unroutable as u:
+            return JSONResponse(u.body, status_code=u.status)
+        served = {"X-Kvserve-Worker": w.node_id, "X-Session-Id": flow.session}
+        if flow.ephemeral:
+            served.pop("X-Session-Id")
+        if resp.status_code != 200:  # the worker's own answer (a 4xx): relay it as is
+            content = await resp.aread()
+            await resp.aclose()
+            w.inflight -= 1
+            return Response(content, resp.status_code, served, media_type="application/json")
+        if body.get("stream"):
+            return StreamingResponse(
+                relay.events(flow, w, resp),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", **served},
+            )
+        try:
+            return JSONResponse(await relay.whole(flow, w, resp), headers=served)
+        except Unroutable as u:
+            return JSONResponse(u.body, status_code=u.status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    return app

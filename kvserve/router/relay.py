@@ -1,0 +1,347 @@
+"""One client request through the router: route it, relay the worker's answer, and fail
+over to a standby when the worker dies.
+
+The router forwards the client's body with three additions: ``session_id`` (the client's,
+or an id made up for this one request — *ephemeral*, released when it ends),
+``return_token_ids: true`` (the router must know the token ids the client has; it strips
+them again unless the client asked) and a ``seed`` when the client gave none (so a sampled
+stream can be continued with the same draws; the seed is random, so nothing changes for
+the client). It also sends ``X-Kvserve-Session-Epoch``: the session's epoch as the router
+saw it, which the worker's claim is conditional on.
+
+A worker has failed when its connection breaks, when its stream ends without
+``[DONE]``, when it sends an error event, or when it stays silent for ``stall_timeout``
+and then fails a liveness check (registry + ``/health`` within ``probe_timeout``). Then
+the router asks the session's standby to continue (``POST /internal/resume`` with the
+token ids and text characters the client already has and the epoch it saw) and relays
+the continuation into the same client stream, with the first response's ``id`` and
+``created``. The failed worker's connection is closed first, so nothing it might still
+produce reaches the client. Requests that cannot be resumed exactly (``n > 1``, logprobs,
+``echo``) are relayed without failover: a failure ends them with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from kvserve.ha.coordination import Coordinator
+from kvserve.router.config import RouterConfig
+from kvserve.router.workers import Worker, WorkerPool
+
+logger = logging.getLogger("kvserve.router")
+T = TypeVar("T")
+_STREAM_TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=10.0, pool=10.0)
+
+
+class WorkerFailed(Exception):
+    """The worker serving a request stopped serving it."""
+
+
+class Unroutable(Exception):
+    """No worker could take (or continue) the request; ``body`` is the error to send."""
+
+    def __init__(self, status: int, message: str, type_: str = "ServiceUnavailableError"):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+
+
+@dataclass
+class Flow:
+    """A client request in flight and what its client has received so far."""
+
+    kind: str  # "completion" or "chat"
+    body: dict[str, Any]  # as sent upstream
+    session: str
+    ephemeral: bool
+    want_ids: bool  # the client asked for token ids itself
+    resumable: bool
+    auth: str | None
+    ids: list[int] = field(default_factory=list)  # token ids delivered (choice 0)
+    chars: int = 0  # text characters delivered (choice 0)
+    finished: bool = False  # choice 0 sent its finish_reason
+    first_id: str | None = None
+    created: int | None = None
+    failed: set[str] = field(default_factory=set)
+    failovers: int = 0
+
+    @classmethod
+    def from_client(cls, kind: str, body: dict[str, Any], headers: Any) -> Flow:
+        session = body.get("session_id") or headers.get("x-session-id")
+        ephemeral = not session
+        if ephemeral:
+            session = f"rt-{uuid.uuid4().hex}"
+        n = body.get("n") or 1
+        resumable = n == 1 and not body.get("logprobs") and not body.get("echo")
+        up = dict(body, session_id=session)
+        if resumable:
+            up["return_token_ids"] = True
+            if up.get("seed") is None:
+                up["seed"] = secrets.randbits(62)
+        return cls(
+            kind,
+            up,
+            session,
+            ephemeral,
+            bool(body.get("return_token_ids")),
+            resumable,
+            headers.get("authorization"),
+        )
+
+    def headers(self, epoch: int | None = None) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.auth:
+            h["Authorization"] = self.auth
+        if epoch is not None:
+            h["X-Kvserve-Session-Epoch"] = str(epoch)
+        if self.ephemeral:
+            h["X-Kvserve-Ephemeral-Session"] = "1"
+        return h
+
+    def observe(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Note what this chunk (or whole response) gives the client; return it as the
+        client gets it (same id and created as the first, token ids only if asked)."""
+        if self.first_id is None:
+            self.first_id, self.created = payload.get("id"), payload.get("created")
+        else:
+            payload["id"], payload["created"] = self.first_id, self.created
+        for c in payload.get("choices") or []:
+            if c.get("index", 0) == 0:
+                self.ids += c.get("token_ids") or []
+                if self.kind == "chat":
+                    part = (c.get("delta") or c.get("message") or {}).get("content")
+                else:
+                    part = c.get("text")
+                self.chars += len(part or "")
+                if c.get("finish_reason") is not None:
+                    self.finished = True
+            if not self.want_ids:
+                c.pop("token_ids", None)
+        if not self.want_ids:
+            payload.pop("prompt_token_ids", None)
+        return payload
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Relay:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        coord: Coordinator,
+        http: httpx.AsyncClient,
+        config: RouterConfig,
+        metrics: Any,
+    ):
+        self.pool = pool
+        self.coord = coord
+        self.http = http
+        self.config = config
+        self.metrics = metrics
+
+    # ---- helpers -------------------------------------------------------------------------
+    async def _watched(self, aw: Awaitable[T], w: Worker) -> T:
+        """``aw``'s result, unless ``w`` goes quiet for ``stall_timeout`` and then fails a
+        liveness check (→ WorkerFailed). Transport errors become WorkerFailed."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.config.stall_timeout)
+                if done:
+                    try:
+                        return task.result()
+                    except (httpx.HTTPError, httpx.StreamError) as e:
+                        self.metrics.failovers_detected.labels("connection").inc()
+                        raise WorkerFailed(f"{w.node_id}: {e!r}") from None
+                if not await self.pool.alive(w):
+                    self.metrics.failovers_detected.labels("stall").inc()
+                    raise WorkerFailed(f"{w.node_id} stopped answering")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    async def _owner(self, session: str):
+        try:
+            return await asyncio.to_thread(self.coord.owner, session)
+        except Exception as e:  # Redis away: route without affinity
+            logger.warning("coordinator unreachable: %s", e)
+            return None
+
+    async def _send(self, w: Worker, path: str, body: dict, headers: dict) -> httpx.Response:
+        req = self.http.build_request(
+            "POST", w.url + path, json=body, headers=headers, timeout=_STREAM_TIMEOUT
+        )
+        return await self._watched(self.http.send(req, stream=True), w)
+
+    # ---- routing -------------------------------------------------------------------------
+    async def open(self, flow: Flow) -> tuple[Worker, httpx.Response]:
+        """Send the request to the session's primary (its owner if routable, else the least
+        loaded worker). Returns the worker and its response (any status; a 200 is open
+        for streaming). Failures before an answer go to ``resume`` (which can start from
+        nothing delivered)."""
+        owner = await self._owner(flow.session)
+        w = self.pool.get(owner.node) if owner is not None else None
+        if w is None:
+            w = self.pool.pick(flow.session)
+        if w is None:
+            raise Unroutable(503, "no worker is available")
+        epoch = owner.epoch if owner is not None else (0 if self.pool.registry_ok else None)
+        w.inflight += 1
+        try:
+            resp = await self._send(w, self._path(flow), flow.body, flow.headers(epoch))
+        except WorkerFailed as e:
+            w.inflight -= 1
+            self.metrics.failovers_detected.labels("open").inc()
+            return await self.resume(flow, w, str(e))
+        if resp.status_code in (502, 503, 504) and flow.resumable:  # draining / engine dead
+            await resp.aclose()
+            w.inflight -= 1
+            return await self.resume(flow, w, f"{w.node_id} answered {resp.status_code}")
+        return w, resp
+
+    def _path(self, flow: Flow) -> str:
+        return "/v1/chat/completions" if flow.kind == "chat" else "/v1/completions"
+
+    async def resume(self, flow: Flow, failed: Worker, why: str) -> tuple[Worker, httpx.Response]:
+        """Continue ``flow`` on a standby after ``failed`` failed; returns the standby and
+        its open 200 response. Raises Unroutable when no worker can continue it."""
+        if not flow.resumable:
+            raise Unroutable(502, f"the worker failed ({why}) and this request cannot resume")
+        start = time.monotonic()
+        flow.failed.add(failed.node_id)
+        failed.healthy = False  # until its next probe says otherwise
+        logger.warning("session %s: %s; failing over", flow.session, why)
+        for _ in range(self.config.max_failovers):
+            if flow.failovers >= self.config.max_failovers:
+                break
+            flow.failovers += 1
+            owner = await self._owner(flow.session)
+            w = self.pool.standby(flow.session, flow.failed)
+            if w is None:
+                await asyncio.sleep(self.config.health_interval)  # wait for a worker
+                continue
+            body = {
+                "session_id": flow.session,
+                "delivered_token_ids": flow.ids,
+                "delivered_text_chars": flow.chars,
+                "seen_epoch": owner.epoch if owner is not None else 0,
+                "kind": flow.kind,
+                "ephemeral": flow.ephemeral,
+                "request": flow.body,
+            }
+            headers = flow.headers()
+            if self.config.cluster_secret:
+                headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
+            w.inflight += 1
+            try:
+                resp = await self._send(w, "/internal/resume", body, headers)
+            except WorkerFailed as e:
+                w.inflight -= 1
+                flow.failed.add(w.node_id)
+                logger.warning("session %s: standby %s failed too: %s", flow.session, w.node_id, e)
+                continue
+            if resp.status_code == 200:
+                self.metrics.failovers.inc()
+                self.metrics.failover_seconds.observe(time.monotonic() - start)
+                logger.info("session %s resumed on %s", flow.session, w.node_id)
+                return w, resp
+            detail = (await resp.aread()).decode(errors="replace")[:500]
+            await resp.aclose()
+            w.inflight -= 1
+            if resp.status_code == 409:  # the epoch moved under us: read it again
+                continue
+            if 400 <= resp.status_code < 500:
+                self.metrics.failover_failures.inc()
+                raise Unroutable(502, f"the stream could not be resumed: {detail}", "APIError")
+            flow.failed.add(w.node_id)
+        self.metrics.failover_failures.inc()
+        raise Unroutable(503, f"the worker failed ({why}) and no standby could resume")
+
+    # ---- relaying ------------------------------------------------------------------------
+    async def events(self, flow: Flow, w: Worker, resp: httpx.Response) -> AsyncIterator[str]:
+        """The client's SSE stream: ``resp`` relayed, continued elsewhere on failures."""
+        current: Worker | None = w
+        try:
+            while True:
+                try:
+                    async for payload in self._upstream(w, resp):
+                        if payload is None:
+                            yield "data: [DONE]\n\n"
+                            return
+                        yield _sse(flow.observe(payload))
+                    self.metrics.failovers_detected.labels("connection").inc()
+                    raise WorkerFailed(f"{w.node_id} ended the stream early")
+                except WorkerFailed as e:
+                    await resp.aclose()
+                    w.inflight -= 1
+                    current = None
+                    if flow.finished:  # everything was delivered; only [DONE] was missing
+                        yield "data: [DONE]\n\n"
+                        return
+                    try:
+                        w, resp = await self.resume(flow, w, str(e))
+                    except Unroutable as u:
+                        yield _sse(u.body)
+                        return
+                    current = w
+        finally:  # also when the client goes away: close the worker's stream (it aborts)
+            await resp.aclose()
+            if current is not None:
+                current.inflight -= 1
+
+    async def _upstream(self, w: Worker, resp: httpx.Response) -> AsyncIterator[dict | None]:
+        """Parsed ``data:`` payloads of an SSE response (None for ``[DONE]``); raises
+        WorkerFailed on a broken or stalled connection and on an error event."""
+        lines = resp.aiter_lines()
+        while True:
+            try:
+                line = await self._watched(anext(lines), w)
+            except StopAsyncIteration:
+                return
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                yield None
+                return
+            payload = json.loads(data)
+            if "error" in payload:
+                self.metrics.failovers_detected.labels("error_event").inc()
+                raise WorkerFailed(f"{w.node_id}: {payload['error'].get('message')}")
+            yield payload
+
+    async def whole(self, flow: Flow, w: Worker, resp: httpx.Response) -> dict[str, Any]:
+        """A non-streaming response's JSON, continued elsewhere on failures (from
+        nothing delivered: the client has received nothing yet). Raises Unroutable."""
+        current: Worker | None = w
+        try:
+            while True:
+                try:
+                    payload = json.loads(await self._watched(resp.aread(), w))
+                except (WorkerFailed, json.JSONDecodeError) as e:
+                    await resp.aclose()
+                    w.inflight -= 1
+                    current = None
+                    w, resp = await self.resume(flow, w, str(e))
+                    current = w
+                    continue
+                return flow.observe(payload)
+        finally:
+            await resp.aclose()
+            if current is not None:
+                current.inflight -= 1

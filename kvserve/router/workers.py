@@ -1,0 +1,149 @@
+"""The router's view of the workers: the registry in Redis (heartbeats) plus its own
+HTTP ``/health`` probes, and the choice of a primary and a standby per session.
+
+A worker is *routable* while its last probe succeeded and it is registered — or, when the
+registry itself cannot be read (Redis away), it was registered less than
+``registry_grace`` seconds ago: serving goes on while the coordinator is briefly down.
+Choices are deterministic given the same view (rendezvous hashing breaks ties), so several
+routers agree on a session's standby without talking to each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvserve.ha.coordination import Coordinator
+from kvserve.router.config import RouterConfig
+
+logger = logging.getLogger("kvserve.router")
+
+
+@dataclass
+class Worker:
+    node_id: str
+    url: str
+    info: dict[str, Any] = field(default_factory=dict)
+    healthy: bool = False  # the last /health probe answered 200
+    registered_at: float = 0.0  # monotonic time it was last seen in the registry
+    inflight: int = 0  # requests this router has open on it
+
+    @property
+    def load(self) -> float:
+        return (
+            self.inflight + float(self.info.get("running", 0)) + float(self.info.get("waiting", 0))
+        )
+
+
+def rendezvous(session: str, node: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session}|{node}".encode(), digest_size=8).digest())
+
+
+class WorkerPool:
+    def __init__(self, coord: Coordinator, http: httpx.AsyncClient, config: RouterConfig):
+        self.coord = coord
+        self.http = http
+        self.config = config
+        self.workers: dict[str, Worker] = {}
+        self.registry_ok = False
+        self._task: asyncio.Task | None = None
+
+    # ---- view -----------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read the registry and probe every known worker (concurrently)."""
+        now = time.monotonic()
+        try:
+            nodes = await asyncio.to_thread(self.coord.nodes)
+        except Exception as e:
+            if self.registry_ok:
+                logger.warning("registry unreadable, routing on the last view: %s", e)
+            self.registry_ok = False
+        else:
+            self.registry_ok = True
+            for node_id, info in nodes.items():
+                w = self.workers.get(node_id)
+                if w is None or w.url != info["url"]:
+                    w = self.workers[node_id] = Worker(node_id, info["url"].rstrip("/"))
+                    logger.info("worker %s joined at %s", node_id, w.url)
+                w.info, w.registered_at = info, now
+            for node_id in [n for n in self.workers if n not in nodes]:
+                logger.info("worker %s left the registry", node_id)
+                del self.workers[node_id]
+        await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
+
+    async def _probe(self, w: Worker) -> None:
+        w.healthy = await self.probe(w)
+
+    async def probe(self, w: Worker) -> bool:
+        """One ``GET /health`` within ``probe_timeout``."""
+        try:
+            r = await self.http.get(w.url + "/health", timeout=self.config.probe_timeout)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def alive(self, w: Worker) -> bool:
+        """Is a worker that went quiet still serving? Registered (when the registry can be
+        read) and answering a probe."""
+        if self.registry_ok:
+            try:
+                nodes = await asyncio.to_thread(self.coord.nodes)
+            except Exception:
+                pass
+            else:
+                if w.node_id not in nodes:
+                    return False
+        return await self.probe(w)
+
+    def routable(self) -> list[Worker]:
+        now = time.monotonic()
+        grace = self.config.registry_grace
+        return [
+            w
+            for w in self.workers.values()
+            if w.healthy and (self.registry_ok or now - w.registered_at < grace)
+        ]
+
+    def get(self, node_id: str) -> Worker | None:
+        w = self.workers.get(node_id)
+        return w if w is not None and w in self.routable() else None
+
+    def pick(self, session: str, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
+        """A primary for a session that has none: the least loaded routable worker."""
+        cands = [w for w in self.routable() if w.node_id not in exclude]
+        if not cands:
+            return None
+        return min(cands, key=lambda w: (w.load, -rendezvous(session, w.node_id)))
+
+    def standby(self, session: str, exclude: set[str] | frozenset[str]) -> Worker | None:
+        """The session's standby: the routable worker (not excluded) with the highest
+        rendezvous score — the same one for every router with the same view."""
+        cands = [w for w in self.routable() if w.node_id not in exclude]
+        if not cands:
+            return None
+        return max(cands, key=lambda w: rendezvous(session, w.node_id))
+
+    # ---- background ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # never let the health loop die
+                logger.exception("worker refresh failed")
+            await asyncio.sleep(self.config.health_interval)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,81 @@
+"""A real cluster on loopback for HA tests: one ``redis-server`` (coordinator and shared KV
+tier), ``kvserve serve`` workers and ``kvserve router`` processes. Every wait is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redis_proc import RedisServer, redis_server
+from server_proc import ServerProcess, wait_until
+
+from kvserve.ha.coordination import Coordinator
+
+SECRET = "cluster-s3cret"
+
+
+@dataclass
+class Cluster:
+    redis: RedisServer
+    url: str
+    model: Path
+    tmp: Path
+    workers: dict[str, ServerProcess] = field(default_factory=dict)
+    routers: list[ServerProcess] = field(default_factory=list)
+
+    @property
+    def coord(self) -> Coordinator:
+        return Coordinator.from_url(self.url)
+
+    def add_router(self) -> ServerProcess:
+        """Start one more router and wait until it routes to every live worker."""
+        n = len(self.routers)
+        r = ServerProcess(
+            None,
+            "--cluster", self.url, "--cluster-secret", SECRET,
+            log=self.tmp / f"router{n}.log", command="router",
+        )  # fmt: skip
+        self.routers.append(r)
+        r.wait_ready(60)
+        return r
+
+
+def router_view(router: ServerProcess) -> dict:
+    with urllib.request.urlopen(router.url + "/router/workers", timeout=5) as r:
+        return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def cluster(model: Path, tmp: Path, nodes=("a", "b"), routers: int = 1) -> Iterator[Cluster]:
+    with redis_server(tmp) as server:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        c = Cluster(server, url, model, tmp)
+        args = (
+            "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--cluster", url,
+            "--kv-store", url, "--cluster-secret", SECRET, "--replicate-every", "16",
+        )  # fmt: skip
+        try:
+            for n in nodes:
+                c.workers[n] = ServerProcess(model, *args, "--node-id", n, log=tmp / f"{n}.log")
+            for w in c.workers.values():
+                w.wait_ready()
+            coord = c.coord
+            wait_until(lambda: set(coord.nodes()) == set(nodes), 30, "workers registered")
+            for _ in range(routers):
+                r = c.add_router()
+                wait_until(
+                    lambda r=r: sum(w["routable"] for w in router_view(r)["workers"]) == len(nodes),
+                    30,
+                    "router sees every worker",
+                )
+            yield c
+        finally:
+            for p in [*c.routers, *c.workers.values()]:
+                if p.proc.poll() is None:
+                    p.proc.send_signal(signal.SIGCONT)  # a test may have stopped it
+                p.stop(signal.SIGKILL)

@@ -1,0 +1,254 @@
+"""``kvserve router`` in front of real worker processes sharing a real Redis (issue 8):
+streams survive ``kill -9`` and SIGSTOP of their worker with the exact text of an
+uninterrupted run, a stopped-then-resumed primary writes nothing, session affinity lives
+in Redis (router restarts, several routers), and serving goes on while Redis is briefly
+stopped. The client is the official ``openai`` package."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from cluster_proc import cluster, router_view
+from server_proc import wait_until
+
+from kvserve.router.workers import rendezvous
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hum",
+]
+
+
+def _prompt(i: int, n: int = 12) -> str:
+    return " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(n))
+
+
+def _spec(i: int, model: str) -> dict:
+    """Stream ``i`` of a mixed workload: completion/chat, greedy/seeded sampling, with and
+    without a session id."""
+    spec: dict = {"model": model, "max_tokens": 200, "temperature": 0.0 if i % 2 == 0 else 0.8}
+    if i % 2:
+        spec["seed"] = 100 + i
+    extra: dict = {"ignore_eos": True}
+    if i < 4:
+        extra["session_id"] = f"conv-{i}"
+    if i % 4 == 3:
+        spec["messages"] = [{"role": "user", "content": _prompt(i)}]
+    else:
+        spec["prompt"] = _prompt(i)
+    spec["extra_body"] = extra
+    return spec
+
+
+def _stream(client: openai.OpenAI, spec: dict, progress: list | None = None):
+    """(worker that took it, text) of one streamed request; ``progress[0]`` counts the
+    content chunks as they arrive."""
+    chat = "messages" in spec
+    api = client.chat.completions if chat else client.completions
+    raw = api.with_raw_response.create(stream=True, **spec)
+    worker = raw.headers["x-kvserve-worker"]
+    text = ""
+    for chunk in raw.parse():
+        if not chunk.choices:
+            continue
+        piece = chunk.choices[0].delta.content if chat else chunk.choices[0].text
+        text += piece or ""
+        if progress is not None and piece:
+            progress[0] += 1
+    return worker, text
+
+
+def _router_metric(router, name: str) -> float:
+    with urllib.request.urlopen(router.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in " {"
+    )
+
+
+def _client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def test_eight_streams_survive_kill_9_of_a_worker(llama_dir, tmp_path):
+    with cluster(llama_dir, tmp_path) as c:
+        router = c.routers[0]
+        client = _client(router)
+        specs = [_spec(i, str(llama_dir)) for i in range(8)]
+        want = [_stream(client, s)[1] for s in specs]  # uninterrupted runs
+        assert len(set(want)) == 8
+
+        progress = [[0] for _ in specs]
+        results: list = [None] * 8
+
+        def run(i: int) -> None:
+            try:
+                results[i] = _stream(client, specs[i], progress[i])
+            except Exception as e:  # reported by the assertion below
+                results[i] = ("error", repr(e))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: all(p[0] >= 16 for p in progress), 60, "every stream under way")
+        c.workers["a"].proc.send_signal(signal.SIGKILL)
+        at_kill = [p[0] for p in progress]
+        for t in threads:
+            t.join(120)
+        on_a = [i for i, r in enumerate(results) if r[0] == "a"]
+        assert len(on_a) >= 2 and min(at_kill[i] for i in on_a) < 150  # killed mid-stream
+        for i, (_, text) in enumerate(results):
+            assert text == want[i], f"stream {i} differs after the failover"
+        assert _router_metric(router, "kvserve_router_failovers_total") >= 1
+        assert _router_metric(router, "kvserve_router_failover_failures_total") == 0
+
+
+def test_a_stopped_primary_is_failed_over_and_fenced(llama_dir, tmp_path):
+    with cluster(llama_dir, tmp_path) as c:
+        router = c.routers[0]
+        client = _client(router)
+        spec = _spec(1, str(llama_dir)) | {"max_tokens": 120}
+        spec["extra_body"] = {"ignore_eos": True, "session_id": "paused"}
+        want = _stream(client, spec)[1]
+
+        chat = "messages" in spec
+        raw = client.completions.with_raw_response.create(stream=True, **spec)
+        assert not chat
+        primary = raw.headers["x-kvserve-worker"]
+        other = "b" if primary == "a" else "a"
+        text, stopped = "", False
+        for chunk in raw.parse():
+            text += chunk.choices[0].text if chunk.choices else ""
+            if not stopped and len(text) >= 20:
+                c.workers[primary].proc.send_signal(signal.SIGSTOP)
+                stopped = True
+        assert stopped and text == want  # nothing lost, nothing repeated
+        assert _router_metric(router, "kvserve_router_worker_failures_total") >= 1
+        coord = c.coord
+        own = coord.owner("paused")
+        assert own.node == other
+
+        c.workers[primary].proc.send_signal(signal.SIGCONT)
+        w = c.workers[primary]
+        wait_until(lambda: w.metric("kvserve_num_requests_running") == 0, 30, "stale one dropped")
+        after = coord.owner("paused")
+        assert (after.node, after.epoch) == (own.node, own.epoch)  # no stale write landed
+        record = json.loads(after.state)
+        assert record["finished"] and record["epoch"] == own.epoch
+
+
+def test_session_affinity_is_kept_in_redis_across_routers(llama_dir, tmp_path):
+    with cluster(llama_dir, tmp_path, routers=2) as c:
+        model = str(llama_dir)
+        sessions = [f"user-{i}" for i in range(6)]
+        home = {}
+        for s in sessions:  # first turns go straight to the worker a fresh router would not pick
+            favourite = max("ab", key=lambda n: rendezvous(s, n))
+            home[s] = "b" if favourite == "a" else "a"
+            direct = openai.OpenAI(base_url=c.workers[home[s]].url + "/v1", api_key="x")
+            direct.completions.create(
+                model=model, prompt=_prompt(1), max_tokens=4, extra_body={"session_id": s}
+            )
+
+        def turn(router, s: str) -> str:
+            raw = _client(router).completions.with_raw_response.create(
+                model=model, prompt=_prompt(2), max_tokens=4, extra_body={"session_id": s}
+            )
+            raw.parse()
+            return raw.headers["x-kvserve-worker"]
+
+        for k, s in enumerate(sessions):  # two routers at once agree
+            assert turn(c.routers[k % 2], s) == home[s]
+        c.routers[0].proc.send_signal(signal.SIGKILL)
+        c.routers[0].proc.wait(10)
+        fresh = c.add_router()  # a restarted router knows nothing but what Redis holds
+        for s in sessions:
+            assert turn(fresh, s) == home[s]
+        assert c.coord.owner(sessions[0]).epoch == 3  # one claim per turn
+
+
+def test_serving_goes_on_while_redis_is_briefly_stopped(llama_dir, tmp_path):
+    with cluster(llama_dir, tmp_path) as c:
+        router = c.routers[0]
+        client = _client(router)
+        spec = _spec(5, str(llama_dir)) | {"max_tokens": 150}
+        spec["extra_body"] = {"ignore_eos": True, "session_id": "outage"}
+        want = _stream(client, spec)[1]
+
+        raw = client.completions.with_raw_response.create(stream=True, **spec)
+        text, stopped = "", False
+        for chunk in raw.parse():
+            text += chunk.choices[0].text if chunk.choices else ""
+            if not stopped and len(text) >= 20:
+                c.redis.proc.send_signal(signal.SIGSTOP)
+                stopped = True
+        assert stopped and text == want
+        # a new conversation while Redis is still stopped
+        late = client.completions.create(
+            model=str(llama_dir),
+            prompt=_prompt(3),
+            max_tokens=30,
+            extra_body={"ignore_eos": True, "session_id": "during-outage"},
+        )
+        assert len(late.choices[0].text) > 0
+        c.redis.proc.send_signal(signal.SIGCONT)
+
+        coord = c.coord
+
+        def caught_up(session: str, n: int) -> bool:
+            own = coord.owner(session)
+            if own is None or own.state is None:
+                return False
+            record = json.loads(own.state)
+            return record["finished"] and len(record["output_token_ids"]) == n
+
+        wait_until(lambda: caught_up("outage", 150), 30, "replication caught up")
+        wait_until(lambda: caught_up("during-outage", 30), 30, "replication caught up")
+
+
+def test_router_errors_are_openai_shaped(llama_dir, tmp_path):
+    with cluster(llama_dir, tmp_path, nodes=("a",)) as c:
+        router = c.routers[0]
+        req = urllib.request.Request(
+            router.url + "/v1/completions", data=b"{not json", method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 400
+        assert json.loads(e.value.read())["error"]["type"] == "BadRequestError"
+        client = _client(router)
+        with pytest.raises(openai.NotFoundError):  # the worker's 404, relayed
+            client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=str(llama_dir), prompt="x", max_tokens=100_000)
+        models = client.models.list()
+        assert [m.id for m in models.data] == [str(llama_dir)]
+
+        c.workers["a"].stop(signal.SIGKILL)  # no worker left: refused, not hung
+        wait_until(lambda: not router_view(router)["workers"], 30, "worker gone")
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=str(llama_dir), prompt="x", max_tokens=2)
+        assert e.value.status_code == 503
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(router.url + "/ready", timeout=10)
+        assert e.value.code == 503
