@@ -224,6 +224,13 @@ def test_serving_goes_on_while_redis_is_briefly_stopped(llama_dir, tmp_path):
 
         wait_until(lambda: caught_up("outage", 150), 30, "replication caught up")
         wait_until(lambda: caught_up("during-outage", 30), 30, "replication caught up")
+        workers = c.workers.values()
+        assert sum(w.metric("kvserve_replication_errors_total") for w in workers) > 0
+        wait_until(
+            lambda: sum(w.metric("kvserve_replication_lag_tokens") for w in workers) == 0,
+            30,
+            "no replication lag left",
+        )
 
 
 def test_router_errors_are_openai_shaped(llama_dir, tmp_path):

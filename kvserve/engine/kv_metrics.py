@@ -102,4 +102,21 @@ def snapshot(engine: LLMEngine) -> dict[str, Any]:
         "swap_capacity_bytes": swap.capacity_bytes if swap else 0,
         "prefix_cache_hit_rate": kv.stats.hit_rate,
         "cost_rates": engine.cost_model.rates(),
+        "replication": _replication(engine),
+    }
+
+
+def _replication(engine: LLMEngine) -> dict[str, Any] | None:
+    rep = engine.replicator
+    if rep is None:
+        return None
+    lag = rep.lag().values()
+    return {
+        "sessions": len(lag),
+        "lag_tokens": max((n for n, _ in lag), default=0),
+        "lag_seconds": max((s for n, s in lag if n > 0), default=0.0),
+        "published": rep.num_published,
+        "bytes": rep.num_bytes,
+        "errors": rep.num_errors,
+        "fenced": rep.num_fenced,
     }

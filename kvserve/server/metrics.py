@@ -184,6 +184,40 @@ class _EngineCollector:
         yield of_limit
         if snap.get("store"):
             yield from self._store_metrics(snap["store"], names, values)
+        if snap.get("replication"):
+            yield from self._replication_metrics(snap["replication"], names, values)
+
+    def _replication_metrics(
+        self, rep: dict, names: list[str], values: list[str]
+    ) -> Iterator[Metric]:
+        gauges = {
+            "kvserve_replication_sessions": ("Sessions this node replicates now.", "sessions"),
+            "kvserve_replication_lag_tokens": (
+                "Most tokens any session generated that Redis has not acknowledged.",
+                "lag_tokens",
+            ),
+            "kvserve_replication_lag_seconds": (
+                "Longest time a lagging session waited since its last acknowledged publish.",
+                "lag_seconds",
+            ),
+        }
+        for name, (doc, key) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, rep[key])
+            yield g
+        counters = {
+            "kvserve_replication_records": ("Session records written (fenced).", "published"),
+            "kvserve_replication_record_bytes": ("Bytes of session records written.", "bytes"),
+            "kvserve_replication_errors": ("Publishes that failed (Redis away).", "errors"),
+            "kvserve_replication_fenced": (
+                "Sessions this node lost to a takeover (its writes refused).",
+                "fenced",
+            ),
+        }
+        for name, (doc, key) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, rep[key])
+            yield c
 
     def _store_metrics(self, store: dict, names: list[str], values: list[str]) -> Iterator[Metric]:
         from kvserve.store.tiered import LATENCY_BUCKETS
