@@ -21,7 +21,7 @@ SECRET = "cluster-s3cret"
 
 @dataclass
 class Cluster:
-    redis: RedisServer
+    redis: RedisServer | None
     url: str
     model: Path
     tmp: Path
@@ -51,9 +51,14 @@ def router_view(router: ServerProcess) -> dict:
 
 
 @contextlib.contextmanager
-def cluster(model: Path, tmp: Path, nodes=("a", "b"), routers: int = 1) -> Iterator[Cluster]:
-    with redis_server(tmp) as server:
-        url = f"redis://127.0.0.1:{server.port}/0"
+def cluster(
+    model: Path, tmp: Path, nodes=("a", "b"), routers: int = 1, redis_url: str | None = None
+) -> Iterator[Cluster]:
+    """Workers ``nodes`` and ``routers`` routers on a fresh ``redis-server`` (or on
+    ``redis_url``: then ``Cluster.redis`` is None)."""
+    with contextlib.ExitStack() as stack:
+        server = None if redis_url else stack.enter_context(redis_server(tmp))
+        url = redis_url or f"redis://127.0.0.1:{server.port}/0"
         c = Cluster(server, url, model, tmp)
         args = (
             "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--cluster", url,

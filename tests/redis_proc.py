@@ -199,3 +199,85 @@ def redis_cluster(workdir: Path) -> Iterator[Cluster]:
         assert create.returncode == 0, create.stdout + create.stderr
         wait_until(lambda: _cluster_ok(nodes), CLUSTER_TIMEOUT_S, "cluster_state:ok on all nodes")
         yield Cluster(nodes)
+
+
+class Sentinel:
+    """A master, its replica and one Sentinel (quorum 1) watching them as ``mymaster``."""
+
+    SERVICE = "mymaster"
+
+    def __init__(self, master: RedisServer, replica: RedisServer, port: int):
+        self.master, self.replica, self.port = master, replica, port
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.SERVICE}"
+
+    def client(self) -> redis.Redis:
+        return _raw(self.port)
+
+    def master_port(self) -> int:
+        with contextlib.closing(self.client()) as c:
+            _, port = c.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+        return int(port)
+
+    def knows_replica(self) -> bool:
+        with contextlib.closing(self.client()) as c:
+            try:
+                replicas = c.execute_command("SENTINEL", "REPLICAS", self.SERVICE)
+            except redis.RedisError:
+                return False
+        for r in replicas:
+            info = dict(zip(r[::2], r[1::2], strict=False)) if isinstance(r, list) else r
+            port = info.get(b"port") or info.get("port")
+            flags = info.get(b"flags") or info.get("flags") or b""
+            flags = flags.decode() if isinstance(flags, bytes) else flags
+            if int(port) == self.replica.port and "down" not in flags:
+                return True
+        return False
+
+
+def _in_sync(replica: RedisServer) -> bool:
+    with contextlib.closing(replica.client()) as c:
+        return c.info("replication").get("master_link_status") == "up"
+
+
+@contextlib.contextmanager
+def redis_sentinel(workdir: Path) -> Iterator[Sentinel]:
+    """A replicated master watched by a Sentinel that fails over within ~1 s of the
+    master going down (``down-after-milliseconds 500``)."""
+    with contextlib.ExitStack() as stack:
+        mdir, rdir = workdir / "master", workdir / "replica"
+        mdir.mkdir()
+        rdir.mkdir()
+        master = stack.enter_context(redis_server(mdir, "--repl-diskless-sync-delay", "0"))
+        replica = stack.enter_context(
+            redis_server(rdir, "--replicaof", "127.0.0.1", str(master.port))
+        )
+        wait_until(lambda: _in_sync(replica), READY_TIMEOUT_S, "replica in sync")
+        port = free_port()
+        conf = workdir / "sentinel.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {workdir}\n"
+            f"sentinel monitor {Sentinel.SERVICE} 127.0.0.1 {master.port} 1\n"
+            f"sentinel down-after-milliseconds {Sentinel.SERVICE} 500\n"
+            f"sentinel failover-timeout {Sentinel.SERVICE} 5000\n"
+        )
+        log = (workdir / "sentinel.log").open("w")
+        stack.callback(log.close)
+        proc = subprocess.Popen(
+            [_binary("redis-server"), str(conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT
+        )
+        stack.callback(kill_process, proc)
+        s = Sentinel(master, replica, port)
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError((workdir / "sentinel.log").read_text()[-2000:])
+            try:
+                return s.knows_replica()
+            except redis.RedisError:
+                return False
+
+        wait_until(ready, CLUSTER_TIMEOUT_S, "sentinel sees the replica")
+        yield s

@@ -86,7 +86,16 @@ class Coordinator:
 
     @classmethod
     def from_url(cls, url: str, timeout: float = 2.0, **kw: Any) -> Coordinator:
-        """A coordinator on the Redis at ``url``; ``timeout`` bounds every round trip."""
+        """A coordinator on the Redis at ``url`` (``redis://``, ``rediss://``, ``unix://`` or
+        ``redis+sentinel://`` — then it follows the master across Sentinel failovers);
+        ``timeout`` bounds every round trip. Not Redis Cluster: the registry is read with
+        SCAN over one keyspace."""
+        if url.lower().startswith(("redis+sentinel://", "rediss+sentinel://")):
+            from kvserve.store.redis_store import sentinel_client
+
+            return cls(sentinel_client(url, timeout), **kw)
+        if "+cluster://" in url.lower():
+            raise ValueError("--cluster: use a single Redis or Redis Sentinel, not a cluster")
         client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         return cls(client, **kw)
 

@@ -1,7 +1,7 @@
 """The router's view of the workers: the registry in Redis (heartbeats) plus its own
 HTTP ``/health`` probes, and the choice of a primary and a standby per session.
 
-A worker is *routable* while its last probe succeeded and it is registered — or, when the
+A worker is *routable* while its last ``/ready`` probe succeeded and it is registered — or, when the
 registry itself cannot be read (Redis away), it was registered less than
 ``registry_grace`` seconds ago: serving goes on while the coordinator is briefly down.
 Choices are deterministic given the same view (rendezvous hashing breaks ties), so several
@@ -79,12 +79,15 @@ class WorkerPool:
         await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
 
     async def _probe(self, w: Worker) -> None:
-        w.healthy = await self.probe(w)
+        w.healthy = await self.probe(w, "/ready")
 
-    async def probe(self, w: Worker) -> bool:
-        """One ``GET /health`` within ``probe_timeout``."""
+    async def probe(self, w: Worker, path: str = "/health") -> bool:
+        """One ``GET path`` answered 200 within ``probe_timeout``. ``/ready`` (taking new
+        requests) decides routability — a draining worker takes none but finishes its
+        streams; ``/health`` (the process serves) decides whether a quiet stream's
+        worker is still alive."""
         try:
-            r = await self.http.get(w.url + "/health", timeout=self.config.probe_timeout)
+            r = await self.http.get(w.url + path, timeout=self.config.probe_timeout)
             return r.status_code == 200
         except httpx.HTTPError:
             return False

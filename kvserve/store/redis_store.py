@@ -8,6 +8,9 @@ URLs (``RedisStore.from_url``):
 - ``redis+cluster://host:port[,host:port…]`` (``rediss+cluster://`` for TLS): Redis Cluster
   through ``redis.cluster.RedisCluster``; the listed nodes are only the startup nodes, the
   rest of the topology is discovered.
+- ``redis+sentinel://host:port[,host:port…]/SERVICE[/DB]`` (``rediss+sentinel://``): the
+  master Redis Sentinel names for SERVICE, followed across Sentinel failovers
+  (``sentinel_client``).
 
 Query parameters understood here (all optional): ``ttl=SECONDS`` (expiry set on every put;
 reads do not refresh it), ``prefix=STRING`` (key namespace, default ``kvserve``),
@@ -71,6 +74,7 @@ DEFAULT_RETRIES = 1
 
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 _OWN_PARAMS = frozenset({"ttl", "prefix", "timeout", "retries", "hash_tag"})
 # query parameters passed on to RedisCluster (strings) for TLS clusters
 _CLUSTER_PASSTHROUGH = frozenset(
@@ -105,6 +109,55 @@ def _unavailable_on_error() -> Iterator[None]:
         if reply.startswith(_UNAVAILABLE_REPLY_PREFIXES):
             raise StoreUnavailable(f"{type(e).__name__}: {e}") from e
         raise
+
+
+def sentinel_client(url: str, timeout: float, retry: Retry | None = None) -> redis.Redis:
+    """A client of the master that Redis Sentinel names for
+    ``redis+sentinel://[user:pass@]host:port[,host:port…]/SERVICE[/DB][?sentinel_password=…]``
+    (``rediss+sentinel://`` for TLS to the master). The hosts are sentinels; the client asks
+    them for the current master on every (re)connection, so after a Sentinel failover it
+    reconnects to the promoted replica by itself. Credentials in the URL are the master's;
+    ``sentinel_password`` (query) authenticates to the sentinels. Other query parameters of
+    the KV store URL are read by ``RedisStore.from_url``; unknown ones raise ValueError."""
+    from redis.sentinel import Sentinel
+
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    unknown = sorted(set(query) - _OWN_PARAMS - {"sentinel_password"})
+    if unknown:
+        raise ValueError(f"redis sentinel URL: unknown parameters {unknown}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    sentinels = []
+    for h in hosts.split(","):
+        host, _, port = h.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"redis sentinel URL: {h!r} is not host:port")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError("redis sentinel URL: the path must be /SERVICE or /SERVICE/DB")
+    sentinel_kwargs: dict[str, object] = dict(
+        socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    if "sentinel_password" in query:
+        sentinel_kwargs["password"] = query["sentinel_password"]
+    master_kwargs: dict[str, object] = dict(
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        db=int(path[1]) if len(path) == 2 else 0,
+        decode_responses=False,
+    )
+    if retry is not None:
+        master_kwargs["retry"] = retry
+    if username:
+        master_kwargs["username"] = unquote(username)
+    if password:
+        master_kwargs["password"] = unquote(password)
+    if parts.scheme.lower() == "rediss+sentinel":
+        master_kwargs["ssl"] = True
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)
+    return sentinel.master_for(path[0], **master_kwargs)
 
 
 def _positive_float(name: str, value: str) -> float:
@@ -213,9 +266,14 @@ class RedisStore(KVStore):
                 client = RedisCluster(startup_nodes=nodes, **kwargs)
             return cls(client, prefix=prefix, ttl=ttl, hash_tag=hash_tag)
 
+        if scheme in _SENTINEL_SCHEMES:
+            if "hash_tag" in own:
+                raise ValueError("redis store URL: hash_tag applies to redis+cluster:// only")
+            return cls(sentinel_client(url, timeout, retry), prefix=prefix, ttl=ttl)
+
         raise ValueError(
             f"redis store URL: unsupported scheme {parts.scheme!r} "
-            f"(expected one of {_PLAIN_SCHEMES + _CLUSTER_SCHEMES})"
+            f"(expected one of {_PLAIN_SCHEMES + _CLUSTER_SCHEMES + _SENTINEL_SCHEMES})"
         )
 
     @staticmethod

@@ -3,7 +3,8 @@
 - ``host://?capacity=8GiB``: in-process LRU (``HostStore``);
 - ``file:///var/cache/kvserve?capacity=100GiB``: on-disk LRU (``FileStore``);
 - ``redis://host:6379/0?ttl=3600&prefix=kvserve``, ``rediss://…``,
-  ``unix:///run/redis.sock``, ``redis+cluster://h1:7000,h2:7001``: Redis (``RedisStore``);
+  ``unix:///run/redis.sock``, ``redis+cluster://h1:7000,h2:7001``,
+  ``redis+sentinel://s1:26379,s2:26379/mymaster``: Redis (``RedisStore``);
 - ``s3://bucket/prefix?endpoint_url=http://minio:9000``: S3-compatible object storage
   (``S3Store``).
 
@@ -23,7 +24,15 @@ from kvserve.store.tiered import TieredStore
 from kvserve.utils import parse_size
 
 DEFAULT_HOST_CAPACITY = "1GiB"
-_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+_REDIS_SCHEMES = (
+    "redis",
+    "rediss",
+    "unix",
+    "redis+cluster",
+    "rediss+cluster",
+    "redis+sentinel",
+    "rediss+sentinel",
+)
 
 
 def _query(url: str) -> dict[str, str]:
@@ -72,7 +81,7 @@ def open_store(url: str) -> KVStore:
         return S3Store.from_url(url)
     raise ValueError(
         f"{url}: unknown KV store scheme {scheme!r}; use host://, file://, redis://, "
-        "rediss://, unix://, redis+cluster:// or s3://"
+        "rediss://, unix://, redis+cluster://, redis+sentinel:// or s3://"
     )
 
 

@@ -1,0 +1,60 @@
+"""The cluster on Redis Sentinel (issue 8): workers, router, coordinator and the shared KV
+tier all reach Redis through ``redis+sentinel://``. The master is killed while serving;
+Sentinel promotes the replica; serving goes on and a worker killed afterwards is still
+failed over exactly (its session state now lives on the promoted master)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import openai
+from cluster_proc import cluster
+from redis_proc import redis_sentinel
+from server_proc import wait_until
+from test_router import _client, _spec, _stream
+
+
+def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
+    (tmp_path / "redis").mkdir()
+    with (
+        redis_sentinel(tmp_path / "redis") as sentinel,
+        cluster(llama_dir, tmp_path, redis_url=sentinel.url) as c,
+    ):
+        client = _client(c.routers[0])
+        spec = _spec(3, str(llama_dir)) | {"max_tokens": 150}  # chat, seeded sampling
+        spec["extra_body"] = {"ignore_eos": True, "session_id": "reference"}
+        want = _stream(client, spec)[1]
+
+        # Redis' master dies while a stream is under way
+        progress, result = [0], {}
+        spec["extra_body"]["session_id"] = "during"
+        t = threading.Thread(target=lambda: result.update(r=_stream(client, spec, progress)))
+        t.start()
+        wait_until(lambda: progress[0] >= 5, 30, "stream under way")
+        old_master = sentinel.master_port()
+        sentinel.master.kill()
+        t.join(60)
+        assert result["r"][1] == want
+        wait_until(lambda: sentinel.master_port() != old_master, 30, "Sentinel promoted")
+        assert sentinel.master_port() == sentinel.replica.port
+
+        # on the promoted master: a stream whose worker is killed mid-way fails over exactly
+        spec["extra_body"]["session_id"] = "after"
+        progress, result = [0], {}
+        t = threading.Thread(target=lambda: result.update(r=_stream(client, spec, progress)))
+        t.start()
+        wait_until(lambda: progress[0] >= 20, 60, "stream under way")
+        coord = c.coord
+        wait_until(lambda: coord.owner("after") is not None, 30, "session claimed")
+        primary = coord.owner("after").node
+        c.workers[primary].proc.send_signal(signal.SIGKILL)
+        t.join(60)
+        worker, text = result["r"]
+        assert worker == primary and text == want
+        own = coord.owner("after")
+        assert own.node != primary and json.loads(own.state)["finished"]
+        with sentinel.replica.client() as r:  # the state is on the promoted master
+            assert r.exists("kvserve:ha:session:after")
+        assert isinstance(client, openai.OpenAI)
