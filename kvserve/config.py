@@ -274,8 +274,11 @@ class EngineArgs:
         )
 
     def store_config(self) -> StoreConfig:
+        """The KV store tiers; in a cluster without ``--kv-store`` the cluster's Redis is
+        the shared tier (replicated blocks must be reachable by the standbys)."""
+        urls = tuple(self.kv_store) or ((self.cluster,) if self.cluster else ())
         return StoreConfig(
-            tuple(self.kv_store),
+            urls,
             self.kv_store_write_policy,
             self.kv_store_queue_size,
             self.kv_store_session_ttl,

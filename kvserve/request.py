@@ -49,6 +49,7 @@ class Request:
     priority: int = 0  # larger = more important (used by the tenant pool's preemption)
     session_id: str | None = None  # the conversation this turn belongs to
     session_ephemeral: bool = False  # a router-made id for one request: forget it at the end
+    standby: str | None = None  # the node a router chose to continue this session if needed
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

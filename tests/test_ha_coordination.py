@@ -166,3 +166,42 @@ def test_a_standby_resumes_the_stream_exactly(url, llama_dir, temperature):
         a.resume_request("x-late", record, delivered, seen_epoch=owner.epoch)
     a.close()
     b.close()
+
+
+def test_a_standby_prewarms_the_session_and_resumes_from_its_host_tier(url, llama_dir):
+    """The primary names standby B; each publish tells B, whose pre-warmer copies the
+    session's replicated blocks from Redis into B's host tier. B's takeover then reads
+    them from local memory: no Redis read during the resume."""
+    import json
+
+    from helpers import make_engine, random_prompts, run_to_end
+
+    from kvserve.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=80, ignore_eos=True)
+    prompt = random_prompts([60], seed=21)[0]
+    ha = dict(kv_store=(url,), cluster=url, replicate_every=16)
+    a = make_engine(llama_dir, node_id="a", **ha)
+    b = make_engine(llama_dir, node_id="b", **ha)
+    req = a.add_request("x", prompt, params, session_id="warm", standby="b")
+    while len(req.output_token_ids) < 48:  # a record was just published: it covers all
+        a.step()
+    assert a.replicator.flush() and a.offloader.store.flush()
+    coord = Coordinator.from_url(url)
+    record = json.loads(coord.owner("warm").state)
+    assert record["standby"] == "b"
+    stored = record["stored_tokens"] // 16
+    assert stored == (len(prompt) + 48 - 1) // 16
+    wait_until(lambda: b.prewarmer.num_blocks >= stored, 20, "standby pre-warmed")
+    host, shared = b.offloader.store.stats
+    host_hits, shared_hits = host.hits, shared.hits
+    delivered = list(req.output_token_ids)
+    resumed = b.resume_request("x-b", record, delivered, seen_epoch=coord.owner("warm").epoch)
+    out = run_to_end(b)["x-b"]
+    plain = make_engine(llama_dir)
+    plain.add_request("ref", prompt, params)
+    assert out == run_to_end(plain)["ref"]
+    assert resumed.num_cached_tokens >= stored * 16
+    assert host.hits - host_hits >= stored and shared.hits == shared_hits
+    a.close()
+    b.close()

@@ -177,8 +177,16 @@ def test_session_affinity_is_kept_in_redis_across_routers(llama_dir, tmp_path):
             raw.parse()
             return raw.headers["x-kvserve-worker"]
 
+        coord = c.coord
         for k, s in enumerate(sessions):  # two routers at once agree
             assert turn(c.routers[k % 2], s) == home[s]
+            other = "b" if home[s] == "a" else "a"
+
+            def standby_named(s=s, other=other) -> bool:  # the primary was told its standby
+                own = coord.owner(s)
+                return own.state is not None and json.loads(own.state).get("standby") == other
+
+            wait_until(standby_named, 10, "record names the standby")
         c.routers[0].proc.send_signal(signal.SIGKILL)
         c.routers[0].proc.wait(10)
         fresh = c.add_router()  # a restarted router knows nothing but what Redis holds

@@ -119,4 +119,5 @@ def _replication(engine: LLMEngine) -> dict[str, Any] | None:
         "bytes": rep.num_bytes,
         "errors": rep.num_errors,
         "fenced": rep.num_fenced,
+        "prewarmed_blocks": engine.prewarmer.num_blocks if engine.prewarmer else 0,
     }

@@ -130,6 +130,7 @@ class LLMEngine:
                 on_copy=self.cost_model.observe_copy,
             )
         self.offloader = self._offloader(args)
+        self.prewarmer = None  # set by _replicator when this node can hold warm replicas
         self.replicator = self._replicator(args)
         self.scheduler = Scheduler(
             self.scheduler_config,
@@ -181,15 +182,20 @@ class LLMEngine:
         from kvserve.ha.replicator import Replicator
 
         node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
-        return Replicator(
-            Coordinator.from_url(config.cluster), node, config.replicate_every, self.kv.block_size
-        )
+        coord = Coordinator.from_url(config.cluster)
+        if self.offloader is not None:
+            from kvserve.ha.prewarm import Prewarmer
+
+            self.prewarmer = Prewarmer(coord, node, self.kv, self.offloader.store)
+        return Replicator(coord, node, config.replicate_every, self.kv.block_size)
 
     def close(self) -> None:
         """Flush and close the KV store and replication (if any). The engine is unusable
         afterwards."""
         if self.replicator is not None:
             self.replicator.close()
+        if self.prewarmer is not None:
+            self.prewarmer.close()
         if self.offloader is not None:
             self.offloader.close()
 
@@ -319,6 +325,7 @@ class LLMEngine:
         session_id: str | None = None,
         session_epoch: int | None = None,
         ephemeral_session: bool = False,
+        standby: str | None = None,
     ) -> Request:
         """Validate and queue one sequence. Raises EngineError for what can never be served.
 
@@ -327,13 +334,15 @@ class LLMEngine:
         In a cluster the session is claimed for this node, only if still at
         ``session_epoch`` when given (the epoch the router saw; else the request is
         fenced and aborted). An ``ephemeral_session`` (an id a router made up for a request
-        that had none) is replicated while it runs and released when it ends.
+        that had none) is replicated while it runs and released when it ends. ``standby``:
+        the node that would continue the session (it is told to pre-warm its KV).
         """
         req = self._build_request(
             request_id, prompt, params, seed, tenant, self._salt(tenant, cache_salt), priority
         )
         req.session_id = session_id
         req.session_ephemeral = ephemeral_session and session_id is not None
+        req.standby = standby
         self._queue(req, session_epoch)
         return req
 

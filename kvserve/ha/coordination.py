@@ -158,6 +158,26 @@ class Coordinator:
         )
         return bool(ok)
 
+    # ---- standbys -------------------------------------------------------------------------
+    def _prewarm_key(self, node_id: str) -> str:
+        return f"{self.prefix}:prewarm:{node_id}"
+
+    def notify_standby(self, node_id: str, session_id: str, keep: int = 1024) -> None:
+        """Tell ``node_id`` that ``session_id``'s replicated state moved on (it is the
+        session's standby). The queue keeps the newest ``keep`` notifications."""
+        key = self._prewarm_key(node_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.rpush(key, session_id)
+        pipe.ltrim(key, -keep, -1)
+        pipe.pexpire(key, self.session_ttl_ms)
+        pipe.execute()
+
+    def next_standby_work(self, node_id: str, timeout: float = 1.0) -> str | None:
+        """The next session ``node_id`` should pre-warm, waiting up to ``timeout`` seconds
+        (None: nothing came)."""
+        got = self.r.blpop([self._prewarm_key(node_id)], timeout=timeout)
+        return None if got is None else got[1].decode()
+
     def release(self, session_id: str, node_id: str, epoch: int) -> bool:
         """Forget the session if ``(node_id, epoch)`` still owns it."""
         return bool(self._release(keys=[self._session_key(session_id)], args=[node_id, epoch]))

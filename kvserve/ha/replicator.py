@@ -62,6 +62,7 @@ def session_record(req: Request, block_size: int) -> dict:
         "stored_tokens": (req.num_computed_tokens // block_size) * block_size,
         "finished": req.is_finished,
         "ephemeral": req.session_ephemeral,
+        "standby": req.standby,
     }
 
 
@@ -199,6 +200,12 @@ class Replicator:
             return
         self.num_published += 1
         self.num_bytes += len(data)
+        standby = record.get("standby")
+        if standby and standby != self.node_id and not record["finished"]:
+            try:
+                self.coord.notify_standby(standby, t.session)
+            except Exception as e:  # best effort: the standby only starts colder
+                logger.debug("standby notification for %s failed: %s", t.session, e)
         t.acked_tokens, t.acked_at = max(t.acked_tokens, n), time.monotonic()
 
     def _fence(self, session: str, why: str) -> None:

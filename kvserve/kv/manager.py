@@ -22,6 +22,7 @@ limit. After a refusal ``shortage`` says why: ``POOL`` (not enough free blocks) 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_pool import BlockPool
@@ -108,6 +109,10 @@ class KVCacheManager:
             tokens = request.token_slice(len(hashes) * bs, num_blocks * bs)
             hashes += hash_blocks(parent, tokens, bs)
         return hashes[:num_blocks]
+
+    def hashes_for(self, tokens: Sequence[int], salt: str | None) -> list[BlockHash]:
+        """Hashes of the full blocks of ``tokens`` under ``salt`` (a request's cache_salt)."""
+        return hash_blocks(self._root(salt), list(tokens), self.block_size)
 
     def compute_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """Like ``block_hashes`` but not remembered (for a request that left the pool)."""

@@ -201,9 +201,13 @@ class Relay:
         if w is None:
             raise Unroutable(503, "no worker is available")
         epoch = owner.epoch if owner is not None else (0 if self.pool.registry_ok else None)
+        headers = flow.headers(epoch)
+        standby = self.pool.standby(flow.session, {w.node_id})
+        if standby is not None:  # the node a failover would pick: it pre-warms the session
+            headers["X-Kvserve-Standby"] = standby.node_id
         w.inflight += 1
         try:
-            resp = await self._send(w, self._path(flow), flow.body, flow.headers(epoch))
+            resp = await self._send(w, self._path(flow), flow.body, headers)
         except WorkerFailed as e:
             w.inflight -= 1
             self.metrics.failovers_detected.labels("open").inc()

@@ -354,7 +354,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """Add every (prompt, n) sequence; on any rejection abort the rest → 400.
         The session id comes from the body or the ``X-Session-Id`` header; a router adds
         ``X-Kvserve-Session-Epoch`` (and ``X-Kvserve-Ephemeral-Session: 1`` for an id it
-        made up for a request that had none)."""
+        made up for a request that had none; ``X-Kvserve-Standby``: the node to pre-warm)."""
         session_id = body.session_id or request.headers.get("x-session-id")
         try:  # the session's epoch when the router routed it (the claim's condition)
             epoch = int(request.headers["x-kvserve-session-epoch"])
@@ -378,6 +378,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                             session_id=session_id,
                             session_epoch=epoch,
                             ephemeral_session=ephemeral,
+                            standby=request.headers.get("x-kvserve-standby"),
                         )
                     )
         except EngineError as e:

@@ -213,6 +213,10 @@ class _EngineCollector:
                 "Sessions this node lost to a takeover (its writes refused).",
                 "fenced",
             ),
+            "kvserve_replication_prewarmed_blocks": (
+                "Blocks of sessions this node is standby for, copied into its host tier.",
+                "prewarmed_blocks",
+            ),
         }
         for name, (doc, key) in counters.items():
             c = CounterMetricFamily(name, doc, labels=names)
