@@ -17,12 +17,14 @@ read to its end. ``failover_s``: from ``t_kill`` to the first token produced by 
 standby, i.e. the chunk after the longest silence following the kill (chunks the dead
 worker had already sent may still arrive first, within a millisecond or so;
 ``first_chunk_after_kill_s`` is the naive first-chunk time, ``buffered_tokens`` counts
-them). The received token ids are compared with the reference: ``lost`` = reference tokens
-missing, ``duplicated`` = extra tokens (difflib alignment; a diverging tail counts in
-both). A trial whose router did not fail over (``kvserve_router_failovers_total`` did not
-move: the stream had ended on the worker before the kill) is invalid and retried with a
-new session. After each trial the killed worker is restarted with the same node id and
-port and the router must report it routable again (bounded wait).
+them). The received token ids are aligned with the reference (difflib): ``lost`` =
+reference tokens missing, ``duplicated`` = extra tokens, ``substituted`` = tokens in
+place but different (the sampled continuation diverged from the reference), and
+``identical`` = the whole stream equals the reference. A trial whose router did not fail
+over (``kvserve_router_failovers_total`` did not move: the stream had ended on the worker
+before the kill) is invalid and retried with a new session. After each trial the killed
+worker is restarted with the same node id and port and the router must report it
+routable again (bounded wait).
 
 ``overhead``: output tokens/s of one worker, no router, 16 concurrent streams × 256
 tokens (``ignore_eos``, greedy, distinct prompts, one session each) in three
@@ -290,16 +292,27 @@ def prompt_for(i: int) -> str:
 
 # ---- failover --------------------------------------------------------------------------
 def compare(ref: list[int], got: list[int]) -> dict[str, Any]:
-    lost = duplicated = 0
+    """``got`` aligned with ``ref``: reference tokens missing (``lost``), extra tokens
+    (``duplicated``), and tokens in place but different (``substituted``: the sampled
+    continuation diverged)."""
+    lost = duplicated = substituted = 0
     for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, ref, got, autojunk=False).get_opcodes():
+        same = min(i2 - i1, j2 - j1) if op == "replace" else 0
+        substituted += same
         if op in ("delete", "replace"):
-            lost += i2 - i1
+            lost += i2 - i1 - same
         if op in ("insert", "replace"):
-            duplicated += j2 - j1
+            duplicated += j2 - j1 - same
     first = next((i for i, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), None)
     if first is None and len(ref) != len(got):
         first = min(len(ref), len(got))
-    return {"lost": lost, "duplicated": duplicated, "identical": ref == got, "first_diff": first}
+    return {
+        "lost": lost,
+        "duplicated": duplicated,
+        "substituted": substituted,
+        "identical": ref == got,
+        "first_diff": first,
+    }
 
 
 def session_for(base: str, target: str, nodes: list[str]) -> str:
@@ -488,16 +501,21 @@ def run_failover(a: argparse.Namespace) -> dict:
         "invalid_attempts": len(invalid),
         "failover_s": percentiles(fo),
         "first_chunk_after_kill_s": percentiles(
-            [r["first_chunk_after_kill_s"] for r in rows if r["first_chunk_after_kill_s"]]
+            [
+                r["first_chunk_after_kill_s"]
+                for r in rows
+                if r["first_chunk_after_kill_s"] is not None
+            ]
         ),
         "router_failover_s": percentiles(
             [r["router_failover_s"] for r in rows if r["router_failover_s"] is not None]
         ),
         "lost_tokens": sum(r["lost"] for r in rows),
         "duplicated_tokens": sum(r["duplicated"] for r in rows),
+        "substituted_tokens": sum(r["substituted"] for r in rows),
         "identical_streams": sum(r["identical"] for r in rows),
         "stream_errors": sum(r["error"] is not None for r in rows),
-        "router_failover_failures": sum(r["router_failover_failures"] for r in rows),
+        "router_failover_failures": int(sum(r["router_failover_failures"] for r in rows)),
         "killed": {n: sum(r["killed"] == n for r in rows) for n in nodes},
         "rows": rows,
         "invalid_rows": invalid,
@@ -517,8 +535,9 @@ def summary_failover(out: dict) -> list[str]:
         f"(invalid attempts {out['invalid_attempts']}); killed {out['killed']}",
         f"failover_s p50 {f['p50']} p90 {f['p90']} p99 {f['p99']} max {f['max']}",
         f"router's own failover_s p50 {out['router_failover_s']['p50']}",
-        f"lost {out['lost_tokens']}, duplicated {out['duplicated_tokens']}, identical "
-        f"{out['identical_streams']}/{out['valid_trials']}, stream errors "
+        f"lost {out['lost_tokens']}, duplicated {out['duplicated_tokens']}, substituted "
+        f"{out['substituted_tokens']}; identical streams "
+        f"{out['identical_streams']}/{out['valid_trials']}; stream errors "
         f"{out['stream_errors']}, router failover failures {out['router_failover_failures']}",
     ]
 

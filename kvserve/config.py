@@ -189,14 +189,20 @@ class ReplicationConfig:
     cluster: str | None = None
     node_id: str | None = None
     replicate_every: int = 16
+    # where deltas go besides the coordinator's record: "store" (the shared KV tier, always
+    # on in a cluster), "standby" (pushed straight to the session's standby worker)
+    replicate_to: tuple[str, ...] = ("store",)
 
     def __post_init__(self) -> None:
         if self.replicate_every < 1:
             raise ValueError(f"replicate_every must be positive, got {self.replicate_every}")
+        bad = [t for t in self.replicate_to if t not in ("store", "standby")]
+        if bad:
+            raise ValueError(f"--replicate-to {bad[0]!r}: expected store or standby")
 
 
 _SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
-_LIST_FIELDS = {"kv_store"}
+_LIST_FIELDS = {"kv_store", "replicate_to"}
 _STR_FIELDS = {"kv_usage_log", "cluster", "node_id"}
 _ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}  # extra flag that sets False
 
@@ -238,6 +244,7 @@ class EngineArgs:
     cluster: str | None = None
     node_id: str | None = None
     replicate_every: int = 16
+    replicate_to: tuple[str, ...] = ()
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -285,7 +292,8 @@ class EngineArgs:
         )
 
     def replication_config(self) -> ReplicationConfig:
-        return ReplicationConfig(self.cluster, self.node_id, self.replicate_every)
+        targets = tuple(dict.fromkeys(("store", *self.replicate_to)))
+        return ReplicationConfig(self.cluster, self.node_id, self.replicate_every, targets)
 
     def observability_config(self) -> ObservabilityConfig:
         return ObservabilityConfig(self.kv_usage_log, self.kv_usage_interval)

@@ -52,7 +52,12 @@ def router_view(router: ServerProcess) -> dict:
 
 @contextlib.contextmanager
 def cluster(
-    model: Path, tmp: Path, nodes=("a", "b"), routers: int = 1, redis_url: str | None = None
+    model: Path,
+    tmp: Path,
+    nodes=("a", "b"),
+    routers: int = 1,
+    redis_url: str | None = None,
+    worker_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """Workers ``nodes`` and ``routers`` routers on a fresh ``redis-server`` (or on
     ``redis_url``: then ``Cluster.redis`` is None)."""
@@ -63,6 +68,7 @@ def cluster(
         args = (
             "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--cluster", url,
             "--kv-store", url, "--cluster-secret", SECRET, "--replicate-every", "16",
+            *worker_args,
         )  # fmt: skip
         try:
             for n in nodes:

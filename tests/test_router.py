@@ -14,7 +14,7 @@ import urllib.request
 
 import openai
 import pytest
-from cluster_proc import cluster, router_view
+from cluster_proc import SECRET, cluster, router_view
 from server_proc import wait_until
 
 from kvserve.router.workers import rendezvous
@@ -267,3 +267,67 @@ def test_router_errors_are_openai_shaped(llama_dir, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(router.url + "/ready", timeout=10)
         assert e.value.code == 503
+
+
+def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_path):
+    from helpers import random_prompts
+
+    from kvserve.ha.push import encode_push
+
+    with cluster(llama_dir, tmp_path, worker_args=("--replicate-to", "standby")) as c:
+        client = _client(c.routers[0])
+        prompt = random_prompts([40], seed=3)[0]
+        raw = client.completions.with_raw_response.create(
+            model=str(llama_dir),
+            prompt=prompt,
+            max_tokens=60,
+            extra_body={"ignore_eos": True, "session_id": "pushed", "return_token_ids": True},
+        )
+        first = raw.parse()
+        primary = c.workers[raw.headers["x-kvserve-worker"]]
+        standby = c.workers["b" if primary is c.workers["a"] else "a"]
+        blocks = (40 + 60 - 1) // 16
+        received = 'verdict="accepted"'
+        wait_until(
+            lambda: standby.metric("kvserve_replication_received_blocks_total", received) >= blocks,
+            20,
+            "blocks pushed to the standby",
+        )
+        assert primary.metric("kvserve_replication_pushed_blocks_total") >= blocks
+
+        # a push is authenticated, and a block that is not what the record says is refused
+        record = {"prompt_token_ids": prompt, "output_token_ids": [], "cache_salt": None}
+        bad = encode_push({"session": "x", "epoch": 1, "record": record}, [(0, b"\0" * 64)])
+        for headers, status in (({}, 401), ({"X-Kvserve-Cluster-Secret": SECRET}, 200)):
+            req = urllib.request.Request(
+                standby.url + "/internal/replica", data=bad, headers=headers, method="POST"
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    got, answer = r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                got, answer = e.code, None
+            assert got == status
+        assert answer == {"accepted": 0, "refused": 1}
+
+        # the primary dies; the next turn restores the history from the standby's memory
+        primary.proc.send_signal(signal.SIGKILL)
+        primary.proc.wait(10)
+        wait_until(
+            lambda: sum(w["routable"] for w in router_view(c.routers[0])["workers"]) == 1,
+            30,
+            "router dropped the dead worker",
+        )
+        redis_hits = standby.metric("kvserve_kv_store_hits_total", 'tier="redis"')
+        host_hits = standby.metric("kvserve_kv_store_hits_total", 'tier="host"')
+        history = first.prompt_token_ids + first.choices[0].token_ids
+        raw = client.completions.with_raw_response.create(
+            model=str(llama_dir),
+            prompt=history + random_prompts([8], seed=4)[0],
+            max_tokens=8,
+            extra_body={"session_id": "pushed"},
+        )
+        raw.parse()
+        assert c.workers[raw.headers["x-kvserve-worker"]] is standby
+        assert standby.metric("kvserve_kv_store_hits_total", 'tier="host"') - host_hits >= blocks
+        assert standby.metric("kvserve_kv_store_hits_total", 'tier="redis"') == redis_hits

@@ -120,4 +120,7 @@ def _replication(engine: LLMEngine) -> dict[str, Any] | None:
         "errors": rep.num_errors,
         "fenced": rep.num_fenced,
         "prewarmed_blocks": engine.prewarmer.num_blocks if engine.prewarmer else 0,
+        "pushed_blocks": rep.pusher.num_blocks if rep.pusher else 0,
+        "pushed_bytes": rep.pusher.num_bytes if rep.pusher else 0,
+        "push_errors": rep.pusher.num_errors if rep.pusher else 0,
     }

@@ -183,11 +183,16 @@ class LLMEngine:
 
         node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
         coord = Coordinator.from_url(config.cluster)
+        pusher = None
         if self.offloader is not None:
             from kvserve.ha.prewarm import Prewarmer
 
             self.prewarmer = Prewarmer(coord, node, self.kv, self.offloader.store)
-        return Replicator(coord, node, config.replicate_every, self.kv.block_size)
+            if "standby" in config.replicate_to:
+                from kvserve.ha.push import StandbyPusher
+
+                pusher = StandbyPusher(coord, self.offloader, secret=None)  # server sets it
+        return Replicator(coord, node, config.replicate_every, self.kv.block_size, pusher)
 
     def close(self) -> None:
         """Flush and close the KV store and replication (if any). The engine is unusable

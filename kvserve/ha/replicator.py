@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.ha.coordination import Coordinator
+from kvserve.ha.push import StandbyPusher
 from kvserve.request import Request
 
 logger = logging.getLogger("kvserve")
@@ -72,13 +73,21 @@ class Replicator:
     Engine-thread methods (``start``, ``after_step``, ``fenced``, ``lag``) never wait for
     Redis except ``start(claim_now=True)`` (the failover path, which needs the answer)."""
 
-    def __init__(self, coordinator: Coordinator, node_id: str, every_tokens: int, block_size: int):
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        node_id: str,
+        every_tokens: int,
+        block_size: int,
+        pusher: StandbyPusher | None = None,
+    ):
         if every_tokens < 1:
             raise ValueError(f"replicate_every must be positive, got {every_tokens}")
         self.coord = coordinator
         self.node_id = node_id
         self.every = every_tokens
         self.block_size = block_size
+        self.pusher = pusher  # --replicate-to standby
         self._tracked: dict[str, _Tracked] = {}  # session id → state (engine thread)
         self._pending: dict[str, tuple[_Tracked, int, dict | None, bool]] = {}  # newest/session
         self._fenced: set[str] = set()
@@ -201,11 +210,14 @@ class Replicator:
         self.num_published += 1
         self.num_bytes += len(data)
         standby = record.get("standby")
-        if standby and standby != self.node_id and not record["finished"]:
-            try:
-                self.coord.notify_standby(standby, t.session)
-            except Exception as e:  # best effort: the standby only starts colder
-                logger.debug("standby notification for %s failed: %s", t.session, e)
+        if standby and standby != self.node_id:
+            try:  # best effort: the standby only starts colder
+                if self.pusher is not None:
+                    self.pusher.push(t.session, t.epoch, record)
+                elif not record["finished"]:
+                    self.coord.notify_standby(standby, t.session)
+            except Exception as e:
+                logger.debug("standby update for %s failed: %s", t.session, e)
         t.acked_tokens, t.acked_at = max(t.acked_tokens, n), time.monotonic()
 
     def _fence(self, session: str, why: str) -> None:
@@ -231,3 +243,5 @@ class Replicator:
         self._stop = True
         self._wake.set()
         self._thread.join(5.0)
+        if self.pusher is not None:
+            self.pusher.close()

@@ -81,8 +81,9 @@ class KVOffloader:
         self.num_saved_blocks = 0
         self.num_load_failures = 0
 
-    def _format(self) -> serde.BlockFormat:
-        """Recomputed per use: fp8 scales may be calibrated after start."""
+    def block_format(self) -> serde.BlockFormat:
+        """The format of this engine's blocks. Recomputed per use: fp8 scales may be
+        calibrated after start."""
         digest = None
         if isinstance(self.caches[0], QuantizedKVCache) and self.caches[0].fmt.scale == "head":
             h = hashlib.blake2b(digest_size=8)
@@ -110,7 +111,7 @@ class KVOffloader:
         self._saved[rid] = full
         if not fresh:
             return
-        fmt = self._format()
+        fmt = self.block_format()
         n = len(fresh)
         idx = torch.tensor([table[i] for i in fresh], device=self._views[0].device)
         # one row of payload bytes per block: every layer's parts, layer-major (serde.pack)
@@ -159,7 +160,7 @@ class KVOffloader:
         """Fetch blocks ``start .. start + len(blocks)`` of the request into ``blocks``."""
         hashes = self.kv.block_hashes(request, start + len(blocks))[start:]
         tokens = [self._tokens(request, start + j) for j in range(len(blocks))]
-        fut = self._pool.submit(self._fetch, self._format(), hashes, tokens)
+        fut = self._pool.submit(self._fetch, self.block_format(), hashes, tokens)
         self._loads[request.request_id] = _Load(request, blocks, fut)
 
     def _fetch(self, fmt, hashes, tokens) -> torch.Tensor:

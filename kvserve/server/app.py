@@ -313,6 +313,25 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "ephemeral": request_ephemeral,
         }
 
+    @app.post("/internal/replica")
+    async def internal_replica(request: Request) -> JSONResponse:
+        """A primary's direct push (``--replicate-to standby``): verified blocks go into
+        this worker's host tier (``ha.push``)."""
+        _cluster_auth(request)
+        offloader = engine.engine.offloader
+        if offloader is None:
+            raise APIError(404, "this worker has no KV store", "NotFoundError")
+        from kvserve.ha.push import accept_push  # the cluster extras are optional
+
+        body = await request.body()
+        try:
+            accepted, refused = await asyncio.to_thread(accept_push, offloader, body)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        state.metrics.pushed_blocks.labels(state.model_name, "accepted").inc(accepted)
+        state.metrics.pushed_blocks.labels(state.model_name, "refused").inc(refused)
+        return JSONResponse({"accepted": accepted, "refused": refused})
+
     @app.post("/admin/tenants/reload")
     async def reload_tenants(request: Request) -> JSONResponse:
         authenticate(request, state.config, admin=True)

@@ -217,6 +217,15 @@ class _EngineCollector:
                 "Blocks of sessions this node is standby for, copied into its host tier.",
                 "prewarmed_blocks",
             ),
+            "kvserve_replication_pushed_blocks": (
+                "Blocks pushed straight to standbys (--replicate-to standby).",
+                "pushed_blocks",
+            ),
+            "kvserve_replication_pushed_bytes": (
+                "Bytes pushed straight to standbys (blocks and records).",
+                "pushed_bytes",
+            ),
+            "kvserve_replication_push_errors": ("Pushes to standbys that failed.", "push_errors"),
         }
         for name, (doc, key) in counters.items():
             c = CounterMetricFamily(name, doc, labels=names)
@@ -329,4 +338,11 @@ class ServerMetrics:
         )
         self.http_errors = Counter(
             "kvserve_http_errors", "Error responses by status.", [*labels, "status"], registry=r
+        )
+        self.pushed_blocks = Counter(
+            "kvserve_replication_received_blocks",
+            "Blocks primaries pushed to this standby, by verdict (accepted into the host "
+            "tier, or refused: wrong key, tokens, format or checksum).",
+            [*labels, "verdict"],
+            registry=r,
         )

@@ -92,6 +92,8 @@ def _start_heartbeat(engine: AsyncLLMEngine, config: ServerConfig):
 def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
     """Serve until a signal; returns after a graceful shutdown."""
     llm_engine = LLMEngine(engine_args)
+    if llm_engine.replicator is not None and llm_engine.replicator.pusher is not None:
+        llm_engine.replicator.pusher.secret = config.cluster_secret
     if config.tenants is not None:
         kv = llm_engine.kv
         budgets = config.tenants.resolve(
