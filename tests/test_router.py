@@ -331,3 +331,51 @@ def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_pat
         assert c.workers[raw.headers["x-kvserve-worker"]] is standby
         assert standby.metric("kvserve_kv_store_hits_total", 'tier="host"') - host_hits >= blocks
         assert standby.metric("kvserve_kv_store_hits_total", 'tier="redis"') == redis_hits
+
+
+def test_a_drained_worker_finishes_its_streams_and_gets_no_new_ones(llama_dir, tmp_path):
+    with cluster(llama_dir, tmp_path) as c:
+        router = c.routers[0]
+        client = _client(router)
+        spec = _spec(0, str(llama_dir)) | {"max_tokens": 150}
+        want = _stream(client, spec)[1]
+        raw = client.completions.with_raw_response.create(stream=True, **spec)
+        busy = c.workers[raw.headers["x-kvserve-worker"]]
+        other = next(n for n, w in c.workers.items() if w is not busy)
+
+        def drain(on: bool, secret: str = SECRET) -> int:
+            req = urllib.request.Request(
+                busy.url + "/internal/drain",
+                data=json.dumps({"drain": on}).encode(),
+                headers={"X-Kvserve-Cluster-Secret": secret},
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert drain(True, secret="wrong") == 401
+        assert drain(True) == 200
+        text = "".join(ch.choices[0].text for ch in raw.parse() if ch.choices)
+        assert text == want  # the running stream finished where it was
+        wait_until(
+            lambda: (
+                not next(
+                    w["routable"] for w in router_view(router)["workers"] if w["url"] == busy.url
+                )
+            ),
+            10,
+            "router saw the drain",
+        )
+        for i in range(4):  # new conversations all go elsewhere
+            r = client.completions.with_raw_response.create(
+                model=str(llama_dir), prompt=_prompt(i), max_tokens=4
+            )
+            r.parse()
+            assert r.headers["x-kvserve-worker"] == other
+        assert drain(False) == 200
+        wait_until(
+            lambda: all(w["routable"] for w in router_view(router)["workers"]), 10, "back in"
+        )

@@ -313,6 +313,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "ephemeral": request_ephemeral,
         }
 
+    @app.post("/internal/drain")
+    async def internal_drain(request: Request) -> JSONResponse:
+        """Take this worker out of rotation (body ``{"drain": true}``, the default) or back
+        in (``false``): while draining ``/ready`` answers 503, so routers send it no new
+        requests, and running streams finish here. Answers the running request count."""
+        _cluster_auth(request)
+        try:
+            raw = await request.body()
+            drain = bool(json.loads(raw).get("drain", True)) if raw else True
+        except (ValueError, AttributeError) as e:
+            raise bad_request(f"bad drain request: {e}") from None
+        state.draining = drain
+        return JSONResponse({"draining": drain, "running": engine.stats()["running"]})
+
     @app.post("/internal/replica")
     async def internal_replica(request: Request) -> JSONResponse:
         """A primary's direct push (``--replicate-to standby``): verified blocks go into
