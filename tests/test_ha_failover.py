@@ -1,8 +1,9 @@
 """Failover between real worker processes sharing a real Redis: a client streams from
 worker A, A is killed with SIGKILL mid-stream, worker B continues the stream through
 ``/internal/resume`` from the tokens and text the client already has — the joined stream
-equals an uninterrupted run exactly (greedy and seeded sampling). The router that will
-do this for clients is not built yet; the test plays its part."""
+equals an uninterrupted run exactly (greedy and seeded sampling). The test plays the
+router's part, so the endpoint's contract (authentication included) is checked on its own;
+``test_router.py`` runs the same through ``kvserve router``."""
 
 from __future__ import annotations
 
