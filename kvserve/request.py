@@ -50,6 +50,11 @@ class Request:
     session_id: str | None = None  # the conversation this turn belongs to
     session_ephemeral: bool = False  # a router-made id for one request: forget it at the end
     standby: str | None = None  # the node a router chose to continue this session if needed
+    # a resumed stream (failover) recomputes what it must the way its primary computed it:
+    # the prompt after the first ``restore_limit`` tokens (None: no limit) in one prefill
+    # chunk, then each known output token in a one-token (decode) step
+    replay: bool = False
+    restore_limit: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

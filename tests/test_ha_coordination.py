@@ -79,9 +79,10 @@ def test_racing_takeovers_have_one_winner(url):
 
 
 def test_the_primary_replicates_session_state_and_a_fenced_primary_stops(url, llama_dir):
-    """An engine in a cluster publishes each session's record every 16 tokens and at the
-    end; once another node takes the session over, the old primary's writes are refused,
-    it drops the request, and the new owner's state is never overwritten."""
+    """An engine in a cluster publishes each session's record after its first token,
+    every 16 tokens and at the end; once another node takes the session over, the old
+    primary's writes are refused, it drops the request, and the new owner's state is never
+    overwritten."""
     import json
 
     from helpers import greedy, make_engine, random_prompts, run_to_end
@@ -98,7 +99,9 @@ def test_the_primary_replicates_session_state_and_a_fenced_primary_stops(url, ll
     assert record["output_token_ids"] == done["r1"] and record["finished"]
     assert record["prompt_token_ids"] == prompt and record["params"]["max_tokens"] == 40
     assert record["stored_tokens"] % 16 == 0 and record["epoch"] == 1
-    assert engine.replicator.num_published == 3  # at 16, 32 and the end (40)
+    # after the prompt (how it was computed), at 16, 32 and at the end (40)
+    assert engine.replicator.num_published == 4
+    assert record["prefill_from"] == 0
 
     req = engine.add_request("r2", prompt, greedy(200), session_id="chat-2")
     for _ in range(20):
@@ -203,5 +206,77 @@ def test_a_standby_prewarms_the_session_and_resumes_from_its_host_tier(url, llam
     assert out == run_to_end(plain)["ref"]
     assert resumed.num_cached_tokens >= stored * 16
     assert host.hits - host_hits >= stored and shared.hits == shared_hits
+    a.close()
+    b.close()
+
+
+def test_a_newer_request_of_the_session_on_the_same_node_is_not_fenced(url, llama_dir):
+    """A node resuming (or starting the next turn of) a session it served moves the epoch
+    itself: the older request's late write is refused and dropped, and the newer request
+    is not aborted as if another node had taken the session over."""
+    import json
+
+    from helpers import greedy, make_engine, random_prompts, run_to_end
+
+    engine = make_engine(llama_dir, kv_store=(url,), cluster=url, node_id="n", replicate_every=16)
+    coord = engine.replicator.coord
+    real_write, gate = coord.write_state, threading.Event()
+
+    def held_write(session, node, epoch, state):  # the last turn-1 record waits for the gate
+        if json.loads(state)["finished"]:
+            gate.wait(30)
+        return real_write(session, node, epoch, state)
+
+    coord.write_state = held_write
+    prompt = random_prompts([20], seed=8)[0]
+    old = engine.add_request("turn-1", prompt, greedy(40), session_id="same")
+    run_to_end(engine)  # its final record is now held in the publisher
+    record = {
+        "session_id": "same", "tenant": "default", "cache_salt": None,
+        "prompt_token_ids": prompt, "params": {"max_tokens": 40, "temperature": 0.0,
+                                                "ignore_eos": True}, "seed": 1,
+    }  # fmt: skip
+    new = engine.resume_request("turn-2", record, old.output_token_ids[:18])
+    gate.set()  # turn-1's write (epoch 1) reaches Redis after turn-2 took epoch 2: refused
+    assert engine.replicator.flush()
+    done = run_to_end(engine)
+    assert done["turn-2"] == old.output_token_ids and new.status.value != "abort"
+    assert engine.replicator.num_fenced == 0
+    assert json.loads(Coordinator.from_url(url).owner("same").state)["epoch"] == 2
+    engine.close()
+
+
+@pytest.mark.parametrize("seed,k", [(0, 44), (1, 57), (2, 18), (3, 44)])
+def test_resumed_sampling_is_exact_on_the_default_model(url, seed, k):
+    """Sampled (temperature 0.8) continuations on the bundled bf16 model: restoring the
+    primary's blocks and replaying the delivered tail one decode step at a time gives the
+    uninterrupted run's tokens. (These (seed, k) pairs diverged when the tail was
+    recomputed as one prefill chunk: different kernels round differently, and a sampling
+    draw near a boundary flips.)"""
+    import json
+
+    from helpers import run_to_end
+
+    from kvserve.config import EngineArgs
+    from kvserve.default_model import default_model_path
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.sampling import SamplingParams
+
+    def engine(node: str) -> LLMEngine:
+        return LLMEngine(
+            EngineArgs(
+                model=str(default_model_path()), kv_cache_memory="64MiB", kv_store=(url,),
+                cluster=url, node_id=node, replicate_every=16,
+            )
+        )  # fmt: skip
+
+    a, b = engine("a"), engine("b")
+    params = SamplingParams(temperature=0.8, seed=seed, max_tokens=120, ignore_eos=True)
+    a.add_request("r", f"Once upon a time number {seed}, there was a", params, session_id="s")
+    want = run_to_end(a)["r"]
+    assert a.replicator.flush() and a.offloader.store.flush()
+    record = json.loads(Coordinator.from_url(url).owner("s").state)
+    b.resume_request("r-b", record, want[:k])
+    assert run_to_end(b)["r-b"] == want
     a.close()
     b.close()

@@ -362,8 +362,12 @@ class LLMEngine:
         state the primary replicated (``ha.replicator.session_record``); ``delivered`` are
         the output tokens the client already has. They become this request's output so
         far: generation continues at the next position with the same (seed, position)
-        draws, so the stream goes on exactly as it would have. The prefix whose KV was
-        stored is restored from the KV store, the rest recomputed. With a cluster the
+        draws. The prefix whose KV was stored is restored from the KV store (bit-exact
+        copies of the primary's blocks) and the rest recomputed the way the primary
+        computed it — the prompt's remainder in one prefill chunk, each delivered token in
+        a decode step — so the stream goes on exactly as it would have (with batch-
+        invariant matmuls, as bf16 on CPU is; float32 matmuls may round differently at
+        different batch sizes). With a cluster the
         session is taken over (conditionally on ``seen_epoch``). Raises EngineError when
         the record does not fit this engine or another node took the session first."""
         try:
@@ -383,6 +387,15 @@ class LLMEngine:
         if bad or len(delivered) >= req.max_tokens:
             raise EngineError("delivered tokens outside the vocabulary or past max_tokens")
         req.output_token_ids = [int(t) for t in delivered]
+        # recompute like the primary did (see Request.replay): restore stored blocks only
+        # if they cover the prompt's end, else exactly the prefix it had from its cache
+        req.replay = True
+        if "prefill_from" in record:
+            stored, prompt = int(record.get("stored_tokens", 0)), req.num_prompt_tokens
+            bs = self.kv.block_size
+            req.restore_limit = (
+                stored if stored >= prompt else int(record["prefill_from"]) // bs * bs
+            )
         req.session_id = record.get("session_id")
         req.session_ephemeral = bool(record.get("ephemeral", False))
         self._queue(req, seen_epoch, claim_now=True)

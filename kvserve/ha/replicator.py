@@ -61,6 +61,7 @@ def session_record(req: Request, block_size: int) -> dict:
         "seed": req.seed,
         "max_tokens": req.max_tokens,
         "stored_tokens": (req.num_computed_tokens // block_size) * block_size,
+        "prefill_from": req.num_cached_tokens,  # the prompt was computed from here on
         "finished": req.is_finished,
         "ephemeral": req.session_ephemeral,
         "standby": req.standby,
@@ -130,7 +131,9 @@ class Replicator:
         if t is None:
             return
         n = len(req.output_token_ids)
-        if n - t.published_tokens < self.every and not req.is_finished:
+        first = n == 1 and t.published_tokens == 0  # right after the prompt: how it was computed
+        due = n // self.every > t.published_tokens // self.every  # crossed a multiple of N
+        if not (due or req.is_finished or first):
             return
         t.published_tokens = n
         release = req.is_finished and req.session_ephemeral  # nobody resumes it any more
@@ -187,7 +190,7 @@ class Replicator:
             if t.epoch is None:
                 epoch = self._claim(t)
                 if epoch is None:
-                    self._fence(t.session, "its claim was refused")
+                    self._fence(t, "its claim was refused")
                     return
                 t.epoch = epoch
             if release:
@@ -205,7 +208,7 @@ class Replicator:
             time.sleep(0.1)
             return
         if not ok:
-            self._fence(t.session, f"taken over (epoch > {t.epoch})")
+            self._fence(t, f"taken over (epoch > {t.epoch})")
             return
         self.num_published += 1
         self.num_bytes += len(data)
@@ -220,11 +223,18 @@ class Replicator:
                 logger.debug("standby update for %s failed: %s", t.session, e)
         t.acked_tokens, t.acked_at = max(t.acked_tokens, n), time.monotonic()
 
-    def _fence(self, session: str, why: str) -> None:
-        logger.warning("session %s fenced on %s: %s", session, self.node_id, why)
+    def _fence(self, t: _Tracked, why: str) -> None:
+        """Another node owns ``t``'s session: its request here must stop — unless a newer
+        request of the same session on this node moved the epoch (a later turn or a
+        resume here), then only ``t``'s stale record is dropped."""
+        current = self._tracked.get(t.session)
+        if current is not None and current is not t:
+            logger.info("session %s: a stale record (epoch %s) dropped", t.session, t.epoch)
+            return
+        logger.warning("session %s fenced on %s: %s", t.session, self.node_id, why)
         self.num_fenced += 1
         with self._lock:
-            self._fenced.add(session)
+            self._fenced.add(t.session)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued record was written (or refused); True if so."""

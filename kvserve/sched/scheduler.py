@@ -111,7 +111,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = _chunk(req, budget)
             while self.kv.allocate_slots(req, n) is None:
                 reason = self.kv.shortage or POOL
                 pool = self.running
@@ -198,7 +198,7 @@ class Scheduler:
         chunk's size, or None (``kv.shortage`` says why)."""
         if req.status is RequestStatus.SWAPPED:
             assert self.swap is not None
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = _chunk(req, budget)
             live = self.swap.live(req.request_id)
             shared = self.kv.shared_prefix_for_restore(req, live)
             fresh = self.kv.allocate_restored(req, live, n, shared)
@@ -208,6 +208,8 @@ class Scheduler:
             self.swap.swap_in(req.request_id, fresh[:copied], skip=len(shared))
             return n
         cached = self.kv.find_cached_prefix(req)
+        if req.restore_limit is not None:
+            cached = cached[: req.restore_limit // self.kv.block_size]
         computed = req.num_computed_tokens + len(cached) * self.kv.block_size
         stored = 0
         if (
@@ -217,9 +219,11 @@ class Scheduler:
             and req.params.prompt_logprobs is None
         ):
             stored = self.offloader.lookup(req, len(cached))
+        if req.restore_limit is not None:
+            stored = min(stored, max(req.restore_limit // self.kv.block_size - len(cached), 0))
         if stored:
             return self._start_load(req, cached, stored)
-        n = min(req.num_tokens - computed, budget)
+        n = _chunk(req, budget, computed)
         if self.kv.allocate_slots(req, n, cached) is None:
             return None
         if cached:
@@ -310,3 +314,16 @@ class Scheduler:
         for r in self.running:
             out.setdefault(r.tenant, [0, 0])[1] += 1
         return {t: (w, r) for t, (w, r) in out.items()}
+
+
+def _chunk(req: Request, budget: int, computed: int | None = None) -> int:
+    """Tokens to compute for ``req`` this step (``computed``: its computed tokens if not
+    yet recorded). A replaying request (``Request.replay``) stops its prefill chunk at the
+    prompt's end and then takes its known output tokens one per step, as its primary did,
+    so its KV and logits come out of the same kernels."""
+    done = req.num_computed_tokens if computed is None else computed
+    n = min(req.num_tokens - done, budget)
+    if req.replay:
+        prompt = req.num_prompt_tokens
+        n = min(n, prompt - done) if done < prompt else min(n, 1)
+    return n
