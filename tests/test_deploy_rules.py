@@ -6,7 +6,8 @@
 * every rule has a severity, summary/description and a runbook link whose anchor exists
   in ``docs/operations.md``;
 * every ``kvserve_*`` metric referenced by the alert rules and by the Grafana dashboard's
-  panel queries is one the server exports, and the dashboard's queries parse as PromQL.
+  panel queries is one the server (or the HA router) exports, every one of them is charted,
+  and the dashboard's queries parse as PromQL.
 
 promtool ships in the Debian/Ubuntu ``prometheus`` package; the tests fail (not skip)
 without it.
@@ -29,10 +30,12 @@ ALERTS_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvserve.json"
 OPERATIONS = ROOT / "docs" / "operations.md"
 
-# Metric names exported at /metrics (counters with their ``_total`` suffix).
+# Metric names exported at /metrics (counters with their ``_total`` suffix): the workers'
+# and, for the HA cluster, the router's (``kvserve router``, its own /metrics).
 HISTOGRAMS = {
     "kvserve_time_to_first_token_seconds",
     "kvserve_e2e_request_latency_seconds",
+    "kvserve_router_failover_seconds",
 }
 KNOWN_METRICS = HISTOGRAMS | {
     "kvserve_kv_cache_usage_perc",
@@ -58,13 +61,35 @@ KNOWN_METRICS = HISTOGRAMS | {
     "kvserve_prefix_cache_hits_total",
     "kvserve_prefix_cache_hit_rate",
     "kvserve_generation_tokens_total",
+    # HA workers (`kvserve serve --cluster …`).
+    "kvserve_replication_sessions",
+    "kvserve_replication_lag_tokens",
+    "kvserve_replication_lag_seconds",
+    "kvserve_replication_records_total",
+    "kvserve_replication_errors_total",
+    "kvserve_replication_fenced_total",
+    "kvserve_replication_prewarmed_blocks_total",
+    "kvserve_replication_pushed_blocks_total",
+    # HA router (`kvserve router`).
+    "kvserve_router_workers",
+    "kvserve_router_failovers_total",
+    "kvserve_router_failover_failures_total",
+    "kvserve_router_worker_failures_total",
+    "kvserve_router_requests_total",
 }
+# The router's series carry no model_name label (only job/instance, plus state/how/
+# endpoint): dashboard queries on them filter by the `router` variable's instances instead.
+ROUTER_METRIC_RE = re.compile(r"kvserve_router_[a-z0-9_]+")
 EXPECTED_ALERTS = {
     "KVCacheUsageHigh",
     "KVCacheUsageCritical",
     "KVCachePreemptionRateHigh",
     "KVSwapSpaceNearlyFull",
     "TenantAtKVLimit",
+    "KVReplicationLagHigh",
+    "KVSessionFenced",
+    "KVRouterNoRoutableWorkers",
+    "KVFailoverFailures",
 }
 # `kvserve_[a-z_]+` plus digits: `kvserve_e2e_request_latency_seconds` has a "2".
 METRIC_RE = re.compile(r"kvserve_[a-z0-9_]+")
@@ -76,6 +101,7 @@ GRAFANA_VARS = {
     "$model_name": ".*",
     "$instance": ".*",
     "$tenant": ".*",
+    "$router": ".*",
 }
 
 
@@ -193,15 +219,24 @@ def test_dashboard_structure():
     assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["DS_PROMETHEUS"]["type"] == "datasource"
-    assert {"model_name", "instance"} <= variables.keys()
-    for panel in _panels(dashboard["panels"]):
+    assert {"model_name", "instance", "router"} <= variables.keys()
+    panels = _panels(dashboard["panels"])
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {sorted(ids)}"
+    for panel in panels:
         if panel["type"] == "row":
             continue
         assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
         for target in panel["targets"]:
+            expr = target["expr"]
             assert target["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
-            assert 'model_name=~"$model_name"' in target["expr"], panel["title"]
-            assert 'instance=~"$instance"' in target["expr"], panel["title"]
+            if set(METRIC_RE.findall(expr)) <= set(ROUTER_METRIC_RE.findall(expr)):
+                # Router series only: no model_name label to filter on.
+                assert "model_name" not in expr, panel["title"]
+                assert 'instance=~"$router"' in expr, panel["title"]
+            else:
+                assert 'model_name=~"$model_name"' in expr, panel["title"]
+                assert 'instance=~"$instance"' in expr, panel["title"]
 
 
 def test_dashboard_queries_parse(tmp_path):
