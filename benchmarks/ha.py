@@ -9,7 +9,12 @@ as subprocesses, and kills them all (SIGKILL) at the end.
 same Redis, ``--replicate-every 16``) + ``kvserve router``. Per trial: a prompt (20-45
 tokens, varied by trial), 200 output tokens, temperature 0.8, ``seed`` = trial,
 ``ignore_eos``, ``return_token_ids``. First the reference: the same request streamed
-uninterrupted through the router (session ``bench-T-ref``). Then the trial stream
+uninterrupted through the router twice (sessions ``bench-T-cold`` with seed T + 100000,
+then ``bench-T-ref``, the reference: its prompt comes from the prefix caches, as the
+trial's will — a cached prompt's tail is computed by a different kernel than a cold
+prefill, which can flip a sampled token long before any failover; the first run uses
+another seed, so its output blocks — same tokens computed another way, same block
+hashes — do not end up in the caches a standby restores from). Then the trial stream
 (session ``bench-T``, chosen so the router's rendezvous hash puts it on ``a`` and ``b``
 alternately): after 40 token ids reached the client, the worker named in
 ``X-Kvserve-Worker`` is SIGKILLed (``t_kill`` just before ``os.kill``) and the stream is
@@ -17,10 +22,10 @@ read to its end. ``failover_s``: from ``t_kill`` to the first token produced by 
 standby, i.e. the chunk after the longest silence following the kill (chunks the dead
 worker had already sent may still arrive first, within a millisecond or so;
 ``first_chunk_after_kill_s`` is the naive first-chunk time, ``buffered_tokens`` counts
-them). The received token ids are aligned with the reference (difflib): ``lost`` =
-reference tokens missing, ``duplicated`` = extra tokens, ``substituted`` = tokens in
-place but different (the sampled continuation diverged from the reference), and
-``identical`` = the whole stream equals the reference. A trial whose router did not fail
+them). The received token ids are compared with the reference: ``lost`` / ``duplicated``
+= reference tokens missing / extra tokens (a diff alignment, when the lengths differ),
+``substituted`` = positions that differ (a diverged sampled continuation), ``first_diff``
+and ``identical`` = the whole stream equals the reference. A trial whose router did not fail
 over (``kvserve_router_failovers_total`` did not move: the stream had ended on the worker
 before the kill) is invalid and retried with a new session. After each trial the killed
 worker is restarted with the same node id and port and the router must report it
@@ -292,17 +297,20 @@ def prompt_for(i: int) -> str:
 
 # ---- failover --------------------------------------------------------------------------
 def compare(ref: list[int], got: list[int]) -> dict[str, Any]:
-    """``got`` aligned with ``ref``: reference tokens missing (``lost``), extra tokens
-    (``duplicated``), and tokens in place but different (``substituted``: the sampled
-    continuation diverged)."""
-    lost = duplicated = substituted = 0
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, ref, got, autojunk=False).get_opcodes():
-        same = min(i2 - i1, j2 - j1) if op == "replace" else 0
-        substituted += same
-        if op in ("delete", "replace"):
-            lost += i2 - i1 - same
-        if op in ("insert", "replace"):
-            duplicated += j2 - j1 - same
+    """``got`` against ``ref``. Both have ``max_tokens`` tokens unless tokens were lost or
+    repeated at the failover, which a diff alignment shows (``lost``: reference tokens
+    missing, ``duplicated``: extra ones). ``substituted``: positions that differ once the
+    sampled continuation diverged (an alignment of two diverged samples means nothing, so
+    when the lengths match nothing is counted lost or duplicated)."""
+    lost = duplicated = 0
+    if len(ref) != len(got):
+        matcher = difflib.SequenceMatcher(None, ref, got, autojunk=False)
+        for op, i1, i2, j1, j2 in matcher.get_opcodes():
+            if op in ("delete", "replace"):
+                lost += i2 - i1
+            if op in ("insert", "replace"):
+                duplicated += j2 - j1
+    substituted = sum(x != y for x, y in zip(ref, got, strict=False))
     first = next((i for i, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), None)
     if first is None and len(ref) != len(got):
         first = min(len(ref), len(got))
@@ -419,6 +427,13 @@ def run_failover(a: argparse.Namespace) -> dict:
             for attempt in range(a.max_attempts):
                 base = f"bench-{trial}" if attempt == 0 else f"bench-{trial}-r{attempt}"
                 session = session_for(base, target, nodes)
+                # a first run (another seed) puts the prompt in every cache (device
+                # pools, Redis), so the reference computes it as the trial will (a prefix
+                # hit computes the prompt's tail differently from a cold prefill, which
+                # may flip a sampled token long before any failover). Another seed: the
+                # same tokens computed another way would be cached under the same block
+                # hashes, and a standby could restore those bytes instead of the primary's
+                cold = stream(prompt, trial + 100_000, f"{base}-cold", None)
                 ref = stream(prompt, trial, f"{base}-ref", None)
                 if ref["error"] or len(ref["ids"]) != a.max_tokens:
                     raise RuntimeError(f"trial {trial}: the reference stream failed: {ref}")
@@ -451,6 +466,7 @@ def run_failover(a: argparse.Namespace) -> dict:
                     "buffered_tokens": sum(k for _, k in post[:gap_i]) if post else 0,
                     "received_tokens": len(got["ids"]),
                     **compare(ref["ids"], got["ids"]),
+                    "cold_first_token_equal": cold["ids"][:1] == ref["ids"][:1],
                     "router_failovers": failovers,
                     "router_failover_failures": after[1] - before[1],
                     "router_failover_s": (
@@ -514,6 +530,9 @@ def run_failover(a: argparse.Namespace) -> dict:
         "duplicated_tokens": sum(r["duplicated"] for r in rows),
         "substituted_tokens": sum(r["substituted"] for r in rows),
         "identical_streams": sum(r["identical"] for r in rows),
+        "diverged_before_kill": sum(
+            r["first_diff"] is not None and r["first_diff"] < r["killed_after_tokens"] for r in rows
+        ),
         "stream_errors": sum(r["error"] is not None for r in rows),
         "router_failover_failures": int(sum(r["router_failover_failures"] for r in rows)),
         "killed": {n: sum(r["killed"] == n for r in rows) for n in nodes},
@@ -537,8 +556,9 @@ def summary_failover(out: dict) -> list[str]:
         f"router's own failover_s p50 {out['router_failover_s']['p50']}",
         f"lost {out['lost_tokens']}, duplicated {out['duplicated_tokens']}, substituted "
         f"{out['substituted_tokens']}; identical streams "
-        f"{out['identical_streams']}/{out['valid_trials']}; stream errors "
-        f"{out['stream_errors']}, router failover failures {out['router_failover_failures']}",
+        f"{out['identical_streams']}/{out['valid_trials']} (diverged before the kill: "
+        f"{out['diverged_before_kill']}); stream errors {out['stream_errors']}, router "
+        f"failover failures {out['router_failover_failures']}",
     ]
 
 

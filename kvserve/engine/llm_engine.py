@@ -514,13 +514,15 @@ class LLMEngine:
             time.perf_counter() - t0,
         )
         outputs = fenced
+        starts = []
         for s in sched.scheduled:
+            starts.append(s.request.num_computed_tokens)
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.request)
+        if self.offloader is not None:  # before a sliding window frees any block
+            self.offloader.save([s.request for s in sched.scheduled])
+        for s, start in zip(sched.scheduled, starts, strict=True):
             req = s.request
-            start = req.num_computed_tokens
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(req)
-            if self.offloader is not None:
-                self.offloader.save(req)
             if self.window is not None:
                 self.kv.free_outside_window(req, self.window, self.attention_sinks)
             plp = result.prompt_logprobs.get(req.request_id)

@@ -1,6 +1,6 @@
 """The engine's side of the KV store: save full blocks, find and load stored prefixes.
 
-- ``save(request)`` (after each step): every block of the request that became full is
+- ``save(requests)`` (after each step): every block of those requests that became full is
   serialized (``store.serde``: header + checksum + token ids) and put into the tiered
   store — synchronously into the host tier, asynchronously below it. Blocks the host tier
   already holds are skipped (a shared prefix is stored once).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -96,24 +97,29 @@ class KVOffloader:
         return request.token_slice(i * self.block_size, (i + 1) * self.block_size)
 
     # ---- saving ------------------------------------------------------------------------
-    def save(self, request: Request) -> None:
-        """Offer the request's newly full blocks to the store."""
-        rid = request.request_id
-        full = request.num_computed_tokens // self.block_size
-        done = self._saved.get(rid, 0)
-        if full <= done:
-            return
-        table = self.kv.block_table(rid)
-        hashes = self.kv.block_hashes(request, full)
+    def save(self, requests: Sequence[Request]) -> None:
+        """Offer the newly full blocks of ``requests`` (this step's) to the store: one
+        gather per KV tensor and one store batch for all of them."""
         null = self.kv.pool.null_block
-        fresh = [i for i in range(done, full) if table[i] != null]
-        fresh = [i for i in fresh if not self.store.tiers[0].contains([hashes[i]])]
-        self._saved[rid] = full
-        if not fresh:
+        host = self.store.tiers[0]
+        todo: list[tuple[Request, int, bytes, int]] = []  # (request, index, hash, block)
+        for request in requests:
+            rid = request.request_id
+            full = request.num_computed_tokens // self.block_size
+            done = self._saved.get(rid, 0)
+            if full <= done:
+                continue
+            table = self.kv.block_table(rid)
+            hashes = self.kv.block_hashes(request, full)
+            self._saved[rid] = full
+            for i in range(done, full):
+                if table[i] != null and not host.contains([hashes[i]]):
+                    todo.append((request, i, hashes[i], table[i]))
+        if not todo:
             return
         fmt = self.block_format()
-        n = len(fresh)
-        idx = torch.tensor([table[i] for i in fresh], device=self._views[0].device)
+        n = len(todo)
+        idx = torch.tensor([t[3] for t in todo], device=self._views[0].device)
         # one row of payload bytes per block: every layer's parts, layer-major (serde.pack)
         rows = torch.cat(
             [
@@ -122,10 +128,10 @@ class KVOffloader:
             ],
             dim=1,
         ).cpu()
-        items = []
-        for j, i in enumerate(fresh):
-            value = serde.encode(fmt, hashes[i], rows[j], self._tokens(request, i))
-            items.append((hashes[i], value))
+        items = [
+            (key, serde.encode(fmt, key, rows[j], self._tokens(request, i)))
+            for j, (request, i, key, _) in enumerate(todo)
+        ]
         self.store.put(items)
         self.num_saved_blocks += len(items)
 
