@@ -49,6 +49,8 @@ bytes/token, computed from the same prompts) plus the same records.
     python benchmarks/ha.py failover --out benchmarks/results/ha_failover.json
     python benchmarks/ha.py overhead --out benchmarks/results/ha_overhead.json
     python benchmarks/ha.py bytes --out benchmarks/results/ha_bytes.json
+    python benchmarks/ha.py plot benchmarks/results/ha_failover.json \
+        benchmarks/results/ha_failover.png
 """
 
 from __future__ import annotations
@@ -797,7 +799,36 @@ def machine() -> dict:
     }
 
 
+def plot_failover(result: Path, out: Path) -> None:
+    """Per-trial failover times (kill → first token from the standby) and their CDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads(result.read_text())["rows"]
+    times = sorted(r["failover_s"] * 1000 for r in rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.bar(range(len(rows)), [r["failover_s"] * 1000 for r in rows], color="tab:blue")
+    ax1.set_xlabel("trial")
+    ax1.set_ylabel("kill → next token (ms)")
+    ax1.set_title("failover time per trial (SIGKILL of the serving worker)")
+    ax2.step(times, [(i + 1) / len(times) for i in range(len(times))], where="post")
+    ax2.axvline(2000, color="tab:red", linestyle="--", label="target p99 < 2 s")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("kill → next token (ms, log)")
+    ax2.set_ylabel("fraction of trials")
+    ax2.set_title("CDF")
+    ax2.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["plot"]:  # python benchmarks/ha.py plot RESULT.json OUT.png
+        plot_failover(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
