@@ -66,7 +66,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -108,39 +107,8 @@ PROMPTS = (
 
 
 # ---- processes -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def redis_server():
-    """A loopback ``redis-server`` (no persistence) for the run; yields its port."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    import redis
-
-    r = redis.Redis(port=port)
-    deadline = time.monotonic() + 20
-    try:
-        while True:
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield port
-    finally:
-        r.close()
-        proc.kill()
-        proc.wait(10)
+# a loopback redis-server (no persistence, allkeys-lru) yielding its port; a free port
+from kv_store import _free_port, redis_server  # noqa: E402 - a sibling script
 
 
 class Procs:
