@@ -190,15 +190,19 @@ class ReplicationConfig:
     node_id: str | None = None
     replicate_every: int = 16
     # where deltas go besides the coordinator's record: "store" (the shared KV tier, always
-    # on in a cluster), "standby" (pushed straight to the session's standby worker)
+    # on in a cluster), "standby" (pushed straight to the session's standby worker), "s3"
+    # (session checkpoints every checkpoint_interval seconds into the S3 tier)
     replicate_to: tuple[str, ...] = ("store",)
+    checkpoint_interval: float = 30.0
 
     def __post_init__(self) -> None:
         if self.replicate_every < 1:
             raise ValueError(f"replicate_every must be positive, got {self.replicate_every}")
-        bad = [t for t in self.replicate_to if t not in ("store", "standby")]
+        bad = [t for t in self.replicate_to if t not in ("store", "standby", "s3")]
         if bad:
-            raise ValueError(f"--replicate-to {bad[0]!r}: expected store or standby")
+            raise ValueError(f"--replicate-to {bad[0]!r}: expected store, standby or s3")
+        if self.checkpoint_interval < 0:
+            raise ValueError("checkpoint_interval must be >= 0")
 
 
 _SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
@@ -245,6 +249,7 @@ class EngineArgs:
     node_id: str | None = None
     replicate_every: int = 16
     replicate_to: tuple[str, ...] = ()
+    checkpoint_interval: float = 30.0
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -293,7 +298,9 @@ class EngineArgs:
 
     def replication_config(self) -> ReplicationConfig:
         targets = tuple(dict.fromkeys(("store", *self.replicate_to)))
-        return ReplicationConfig(self.cluster, self.node_id, self.replicate_every, targets)
+        return ReplicationConfig(
+            self.cluster, self.node_id, self.replicate_every, targets, self.checkpoint_interval
+        )
 
     def observability_config(self) -> ObservabilityConfig:
         return ObservabilityConfig(self.kv_usage_log, self.kv_usage_interval)

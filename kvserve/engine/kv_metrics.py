@@ -123,4 +123,5 @@ def _replication(engine: LLMEngine) -> dict[str, Any] | None:
         "pushed_blocks": rep.pusher.num_blocks if rep.pusher else 0,
         "pushed_bytes": rep.pusher.num_bytes if rep.pusher else 0,
         "push_errors": rep.pusher.num_errors if rep.pusher else 0,
+        "checkpoints": rep.checkpointer.num_written if rep.checkpointer else 0,
     }

@@ -192,7 +192,19 @@ class LLMEngine:
                 from kvserve.ha.push import StandbyPusher
 
                 pusher = StandbyPusher(coord, self.offloader, secret=None)  # server sets it
-        return Replicator(coord, node, config.replicate_every, self.kv.block_size, pusher)
+        checkpointer = None
+        if "s3" in config.replicate_to:
+            from kvserve.ha.checkpoint import Checkpointer
+
+            if self.offloader is None:
+                raise EngineError("--replicate-to s3 needs an s3:// --kv-store tier")
+            try:
+                checkpointer = Checkpointer(self.offloader.store, config.checkpoint_interval)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+        return Replicator(
+            coord, node, config.replicate_every, self.kv.block_size, pusher, checkpointer
+        )
 
     def close(self) -> None:
         """Flush and close the KV store and replication (if any). The engine is unusable

@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kvserve.ha.checkpoint import Checkpointer
 from kvserve.ha.coordination import Coordinator
 from kvserve.ha.push import StandbyPusher
 from kvserve.request import Request
@@ -81,6 +82,7 @@ class Replicator:
         every_tokens: int,
         block_size: int,
         pusher: StandbyPusher | None = None,
+        checkpointer: Checkpointer | None = None,
     ):
         if every_tokens < 1:
             raise ValueError(f"replicate_every must be positive, got {every_tokens}")
@@ -89,6 +91,7 @@ class Replicator:
         self.every = every_tokens
         self.block_size = block_size
         self.pusher = pusher  # --replicate-to standby
+        self.checkpointer = checkpointer  # --replicate-to s3
         self._tracked: dict[str, _Tracked] = {}  # session id → state (engine thread)
         self._pending: dict[str, tuple[_Tracked, int, dict | None, bool]] = {}  # newest/session
         self._fenced: set[str] = set()
@@ -212,6 +215,8 @@ class Replicator:
             return
         self.num_published += 1
         self.num_bytes += len(data)
+        if self.checkpointer is not None:
+            self.checkpointer.offer(t.session, record | {"epoch": t.epoch})
         standby = record.get("standby")
         if standby and standby != self.node_id:
             try:  # best effort: the standby only starts colder

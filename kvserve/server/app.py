@@ -250,6 +250,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         except Exception as e:
             raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
         replicated = json.loads(owner.state) if owner is not None and owner.state else None
+        if replicated is None and replicator.checkpointer is not None:  # another site's state
+            replicated = await asyncio.to_thread(replicator.checkpointer.read, session_id)
         if replicated is not None and all(
             replicated.get(k) == record[k] for k in ("prompt_token_ids", "params", "tenant")
         ):

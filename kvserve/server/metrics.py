@@ -226,6 +226,10 @@ class _EngineCollector:
                 "pushed_bytes",
             ),
             "kvserve_replication_push_errors": ("Pushes to standbys that failed.", "push_errors"),
+            "kvserve_replication_checkpoints": (
+                "Session checkpoints queued for the S3 tier (--replicate-to s3).",
+                "checkpoints",
+            ),
         }
         for name, (doc, key) in counters.items():
             c = CounterMetricFamily(name, doc, labels=names)
