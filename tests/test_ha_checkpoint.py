@@ -34,6 +34,7 @@ def test_another_site_resumes_a_session_from_its_s3_checkpoint(two_sites, moto, 
     ha = dict(replicate_every=16, replicate_to=("s3",), checkpoint_interval=0.0)
     a = make_engine(llama_dir, kv_store=(site_a, s3), cluster=site_a, node_id="a", **ha)
     req = a.add_request("x", prompt, params, session_id="trip")
+    a.replicator.linger_s = 0  # every record published (and checkpointed) on its own
     while len(req.output_token_ids) < 32:  # checkpoints after the prompt, at 16 and 32
         a.step()
     assert a.replicator.flush() and a.offloader.store.flush()

@@ -88,6 +88,7 @@ def test_the_primary_replicates_session_state_and_a_fenced_primary_stops(url, ll
     from helpers import greedy, make_engine, random_prompts, run_to_end
 
     engine = make_engine(llama_dir, cluster=url, node_id="primary", replicate_every=16)
+    engine.replicator.linger_s = 0  # no coalescing of this fast loop's records: count them
     coord = Coordinator.from_url(url)
     prompt = random_prompts([20], seed=4)[0]
     engine.add_request("r1", prompt, greedy(40), session_id="chat-1")
@@ -220,14 +221,14 @@ def test_a_newer_request_of_the_session_on_the_same_node_is_not_fenced(url, llam
 
     engine = make_engine(llama_dir, kv_store=(url,), cluster=url, node_id="n", replicate_every=16)
     coord = engine.replicator.coord
-    real_write, gate = coord.write_state, threading.Event()
+    real_write, gate = coord.write_states, threading.Event()
 
-    def held_write(session, node, epoch, state):  # the last turn-1 record waits for the gate
-        if json.loads(state)["finished"]:
+    def held_write(items):  # the last turn-1 record waits for the gate
+        if any(json.loads(state)["finished"] for *_, state in items):
             gate.wait(30)
-        return real_write(session, node, epoch, state)
+        return real_write(items)
 
-    coord.write_state = held_write
+    coord.write_states = held_write
     prompt = random_prompts([20], seed=8)[0]
     old = engine.add_request("turn-1", prompt, greedy(40), session_id="same")
     run_to_end(engine)  # its final record is now held in the publisher
@@ -240,6 +241,7 @@ def test_a_newer_request_of_the_session_on_the_same_node_is_not_fenced(url, llam
     gate.set()  # turn-1's write (epoch 1) reaches Redis after turn-2 took epoch 2: refused
     assert engine.replicator.flush()
     done = run_to_end(engine)
+    assert engine.replicator.flush()
     assert done["turn-2"] == old.output_token_ids and new.status.value != "abort"
     assert engine.replicator.num_fenced == 0
     assert json.loads(Coordinator.from_url(url).owner("same").state)["epoch"] == 2

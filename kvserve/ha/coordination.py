@@ -178,6 +178,19 @@ class Coordinator:
         got = self.r.blpop([self._prewarm_key(node_id)], timeout=timeout)
         return None if got is None else got[1].decode()
 
+    def write_states(self, items: list[tuple[str, str, int, bytes]]) -> list[bool]:
+        """``write_state`` for many (session, node, epoch, state) in one pipelined round
+        trip; each write is fenced on its own."""
+        pipe = self.r.pipeline(transaction=False)
+        now = repr(time.time())
+        for session_id, node_id, epoch, state in items:
+            self._write_state(
+                keys=[self._session_key(session_id)],
+                args=[node_id, epoch, state, now, self.session_ttl_ms],
+                client=pipe,
+            )
+        return [bool(x) for x in pipe.execute()]
+
     def release(self, session_id: str, node_id: str, epoch: int) -> bool:
         """Forget the session if ``(node_id, epoch)`` still owns it."""
         return bool(self._release(keys=[self._session_key(session_id)], args=[node_id, epoch]))

@@ -48,6 +48,8 @@ class Prewarmer:
         self.max_sessions = max_sessions
         self.ttl = ttl
         self._warm: OrderedDict[str, tuple[int, float]] = OrderedDict()  # → (blocks, when)
+        self._retry: dict[str, float] = {}  # session → when to look again (blocks missing)
+        self._attempts: dict[str, int] = {}
         self.num_sessions = 0  # notifications handled
         self.num_blocks = 0  # blocks copied into the host tier
         self.num_errors = 0
@@ -58,9 +60,14 @@ class Prewarmer:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                session = self.coord.next_standby_work(self.node_id, timeout=1.0)
+                wait = 0.2 if self._retry else 1.0
+                session = self.coord.next_standby_work(self.node_id, timeout=wait)
                 if session is not None:
                     self.warm(session)
+                now = time.monotonic()
+                for s in [s for s, due in self._retry.items() if due <= now]:
+                    del self._retry[s]
+                    self.warm(s)
             except Exception as e:  # Redis away: try again shortly
                 self.num_errors += 1
                 logger.debug("pre-warming failed: %s", e)
@@ -89,7 +96,16 @@ class Prewarmer:
         copied = sum(v is not None for v in got)
         self.num_sessions += 1
         self.num_blocks += copied
-        self._remember(session, n, now)
+        reached = done  # the leading blocks now local: progress stops at the first gap
+        while reached < n and host.contains([hashes[reached]]):
+            reached += 1
+        self._remember(session, reached, now)
+        if reached < n and self._attempts.get(session, 0) < 5:
+            # the record can arrive before its last blocks reach the shared tier: retry
+            self._attempts[session] = self._attempts.get(session, 0) + 1
+            self._retry[session] = now + 0.2
+        else:
+            self._attempts.pop(session, None)
         return copied
 
     def _remember(self, session: str, blocks: int, now: float) -> None:

@@ -91,6 +91,7 @@ class Replicator:
         self.every = every_tokens
         self.block_size = block_size
         self.pusher = pusher  # --replicate-to standby
+        self.linger_s = 0.02  # a publish waits this long for the step's other records
         self.checkpointer = checkpointer  # --replicate-to s3
         self._tracked: dict[str, _Tracked] = {}  # session id → state (engine thread)
         self._pending: dict[str, tuple[_Tracked, int, dict | None, bool]] = {}  # newest/session
@@ -170,11 +171,13 @@ class Replicator:
         while not self._stop:
             self._wake.wait(0.5)
             self._wake.clear()
+            if self.linger_s and self._pending:
+                time.sleep(self.linger_s)  # let the step's other records join this batch
             with self._lock:
                 jobs, self._pending = self._pending, {}
                 self._inflight = len(jobs)
-            for job in jobs.values():
-                self._publish(*job)
+            if jobs:
+                self._publish_all(list(jobs.values()))
             with self._lock:
                 self._inflight = 0
 
@@ -188,45 +191,65 @@ class Replicator:
                 epoch = self.coord.take_over(t.session, self.node_id, own.epoch)
         return epoch
 
-    def _publish(self, t: _Tracked, n: int, record: dict | None, release: bool) -> None:
+    def _publish_all(self, jobs: list[tuple[_Tracked, int, dict | None, bool]]) -> None:
+        """Claims and releases one by one (once per request), then every record in one
+        pipelined round trip of fenced writes."""
+        writes = []
+        for job in jobs:
+            t, n, record, release = job
+            try:
+                if t.epoch is None:
+                    epoch = self._claim(t)
+                    if epoch is None:
+                        self._fence(t, "its claim was refused")
+                        continue
+                    t.epoch = epoch
+                if release:
+                    self.coord.release(t.session, self.node_id, t.epoch)
+                elif record is not None:
+                    data = json.dumps(record | {"epoch": t.epoch}).encode()
+                    writes.append((job, data))
+            except Exception as e:  # Redis unavailable: keep it for the next round
+                self._retry_later(job, e)
+        if not writes:
+            return
         try:
-            if t.epoch is None:
-                epoch = self._claim(t)
-                if epoch is None:
-                    self._fence(t, "its claim was refused")
-                    return
-                t.epoch = epoch
-            if release:
-                self.coord.release(t.session, self.node_id, t.epoch)
-                return
-            if record is None:
-                return
-            data = json.dumps(record | {"epoch": t.epoch}).encode()
-            ok = self.coord.write_state(t.session, self.node_id, t.epoch, data)
-        except Exception as e:  # Redis unavailable: keep it for the next round
-            self.num_errors += 1
-            logger.warning("replication of session %s failed: %s", t.session, e)
-            with self._lock:
-                self._pending.setdefault(t.session, (t, n, record, release))
-            time.sleep(0.1)
+            oks = self.coord.write_states(
+                [(job[0].session, self.node_id, job[0].epoch, data) for job, data in writes]
+            )
+        except Exception as e:
+            for job, _ in writes:
+                self._retry_later(job, e)
             return
-        if not ok:
-            self._fence(t, f"taken over (epoch > {t.epoch})")
-            return
-        self.num_published += 1
-        self.num_bytes += len(data)
+        for ((t, n, record, _), data), ok in zip(writes, oks, strict=True):
+            if not ok:
+                self._fence(t, f"taken over (epoch > {t.epoch})")
+                continue
+            self.num_published += 1
+            self.num_bytes += len(data)
+            t.acked_tokens, t.acked_at = max(t.acked_tokens, n), time.monotonic()
+            self._after_publish(t, record)
+
+    def _retry_later(self, job: tuple, e: Exception) -> None:
+        self.num_errors += 1
+        logger.warning("replication of session %s failed: %s", job[0].session, e)
+        with self._lock:
+            self._pending.setdefault(job[0].session, job)
+        time.sleep(0.1)
+
+    def _after_publish(self, t: _Tracked, record: dict) -> None:
+        """Checkpoint (``--replicate-to s3``) and tell or feed the standby; best effort."""
         if self.checkpointer is not None:
             self.checkpointer.offer(t.session, record | {"epoch": t.epoch})
         standby = record.get("standby")
         if standby and standby != self.node_id:
-            try:  # best effort: the standby only starts colder
+            try:  # the standby only starts colder if this fails
                 if self.pusher is not None:
                     self.pusher.push(t.session, t.epoch, record)
                 elif not record["finished"]:
                     self.coord.notify_standby(standby, t.session)
             except Exception as e:
                 logger.debug("standby update for %s failed: %s", t.session, e)
-        t.acked_tokens, t.acked_at = max(t.acked_tokens, n), time.monotonic()
 
     def _fence(self, t: _Tracked, why: str) -> None:
         """Another node owns ``t``'s session: its request here must stop — unless a newer
