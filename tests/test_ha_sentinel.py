@@ -53,8 +53,13 @@ def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
         t.join(60)
         worker, text = result["r"]
         assert worker == primary and text == want
-        own = coord.owner("after")
-        assert own.node != primary and json.loads(own.state)["finished"]
+
+        def final() -> bool:  # the standby's last record (published asynchronously)
+            own = coord.owner("after")
+            return own.state is not None and json.loads(own.state)["finished"]
+
+        wait_until(final, 10, "the final record")
+        assert coord.owner("after").node != primary
         with sentinel.replica.client() as r:  # the state is on the promoted master
             assert r.exists("kvserve:ha:session:after")
         assert isinstance(client, openai.OpenAI)

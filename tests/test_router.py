@@ -148,6 +148,7 @@ def test_a_stopped_primary_is_failed_over_and_fenced(llama_dir, tmp_path):
         own = coord.owner("paused")
         assert own.node == other
 
+        wait_until(lambda: json.loads(coord.owner("paused").state)["finished"], 10, "final record")
         c.workers[primary].proc.send_signal(signal.SIGCONT)
         w = c.workers[primary]
         wait_until(lambda: w.metric("kvserve_num_requests_running") == 0, 30, "stale one dropped")
@@ -178,6 +179,9 @@ def test_session_affinity_is_kept_in_redis_across_routers(llama_dir, tmp_path):
             return raw.headers["x-kvserve-worker"]
 
         coord = c.coord
+        wait_until(  # the first turns' claims are made asynchronously by their workers
+            lambda: all(coord.owner(s) is not None for s in sessions), 10, "sessions claimed"
+        )
         for k, s in enumerate(sessions):  # two routers at once agree
             assert turn(c.routers[k % 2], s) == home[s]
             other = "b" if home[s] == "a" else "a"
@@ -192,7 +196,7 @@ def test_session_affinity_is_kept_in_redis_across_routers(llama_dir, tmp_path):
         fresh = c.add_router()  # a restarted router knows nothing but what Redis holds
         for s in sessions:
             assert turn(fresh, s) == home[s]
-        assert c.coord.owner(sessions[0]).epoch == 3  # one claim per turn
+        wait_until(lambda: coord.owner(sessions[0]).epoch == 3, 10, "one claim per turn")
 
 
 def test_serving_goes_on_while_redis_is_briefly_stopped(llama_dir, tmp_path):

@@ -171,8 +171,12 @@ class Replicator:
         while not self._stop:
             self._wake.wait(0.5)
             self._wake.clear()
-            if self.linger_s and self._pending:
-                time.sleep(self.linger_s)  # let the step's other records join this batch
+            with self._lock:  # claims go at once; records wait for the step's others
+                linger = bool(self._pending) and all(
+                    job[0].epoch is not None for job in self._pending.values()
+                )
+            if linger and self.linger_s:
+                time.sleep(self.linger_s)
             with self._lock:
                 jobs, self._pending = self._pending, {}
                 self._inflight = len(jobs)

@@ -68,10 +68,12 @@ class SessionStore:
     def delete(self, tenant: str, session_id: str) -> bool:
         """Delete the record and its blocks; False when there was none. Blocks shared
         with other sessions (a common system prompt) are deleted too: they are recomputed
-        and stored again by whoever needs them next."""
+        and stored again by whoever needs them next. Writes queued for the lower tiers
+        land first (bounded wait), so none of the session's blocks reappears after."""
         value = self.get(tenant, session_id)
         if value is None:
             return False
+        self.store.flush(10.0)
         self.store.delete([session_key(tenant, session_id)])
         self.store.delete([bytes.fromhex(h) for h in value["blocks"]])
         return True
