@@ -10,6 +10,7 @@ import signal
 import threading
 
 import openai
+import redis
 from cluster_proc import cluster
 from redis_proc import redis_sentinel
 from server_proc import wait_until
@@ -47,19 +48,26 @@ def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
         t.start()
         wait_until(lambda: progress[0] >= 20, 60, "stream under way")
         coord = c.coord
-        wait_until(lambda: coord.owner("after") is not None, 30, "session claimed")
-        primary = coord.owner("after").node
+
+        def owner(session: str):  # Sentinel may still be settling: retry, bounded
+            try:
+                return coord.owner(session)
+            except redis.RedisError:
+                return None
+
+        wait_until(lambda: owner("after") is not None, 30, "session claimed")
+        primary = owner("after").node
         c.workers[primary].proc.send_signal(signal.SIGKILL)
         t.join(60)
         worker, text = result["r"]
         assert worker == primary and text == want
 
         def final() -> bool:  # the standby's last record (published asynchronously)
-            own = coord.owner("after")
-            return own.state is not None and json.loads(own.state)["finished"]
+            own = owner("after")
+            return own is not None and own.state is not None and json.loads(own.state)["finished"]
 
         wait_until(final, 10, "the final record")
-        assert coord.owner("after").node != primary
+        assert owner("after").node != primary
         with sentinel.replica.client() as r:  # the state is on the promoted master
             assert r.exists("kvserve:ha:session:after")
         assert isinstance(client, openai.OpenAI)
