@@ -23,7 +23,6 @@ publish — is tracked per session.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -50,7 +49,6 @@ class _Tracked:
 
 def session_record(req: Request, block_size: int) -> dict:
     """The state a standby resumes from (the publisher adds ``epoch``)."""
-    params = {f.name: getattr(req.params, f.name) for f in dataclasses.fields(req.params) if f.init}
     return {
         "session_id": req.session_id,
         "request_id": req.request_id,
@@ -58,7 +56,7 @@ def session_record(req: Request, block_size: int) -> dict:
         "cache_salt": req.cache_salt,
         "prompt_token_ids": list(req.prompt_token_ids),
         "output_token_ids": list(req.output_token_ids),
-        "params": params,
+        "params": req.params.to_dict(),
         "seed": req.seed,
         "max_tokens": req.max_tokens,
         "stored_tokens": (req.num_computed_tokens // block_size) * block_size,

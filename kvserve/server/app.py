@@ -307,9 +307,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "tenant": tenant,
             "cache_salt": original.cache_salt,
             "prompt_token_ids": prompt_ids,
-            "params": {
-                f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init
-            },
+            "params": params.to_dict(),
             # no seed: exact only when greedy (the router always sends one)
             "seed": params.seed if params.seed is not None else secrets.randbits(63),
             "ephemeral": request_ephemeral,
