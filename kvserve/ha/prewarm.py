@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 
 from kvserve.ha.coordination import Coordinator
+from kvserve.ha.replicator import session_tokens
 from kvserve.kv.manager import KVCacheManager
 from kvserve.store.tiered import TieredStore
 
@@ -80,7 +81,7 @@ class Prewarmer:
         if own is None or own.state is None or own.node == self.node_id:
             return 0
         record = json.loads(own.state)
-        tokens = [*record["prompt_token_ids"], *record["output_token_ids"]]
+        tokens = session_tokens(record)
         n = min(int(record.get("stored_tokens", 0)), len(tokens)) // self.block_size
         now = time.monotonic()
         done, when = self._warm.pop(session, (0, now))
@@ -91,14 +92,15 @@ class Prewarmer:
             return 0
         hashes = self.kv.hashes_for(tokens[: n * self.block_size], record.get("cache_salt"))
         host = self.store.tiers[0]
-        missing = [h for h in hashes[done:] if not host.contains([h])]
-        got = self.store.get(missing) if missing else []
-        copied = sum(v is not None for v in got)
+        local = [host.contains([h]) > 0 for h in hashes[done:]]
+        missing = [h for h, here in zip(hashes[done:], local, strict=True) if not here]
+        got = iter(self.store.get(missing) if missing else [])
+        fetched = [here or next(got) is not None for here in local]  # get promotes hits
+        copied = sum(fetched) - sum(local)
         self.num_sessions += 1
         self.num_blocks += copied
-        reached = done  # the leading blocks now local: progress stops at the first gap
-        while reached < n and host.contains([hashes[reached]]):
-            reached += 1
+        # the leading blocks now local: progress stops at the first gap
+        reached = done + next((i for i, ok in enumerate(fetched) if not ok), len(fetched))
         self._remember(session, reached, now)
         if reached < n and self._attempts.get(session, 0) < 5:
             # the record can arrive before its last blocks reach the shared tier: retry

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from kvserve.ha.coordination import Coordinator
+from kvserve.ha.replicator import session_tokens
 from kvserve.store import serde
 
 if TYPE_CHECKING:
@@ -59,10 +60,6 @@ def decode_push(body: bytes) -> tuple[dict[str, Any], list[tuple[int, bytes]]]:
         blocks.append((i, body[pos : pos + size]))
         pos += size
     return header, blocks
-
-
-def _session_tokens(record: dict[str, Any]) -> list[int]:
-    return [int(t) for t in (*record["prompt_token_ids"], *record["output_token_ids"])]
 
 
 class StandbyPusher:
@@ -98,7 +95,7 @@ class StandbyPusher:
             return 0
         kv = self.offloader.kv
         bs = kv.block_size
-        tokens = _session_tokens(record)
+        tokens = session_tokens(record)
         n = min(int(record["stored_tokens"]), len(tokens)) // bs
         done = self._pushed.get(session, 0)
         hashes = kv.hashes_for(tokens[: n * bs], record.get("cache_salt"))[done:]
@@ -138,7 +135,7 @@ def accept_push(offloader: KVOffloader, body: bytes) -> tuple[int, int]:
     kv = offloader.kv
     bs = kv.block_size
     try:
-        tokens = _session_tokens(record)
+        tokens = session_tokens(record)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"bad record: {e}") from None
     n = len(tokens) // bs

@@ -28,11 +28,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvserve.ha.checkpoint import Checkpointer
 from kvserve.ha.coordination import Coordinator
-from kvserve.ha.push import StandbyPusher
 from kvserve.request import Request
+
+if TYPE_CHECKING:  # the pusher and the checkpointer read records: they import this module
+    from kvserve.ha.checkpoint import Checkpointer
+    from kvserve.ha.push import StandbyPusher
 
 logger = logging.getLogger("kvserve")
 
@@ -65,6 +68,11 @@ def session_record(req: Request, block_size: int) -> dict:
         "ephemeral": req.session_ephemeral,
         "standby": req.standby,
     }
+
+
+def session_tokens(record: dict) -> list[int]:
+    """Prompt and output token ids of a session record, in order."""
+    return [int(t) for t in (*record["prompt_token_ids"], *record["output_token_ids"])]
 
 
 class Replicator:

@@ -230,9 +230,7 @@ class Relay:
         flow.failed.add(failed.node_id)
         failed.healthy = False  # until its next probe says otherwise
         logger.warning("session %s: %s; failing over", flow.session, why)
-        for _ in range(self.config.max_failovers):
-            if flow.failovers >= self.config.max_failovers:
-                break
+        while flow.failovers < self.config.max_failovers:
             flow.failovers += 1
             owner = await self._owner(flow.session)
             w = self.pool.standby(flow.session, flow.failed)

@@ -277,6 +277,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             resume=(len(delivered), chars),
         )
 
+    def _chat_prompt_ids(body: ChatCompletionRequest) -> list[int]:
+        """The prompt token ids of a chat request (the same for its first run and for a
+        resume elsewhere: a failover must see exactly the primary's prompt)."""
+        tok = state.tokenizer
+        text = tok.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
+
     def _record_from_request(
         original: CompletionRequest | ChatCompletionRequest,
         tenant: str,
@@ -291,11 +298,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if params.n != 1:
             raise ValueError("only single-choice (n = 1) streams can be resumed")
         if chat:
-            tok = state.tokenizer
-            if tok is None:
+            if state.tokenizer is None:
                 raise ValueError("the model has no tokenizer, so chat is unavailable")
-            text = tok.apply_chat_template(original.conversation(), original.add_generation_prompt)
-            prompt_ids = tok.encode(text, add_special_tokens=False)
+            prompt_ids = _chat_prompt_ids(original)
         else:
             prompts = original.prompts()
             if len(prompts) != 1:
@@ -447,10 +452,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise bad_request("the model has no tokenizer, so chat is unavailable")
         try:
             params = body.sampling_params()
-            text = tok.apply_chat_template(body.conversation(), body.add_generation_prompt)
+            prompt = _chat_prompt_ids(body)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
-        prompt = tok.encode(text, add_special_tokens=False)
         streams = await _start([prompt], params, principal, body, request)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await _respond(state, body, streams, params, "chat.completion", rid, request)

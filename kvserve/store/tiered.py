@@ -205,12 +205,9 @@ class TieredStore:
         return tuple(range(tier + 1, len(self.tiers)))
 
     def put_to(self, tier: int, items: Sequence[tuple[Key, bytes]]) -> None:
-        """Queue ``items`` for tier ``tier`` only (not the first: the writer thread writes
-        them); a full queue drops them (counted)."""
-        if tier == 0:
-            self._put_first(list(items))
-        else:
-            self._enqueue((tier,), list(items))
+        """Queue ``items`` for the lower tier ``tier`` only (the writer thread writes them);
+        a full queue drops them (counted)."""
+        self._enqueue((tier,), list(items))
 
     def _enqueue(self, targets: tuple[int, ...], items: list[tuple[Key, bytes]]) -> None:
         """Queue ``items`` for tiers ``targets``; a full queue drops them (counted)."""
