@@ -107,7 +107,7 @@ def _ttft(engine, rid: str, prompt: list[int]) -> float:
     engine.add_request(rid, prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.outputs[0].token_ids:
+            if out.new_token_ids:
                 ttft = time.perf_counter() - t0
     return ttft
 
@@ -281,13 +281,15 @@ def run_chat(a: argparse.Namespace) -> dict:
                 for c in range(a.conversations):
                     engine.add_request(f"c{c}t{turn}", history[c], params)
                     prompt_tokens += len(history[c])
+                got: dict[str, list[int]] = {}
                 while engine.has_unfinished_requests():
                     for o in engine.step():
+                        got.setdefault(o.request_id, []).extend(o.new_token_ids)
                         if o.finished:
                             c = int(o.request_id[1:].split("t")[0])
                             history[c] = (
                                 history[c]
-                                + o.outputs[0].token_ids
+                                + got.pop(o.request_id)
                                 + [rng.randrange(3, 8000) for _ in range(64)]
                             )
             elapsed = time.perf_counter() - t0

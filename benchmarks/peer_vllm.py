@@ -190,11 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=max(args.num_prompts, args.warmup_prompts),
         seed=args.seed,
         enforce_eager=args.enforce_eager,
-        **(
-            {}
-            if args.prefix_caching is None
-            else {"enable_prefix_caching": args.prefix_caching}
-        ),
+        **({} if args.prefix_caching is None else {"enable_prefix_caching": args.prefix_caching}),
     )
 
     def params(max_tokens: int) -> SamplingParams:

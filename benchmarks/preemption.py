@@ -134,9 +134,9 @@ def worker_workload(a: argparse.Namespace) -> dict:
     while engine.has_unfinished_requests():
         steps += 1
         for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 finish[out.request_id] = time.perf_counter() - t0
-                tokens[out.request_id] = out.outputs[0].token_ids
     total = time.perf_counter() - t0
     cpu = time.process_time() - c0
     lat = sorted(finish.values())

@@ -58,7 +58,8 @@ def perplexity(
         raise ValueError("no text to score")
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
     ids = [f"ppl-{i}" for i in range(len(chunks))]
-    for rid, chunk in zip(ids, chunks, strict=True):
+    prompts = dict(zip(ids, chunks, strict=True))
+    for rid, chunk in prompts.items():
         engine.add_request(rid, chunk, params)
     total_nll, count = 0.0, 0
     bar = tqdm(total=len(chunks), desc="perplexity", unit="window", disable=not use_tqdm)
@@ -67,7 +68,7 @@ def perplexity(
             if not out.finished:
                 continue
             for entry, target in zip(
-                out.prompt_logprobs[1:], out.prompt_token_ids[1:], strict=True
+                out.prompt_logprobs[1:], prompts[out.request_id][1:], strict=True
             ):
                 total_nll -= entry[target].logprob
                 count += 1

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output import OutputProcessor
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams, child_seed
 
@@ -50,6 +51,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.outputs = OutputProcessor(self.engine.tokenizer)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -93,19 +95,24 @@ class LLM:
                 for i in range(p.n):
                     rid = f"{base}-{i}"
                     seed = child_seed(p.seed, i)
-                    self.engine.add_request(rid, prompt, p, seed=seed)
+                    req = self.engine.add_request(rid, prompt, p, seed=seed)
+                    self.outputs.add_request(rid, req.prompt, req.prompt_token_ids, p)
                     ids.append(rid)
                 groups.append(ids)
         except Exception:
             for ids in groups:
                 for rid in ids:
                     self.engine.abort_request(rid)
+                    self.outputs.abort(rid)
             raise
         finished: dict[str, RequestOutput] = {}
         total = sum(len(g) for g in groups)
         with tqdm(total=total, desc="Generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                outs, stops = self.outputs.process(self.engine.step())
+                for hit in stops:  # a stop string ended it: the engine stops it now
+                    self.engine.finish_request(hit.request_id, hit.num_output_tokens)
+                for out in outs:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

@@ -63,8 +63,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     num_preemptions: int = 0
-    stop_reason: int | str | None = None
-    output_text: str = ""
+    stop_reason: int | None = None  # the stop token id that ended it (None: EOS/length)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,10 +31,16 @@ def run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[int
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+        step_finished(engine, done)
     raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def step_finished(engine: LLMEngine, done: dict[str, list[int]]) -> None:
+    """One step; ``done`` gets the whole output token ids of each request it finished."""
+    live = dict(engine.requests)
+    for d in engine.step():
+        if d.finished and d.request_id in live:
+            done[d.request_id] = list(live[d.request_id].output_token_ids)
 
 
 def hf_model(model_dir: Path):

@@ -127,13 +127,10 @@ def test_stop_token_ids_eos_and_min_tokens(llama_dir):
         prompt,
         SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok], min_tokens=8),
     )
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0]
+    stop, low = engine.requests["stop"], engine.requests["min"]
+    run_to_end(engine)
     first = free_run.index(stop_tok)
-    assert outs["stop"].token_ids == free_run[: first + 1]
-    assert outs["stop"].finish_reason == "stop" and outs["stop"].stop_reason == stop_tok
-    assert len(outs["min"].token_ids) >= 8
-    assert stop_tok not in outs["min"].token_ids[:8]
+    assert stop.output_token_ids == free_run[: first + 1]
+    assert stop.status.value == "stop" and stop.stop_reason == stop_tok
+    assert len(low.output_token_ids) >= 8
+    assert stop_tok not in low.output_token_ids[:8]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers import greedy, make_engine, random_prompts, run_counting, run_to_end
+from helpers import greedy, make_engine, random_prompts, run_counting, run_to_end, step_finished
 from redis_proc import redis_cluster, redis_server
 from server_proc import wait_until
 
@@ -66,9 +66,7 @@ def test_redis_killed_mid_run_then_restarted(llama_dir, tmp_path):
             engine.add_request(f"r{i}", p, greedy(40))
         done = {}
         for _ in range(3):
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+            step_finished(engine, done)
         assert tiered.flush(30) and tiered.stats[1].bytes_written > 0
         server.kill()
         done.update(run_to_end(engine))

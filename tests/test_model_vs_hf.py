@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ARCHS
-from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
+from helpers import (
+    greedy,
+    hf_greedy,
+    hf_model,
+    make_engine,
+    random_prompts,
+    run_to_end,
+    step_finished,
+)
 
 LENGTHS = [1, 15, 16, 17, 40]  # one token, around one block, more than two blocks
 ATOL = 1e-4
@@ -23,9 +31,7 @@ def test_logits_match_hf_for_prefill_and_every_decode_step(model_dirs, arch, bac
     steps: dict[str, list[torch.Tensor]] = {f"r{i}": [] for i in range(len(prompts))}
     outputs: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
+        step_finished(engine, outputs)
         for rid, logits in engine.runner.last_logits.items():
             steps[rid].append(logits)
     ref_model = hf_model(model_dirs[arch])
@@ -53,9 +59,7 @@ def test_greedy_batch_with_joins_and_leaves_matches_hf_generate(model_dirs, arch
         engine.add_request(f"r{i}", prompts[i], greedy(max_tokens[i]))
     done: dict[str, list[int]] = {}
     for _ in range(3):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+        step_finished(engine, done)
     for i in later:
         engine.add_request(f"r{i}", prompts[i], greedy(max_tokens[i]))
     done.update(run_to_end(engine))

@@ -9,18 +9,16 @@ from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, ru
 
 
 def _max_live_blocks(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[int, list]:
-    engine.add_request(rid, prompt, greedy(max_tokens))
-    peak, out = 0, None
+    req = engine.add_request(rid, prompt, greedy(max_tokens))
+    peak = 0
     for _ in range(10_000):
         if not engine.has_unfinished_requests():
             break
-        for o in engine.step():
-            if o.finished:
-                out = o.outputs[0].token_ids
+        engine.step()
         if rid in {r.request_id for r in engine.scheduler.running}:
             peak = max(peak, engine.kv.num_live_blocks(rid))
         engine.check_integrity()
-    return peak, out
+    return peak, req.output_token_ids
 
 
 def test_mistral_blocks_bounded_and_outputs_match_hf(model_dirs):

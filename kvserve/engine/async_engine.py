@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output import OutputProcessor
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
 
@@ -91,6 +92,7 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, idle_wait: float = 0.05):
         self.engine = engine
+        self.outputs = OutputProcessor(engine.tokenizer)
         self._ops: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -145,6 +147,7 @@ class AsyncLLMEngine:
 
         def op() -> None:
             self._streams.pop(request_id, None)
+            self.outputs.abort(request_id)
             self.engine.abort_request(request_id)
 
         if self.error is None:
@@ -191,6 +194,9 @@ class AsyncLLMEngine:
                 _deliver(loop, _settle, added, None, e)
                 return
             self._streams[request_id] = _Stream(loop, queue)
+            self.outputs.add_request(
+                request_id, req.prompt, req.prompt_token_ids, req.params, req.output_token_ids
+            )
             _deliver(loop, _settle, added, len(req.prompt_token_ids))
 
         with self._lock:
@@ -215,7 +221,10 @@ class AsyncLLMEngine:
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                outs, stops = self.outputs.process(self.engine.step())
+                for hit in stops:
+                    self.engine.finish_request(hit.request_id, hit.num_output_tokens)
+                for out in outs:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue

@@ -13,6 +13,7 @@ import torch
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine import kv_metrics
 from kvserve.engine.cpu_env import tune_malloc
+from kvserve.engine.messages import FINISH_ABORT, EngineCoreOutput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.hashing import model_fingerprint
@@ -35,7 +36,7 @@ from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.spec import ModelSpec, load_model_spec
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
-from kvserve.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.sched.cost import PreemptionCostModel, attention_pairs
 from kvserve.sched.scheduler import Scheduler
@@ -502,8 +503,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one batch. Returns outputs of requests that got a token or finished."""
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one batch. Returns a delta for every request that got a token or finished
+        (text is the client's job: ``engine.output.OutputProcessor``)."""
         fenced = self._drop_fenced()
         sched = self.scheduler.schedule()
         self.peak_usage.record(self.kv.pool.num_used / self.kv.num_blocks)
@@ -545,21 +547,53 @@ class LLMEngine:
             token = result.tokens.get(req.request_id)
             if token is None:
                 continue
+            first = not req.output_token_ids
             req.output_token_ids.append(token)
-            if req.request_id in result.logprobs:
-                req.output_logprobs.append(result.logprobs[req.request_id])
+            lp = result.logprobs.get(req.request_id)
+            if lp is not None:
+                req.output_logprobs.append(lp)
             self._check_stop(req, token)
-            if req.is_finished and req.session_id is not None and self.offloader is not None:
-                self.offloader.record_session(req)
-            if self.replicator is not None and req.session_id is not None:
-                self.replicator.after_step(req)
-            outputs.append(self._output(req))
-            if req.is_finished:
-                self.requests.pop(req.request_id, None)
+            self._after_token(req)
+            outputs.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    [token],
+                    [lp] if lp is not None else None,
+                    req.status.value if req.is_finished else None,
+                    req.stop_reason,
+                    req.num_cached_tokens,
+                    req.prompt_logprobs
+                    if first and req.params.prompt_logprobs is not None
+                    else None,
+                )
+            )
         return outputs
 
-    def _drop_fenced(self) -> list[RequestOutput]:
-        """Abort requests whose session another node took over; their final outputs."""
+    def _after_token(self, req: Request) -> None:
+        """Session bookkeeping after ``req`` got a token (or finished)."""
+        if req.is_finished and req.session_id is not None and self.offloader is not None:
+            self.offloader.record_session(req)
+        if self.replicator is not None and req.session_id is not None:
+            self.replicator.after_step(req)
+        if req.is_finished:
+            self.requests.pop(req.request_id, None)
+
+    def finish_request(self, request_id: str, num_output_tokens: int) -> None:
+        """A stop string ended the request after ``num_output_tokens`` output tokens (the
+        client saw it in the text): drop any tokens generated past them and finish it as
+        stopped — its session record and replication end as for a stop token. No-op for
+        unknown or finished ids."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        del req.output_token_ids[num_output_tokens:]
+        del req.output_logprobs[num_output_tokens:]
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        self._after_token(req)
+
+    def _drop_fenced(self) -> list[EngineCoreOutput]:
+        """Abort requests whose session another node took over; their final deltas."""
         if self.replicator is None or not self.replicator.any_fenced():
             return []
         out = []
@@ -570,10 +604,12 @@ class LLMEngine:
                 )
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self.requests.pop(req.request_id, None)
-                out.append(self._output(req))
+                out.append(EngineCoreOutput(req.request_id, [], finish_reason=FINISH_ABORT))
         return out
 
     def _check_stop(self, req: Request, token: int) -> None:
+        """Token-level stops (stop token ids, EOS after ``min_tokens``) and length; stop
+        strings are checked on the text by the client."""
         p = req.params
         n_out = len(req.output_token_ids)
         status: RequestStatus | None = None
@@ -582,50 +618,10 @@ class LLMEngine:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
             elif not p.ignore_eos and token in req.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
-        if status is None and p.stop_strings and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, p.skip_special_tokens)
-            for stop in p.stop_strings:
-                at = text.find(stop, max(0, len(req.output_text) - len(stop)))
-                if at >= 0:
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                    text = text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
-                    break
-            req.output_text = text
         if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish(req, status)
-
-    def _output(self, req: Request) -> RequestOutput:
-        p = req.params
-        token_stopped = req.status is RequestStatus.FINISHED_STOPPED and not isinstance(
-            req.stop_reason, str
-        )
-        # with stop strings, _check_stop already decoded this step's text (unless a token
-        # stopped the request first, and that token must be dropped from the text)
-        if p.detokenize and self.tokenizer is not None and (not p.stop_strings or token_stopped):
-            ids = req.output_token_ids
-            if token_stopped and not p.include_stop_str_in_output:
-                ids = ids[:-1]  # the stop token (EOS or stop_token_ids) is not text
-            req.output_text = self.tokenizer.decode(ids, p.skip_special_tokens)
-        finish = req.status.value if req.is_finished else None
-        completion = CompletionOutput(
-            index=0,
-            text=req.output_text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=finish,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.output_logprobs) if p.logprobs is not None else None,
-        )
-        return RequestOutput(
-            req.request_id,
-            req.prompt,
-            req.prompt_token_ids,
-            [completion],
-            req.is_finished,
-            prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs is not None else None,
-            num_cached_tokens=req.num_cached_tokens,
-        )
 
     def tenant_blocks(self) -> dict[str, int]:
         """KV blocks charged to each tenant (the ledger's rule: every distinct block its
