@@ -7,6 +7,7 @@ import pytest
 from helpers import greedy, make_engine, random_prompts
 
 from kvserve.engine.kv_metrics import PeakTracker, largest_free_run
+from kvserve.engine.stats import TenantStats
 from kvserve.kv.tenant_ledger import Budget
 
 
@@ -40,22 +41,16 @@ def test_snapshot_reports_fragmentation_tenants_and_preemptions(llama_dir):
     snap = engine.metrics_snapshot()
     used = engine.kv.pool.num_used
     assert used == 8
-    assert snap["internal_fragmentation"] == pytest.approx((128 - (30 + 25 + 20 + 18)) / 128)
-    assert snap["free_fragmentation"] >= 1.0
-    assert snap["peak_usage"]["1m"] == pytest.approx(8 / 16)
-    assert snap["tenants"]["a"] == {
-        "blocks": 4,
-        "limit": 12,
-        "reservation": 4,
-        "waiting": 0,
-        "running": 2,
-    }
+    assert snap.internal_fragmentation == pytest.approx((128 - (30 + 25 + 20 + 18)) / 128)
+    assert snap.free_fragmentation >= 1.0
+    assert snap.peak_usage["1m"] == pytest.approx(8 / 16)
+    assert snap.tenants["a"] == TenantStats(blocks=4, limit=12, reservation=4, waiting=0, running=2)
     for _ in range(300):
         if not engine.has_unfinished_requests():
             break
         engine.step()
     snap = engine.metrics_snapshot()
-    assert snap["preemptions"] and all(m == "swap" for (m, _, _) in snap["preemptions"])
-    assert snap["peak_usage"]["5m"] == 1.0
-    assert snap["swap_used_bytes"] == 0 and snap["swap_capacity_bytes"] == 4 * 1024**3
-    assert snap["cost_rates"]["prefill_s_per_token"] > 0
+    assert snap.preemptions and all(p.mode == "swap" for p in snap.preemptions)
+    assert snap.peak_usage["5m"] == 1.0
+    assert snap.swap_used_bytes == 0 and snap.swap_capacity_bytes == 4 * 1024**3
+    assert snap.cost_rates["prefill_s_per_token"] > 0

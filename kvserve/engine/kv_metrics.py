@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvserve.engine.stats import (
+    KVStats,
+    PreemptionCount,
+    ReplicationStats,
+    StoreStats,
+    TenantStats,
+    TierState,
+)
 
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
@@ -52,7 +61,7 @@ def largest_free_run(free_blocks: list[int]) -> int:
     return best
 
 
-def snapshot(engine: LLMEngine) -> dict[str, Any]:
+def snapshot(engine: LLMEngine) -> KVStats:
     """Everything the KV metrics report, read on the engine thread."""
     kv, sched = engine.kv, engine.scheduler
     pool = kv.pool
@@ -70,58 +79,57 @@ def snapshot(engine: LLMEngine) -> dict[str, Any]:
     tenants = {}
     for t in sorted(set(ledger.usages()) | set(queues)):
         waiting, running = queues.get(t, (0, 0))
-        tenants[t] = {
-            "blocks": ledger.usage(t),
-            "limit": ledger.limit(t),
-            "reservation": ledger.reservation(t),
-            "waiting": waiting,
-            "running": running,
-        }
+        tenants[t] = TenantStats(
+            ledger.usage(t), ledger.limit(t), ledger.reservation(t), waiting, running
+        )
     swap = engine.swap
     store = None
     if engine.offloader is not None:
         tiered = engine.offloader.store
-        store = {
-            "tiers": [
-                {"name": t.name, "up": not tiered.breaker_open(i), "stats": tiered.stats[i]}
+        store = StoreStats(
+            [
+                TierState(t.name, not tiered.breaker_open(i), tiered.stats[i])
                 for i, t in enumerate(tiered.tiers)
             ],
-            "queue_depth": tiered.queue_depth,
-            "loaded_blocks": engine.offloader.num_loaded_blocks,
-            "saved_blocks": engine.offloader.num_saved_blocks,
-            "load_failures": engine.offloader.num_load_failures,
-        }
-    return {
-        "store": store,
-        "peak_usage": {name: engine.peak_usage.peak(sec) for name, sec in WINDOWS.items()},
-        "internal_fragmentation": unused / allocated if allocated else 0.0,
-        "free_fragmentation": len(free) / run if run else 1.0,
-        "tenants": tenants,
-        "preemptions": dict(sched.preemptions),
-        "swap_used_bytes": swap.used_bytes if swap else 0,
-        "swap_capacity_bytes": swap.capacity_bytes if swap else 0,
-        "prefix_cache_hit_rate": kv.stats.hit_rate,
-        "cost_rates": engine.cost_model.rates(),
-        "replication": _replication(engine),
-    }
+            tiered.queue_depth,
+            engine.offloader.num_loaded_blocks,
+            engine.offloader.num_saved_blocks,
+            engine.offloader.num_load_failures,
+        )
+    return KVStats(
+        peak_usage={name: engine.peak_usage.peak(sec) for name, sec in WINDOWS.items()},
+        internal_fragmentation=unused / allocated if allocated else 0.0,
+        free_fragmentation=len(free) / run if run else 1.0,
+        tenants=tenants,
+        preemptions=[
+            PreemptionCount(mode, tenant, reason, n)
+            for (mode, tenant, reason), n in sorted(sched.preemptions.items())
+        ],
+        swap_used_bytes=swap.used_bytes if swap else 0,
+        swap_capacity_bytes=swap.capacity_bytes if swap else 0,
+        prefix_cache_hit_rate=kv.stats.hit_rate,
+        cost_rates=engine.cost_model.rates(),
+        store=store,
+        replication=_replication(engine),
+    )
 
 
-def _replication(engine: LLMEngine) -> dict[str, Any] | None:
+def _replication(engine: LLMEngine) -> ReplicationStats | None:
     rep = engine.replicator
     if rep is None:
         return None
     lag = rep.lag().values()
-    return {
-        "sessions": len(lag),
-        "lag_tokens": max((n for n, _ in lag), default=0),
-        "lag_seconds": max((s for n, s in lag if n > 0), default=0.0),
-        "published": rep.num_published,
-        "bytes": rep.num_bytes,
-        "errors": rep.num_errors,
-        "fenced": rep.num_fenced,
-        "prewarmed_blocks": engine.prewarmer.num_blocks if engine.prewarmer else 0,
-        "pushed_blocks": rep.pusher.num_blocks if rep.pusher else 0,
-        "pushed_bytes": rep.pusher.num_bytes if rep.pusher else 0,
-        "push_errors": rep.pusher.num_errors if rep.pusher else 0,
-        "checkpoints": rep.checkpointer.num_written if rep.checkpointer else 0,
-    }
+    return ReplicationStats(
+        sessions=len(lag),
+        lag_tokens=max((n for n, _ in lag), default=0),
+        lag_seconds=max((s for n, s in lag if n > 0), default=0.0),
+        published=rep.num_published,
+        bytes=rep.num_bytes,
+        errors=rep.num_errors,
+        fenced=rep.num_fenced,
+        prewarmed_blocks=engine.prewarmer.num_blocks if engine.prewarmer else 0,
+        pushed_blocks=rep.pusher.num_blocks if rep.pusher else 0,
+        pushed_bytes=rep.pusher.num_bytes if rep.pusher else 0,
+        push_errors=rep.pusher.num_errors if rep.pusher else 0,
+        checkpoints=rep.checkpointer.num_written if rep.checkpointer else 0,
+    )

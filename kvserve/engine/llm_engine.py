@@ -13,8 +13,10 @@ import torch
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine import kv_metrics
 from kvserve.engine.cpu_env import tune_malloc
+from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import FINISH_ABORT, EngineCoreOutput
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.stats import EngineStats, KVStats
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
@@ -45,10 +47,6 @@ from kvserve.utils import cdiv, format_size, resolve_device
 logger = logging.getLogger("kvserve")
 
 _CPU_DEFAULT_KV_MEMORY = 4 * 1024**3
-
-
-class EngineError(ValueError):
-    """A request or configuration the engine cannot serve; the message says why."""
 
 
 class LLMEngine:
@@ -174,6 +172,7 @@ class LLMEngine:
 
     def _replicator(self, args: EngineArgs):
         config = args.replication_config()
+        self.replication_url = config.cluster
         if config.cluster is None:
             return None
         import os
@@ -644,10 +643,25 @@ class LLMEngine:
         if self.kv.num_requests() > len(live):
             raise AssertionError("blocks are held by requests that are not running")
 
-    def metrics_snapshot(self) -> dict[str, Any]:
-        """KV metrics (watermarks, fragmentation, tenants, preemptions, swap); call on the
-        engine's thread."""
+    def metrics_snapshot(self) -> KVStats:
+        """KV metrics (watermarks, fragmentation, tenants, preemptions, swap, store,
+        replication); call on the engine's thread."""
         return kv_metrics.snapshot(self)
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, pool occupancy and prefix-cache counters (cheap: every step)."""
+        kv, sched = self.kv, self.scheduler
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_blocks_used=kv.pool.num_used,
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_cached_free=kv.pool.num_cached_free,
+            kv_block_bytes=self.kv_spec.bytes_per_block,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            num_preemptions=sched.num_preemptions,
+        )
 
     def info(self) -> dict[str, Any]:
         return {

@@ -183,15 +183,12 @@ class StartupFailed(msgspec.Struct, tag=True):
 
 
 class AddResult(msgspec.Struct, tag=True, omit_defaults=True):
-    """``error`` is the reason a request was refused (``EngineError``); else the request
-    is queued with ``prompt_token_ids`` and ``output_token_ids`` (a resumed stream's).
+    """``error`` is the reason a request was refused (``EngineError``); else it is queued.
     ``internal``: the refusal is a bug in the engine, not the request's fault."""
 
     request_id: str
     error: str | None = None
     internal: bool = False
-    prompt_token_ids: list[int] = []
-    output_token_ids: list[int] = []
 
 
 class UtilityResult(msgspec.Struct, tag=True, omit_defaults=True):

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /ready, /metrics and admin endpoints, over an ``AsyncLLMEngine``.
+/health, /ready, /metrics and admin endpoints, over an ``AsyncLLM`` (the engine core in its
+own process).
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` with the
 status OpenAI uses: 400 bad body / too long, 401 bad key, 404 unknown model, 429 queue
@@ -26,8 +27,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from kvserve.engine.llm_engine import EngineError
+from kvserve.engine.async_llm import AsyncLLM, RequestStream
+from kvserve.engine.errors import EngineDeadError, EngineError
+from kvserve.engine.messages import (
+    AcceptPush,
+    DeleteSession,
+    GetKVStats,
+    GetSession,
+    ReadCheckpoint,
+    ResetPrefixCache,
+    SessionInfo,
+    SetTenantBudgets,
+)
+from kvserve.engine.stats import KVStats
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams, child_seed
 from kvserve.server.auth import Principal, authenticate
@@ -61,16 +73,25 @@ class ServerConfig:
 
 
 class ServerState:
-    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
+    def __init__(self, engine: AsyncLLM, config: ServerConfig):
         self.engine = engine
         self.config = config
-        self.model_name = config.served_model_name or engine.engine.model_config.model
-        self.model_aliases = {self.model_name, engine.engine.model_config.model}
+        self.model_name = config.served_model_name or engine.info.model
+        self.model_aliases = {self.model_name, engine.info.model}
         self.metrics = ServerMetrics(engine, self.model_name)
         self.draining = False
         self.created = int(time.time())
-        self.max_model_len = engine.engine.max_model_len
-        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.info.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.coord = None  # the cluster coordinator, for session owner look-ups
+        if engine.info.cluster is not None:
+            from kvserve.ha.coordination import Coordinator
+
+            self.coord = Coordinator.from_url(engine.info.cluster)
+
+    def budgets(self, tenants: TenantsConfig) -> dict:
+        info = self.engine.info
+        return tenants.budgets(info.num_blocks, info.block_size, info.bytes_per_block)
 
     async def reload_tenants(self) -> TenantsConfig:
         """Re-read the tenants file and apply it: API keys at once, budgets on the engine
@@ -80,22 +101,15 @@ class ServerState:
         if current is None:
             raise ValueError("the server runs without a tenants file (--tenants)")
         new = TenantsConfig.load(current.source)
-        e = self.engine.engine
-        budgets = new.budgets(e.kv.num_blocks, e.kv.block_size, e.kv_spec.bytes_per_block)
-        await self.engine.call(lambda eng: eng.set_tenant_budgets(budgets))
+        await self.engine.call(SetTenantBudgets(self.budgets(new)))
         self.config = dataclasses.replace(self.config, tenants=new)
         return new
 
 
-def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
-    """The app; the caller starts/stops ``engine`` (``kvserve serve`` does both)."""
-    app = FastAPI(title="kvserve", version="0.1.0")
+def build_app(engine: AsyncLLM, config: ServerConfig, lifespan=None) -> FastAPI:
+    """The app; ``lifespan`` (``kvserve serve``'s) attaches and shuts down ``engine``."""
+    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     state = ServerState(engine, config)
-    if config.tenants is not None:  # the engine is not stepping yet: set budgets directly
-        e = engine.engine
-        e.set_tenant_budgets(
-            config.tenants.budgets(e.kv.num_blocks, e.kv.block_size, e.kv_spec.bytes_per_block)
-        )
     app.state.kv = state
 
     @app.exception_handler(APIError)
@@ -141,7 +155,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         snap = None
         if engine.is_running:
             with contextlib.suppress(Exception):  # a busy or failed engine: basic metrics only
-                snap = await asyncio.wait_for(engine.call(lambda e: e.metrics_snapshot()), 10)
+                snap = await engine.call(GetKVStats(), KVStats, timeout=10)
         state.metrics.set_snapshot(snap)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -167,13 +181,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/admin/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         authenticate(request, state.config, admin=True)
-        n = await engine.call(lambda e: e.kv.reset_prefix_cache())
+        n = await engine.call(ResetPrefixCache(), int)
         return JSONResponse({"evicted_blocks": n})
 
     # ---- sessions ------------------------------------------------------------------------
     def _session_principal(request: Request) -> Principal:
         principal = authenticate(request, state.config)
-        if engine.engine.offloader is None:
+        if not engine.info.has_kv_store:
             raise APIError(
                 404, "sessions need a KV store (--kv-store)", "NotFoundError", code="no_kv_store"
             )
@@ -182,26 +196,24 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/sessions/{session_id}")
     async def get_session(request: Request, session_id: str) -> JSONResponse:
         principal = _session_principal(request)
-        record = await engine.call(lambda e: e.offloader.sessions.get(principal.tenant, session_id))
-        if record is None:
+        info = await engine.call(GetSession(principal.tenant, session_id), SessionInfo | None)
+        if info is None:
             raise APIError(404, f"no session {session_id!r}", "NotFoundError", "session_id")
         return JSONResponse(
             {
                 "id": session_id,
                 "object": "session",
-                "num_tokens": len(record["tokens"]),
-                "num_blocks": len(record["blocks"]),
-                "updated_at": record["updated"],
-                "expires_at": record["expires"],
+                "num_tokens": info.num_tokens,
+                "num_blocks": info.num_blocks,
+                "updated_at": info.updated_at,
+                "expires_at": info.expires_at,
             }
         )
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(request: Request, session_id: str) -> JSONResponse:
         principal = _session_principal(request)
-        deleted = await engine.call(
-            lambda e: e.offloader.sessions.delete(principal.tenant, session_id)
-        )
+        deleted = await engine.call(DeleteSession(principal.tenant, session_id), bool)
         if not deleted:
             raise APIError(404, f"no session {session_id!r}", "NotFoundError", "session_id")
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
@@ -222,8 +234,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         optional ``seen_epoch`` and ``ephemeral``, and the client's original ``request`` (``kind``
         ``completion`` or ``chat``). The response continues exactly where the client is."""
         _cluster_auth(request)
-        replicator = engine.engine.replicator
-        if replicator is None:
+        coord = state.coord
+        if coord is None:
             raise APIError(404, "this worker is not in a cluster (--cluster)", "NotFoundError")
         try:
             body = await request.json()
@@ -246,12 +258,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         except ValueError as e:
             raise bad_request(str(e)) from None
         try:
-            owner = await asyncio.to_thread(replicator.coord.owner, session_id)
+            owner = await asyncio.to_thread(coord.owner, session_id)
         except Exception as e:
             raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
         replicated = json.loads(owner.state) if owner is not None and owner.state else None
-        if replicated is None and replicator.checkpointer is not None:  # another site's state
-            replicated = await asyncio.to_thread(replicator.checkpointer.read, session_id)
+        if replicated is None and engine.info.has_checkpointer:  # another site's state
+            raw = await engine.call(ReadCheckpoint(session_id), bytes | None)
+            replicated = json.loads(raw) if raw is not None else None
         if replicated is not None and all(
             replicated.get(k) == record[k] for k in ("prompt_token_ids", "params", "tenant")
         ):
@@ -306,7 +319,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             if len(prompts) != 1:
                 raise ValueError("only single-prompt streams can be resumed")
             p = prompts[0]
-            prompt_ids = engine.engine.tokenize(p) if isinstance(p, str) else list(p)
+            prompt_ids = engine.tokenize(p) if isinstance(p, str) else list(p)
         return {
             "session_id": session_id,
             "tenant": tenant,
@@ -330,21 +343,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         except (ValueError, AttributeError) as e:
             raise bad_request(f"bad drain request: {e}") from None
         state.draining = drain
-        return JSONResponse({"draining": drain, "running": engine.stats()["running"]})
+        return JSONResponse({"draining": drain, "running": engine.stats().running})
 
     @app.post("/internal/replica")
     async def internal_replica(request: Request) -> JSONResponse:
         """A primary's direct push (``--replicate-to standby``): verified blocks go into
         this worker's host tier (``ha.push``)."""
         _cluster_auth(request)
-        offloader = engine.engine.offloader
-        if offloader is None:
+        if not engine.info.has_kv_store:
             raise APIError(404, "this worker has no KV store", "NotFoundError")
-        from kvserve.ha.push import accept_push  # the cluster extras are optional
-
         body = await request.body()
         try:
-            accepted, refused = await asyncio.to_thread(accept_push, offloader, body)
+            accepted, refused = await engine.call(AcceptPush(body), list[int])
         except ValueError as e:
             raise bad_request(str(e)) from None
         state.metrics.pushed_blocks.labels(state.model_name, "accepted").inc(accepted)
@@ -374,7 +384,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 "model",
                 "model_not_found",
             )
-        if engine.stats()["waiting"] >= config.max_waiting_requests:
+        if engine.stats().waiting >= config.max_waiting_requests:
             raise APIError(
                 429,
                 "too many requests are waiting; retry later",
@@ -452,7 +462,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise bad_request("the model has no tokenizer, so chat is unavailable")
         try:
             params = body.sampling_params()
-            prompt = _chat_prompt_ids(body)
+            prompt = await asyncio.to_thread(_chat_prompt_ids, body)  # off the event loop
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         streams = await _start([prompt], params, principal, body, request)

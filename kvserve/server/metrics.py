@@ -1,8 +1,8 @@
 """Prometheus metrics of one server, in a registry of its own (no global state).
 
 Request metrics are observed by the HTTP handlers; engine and KV state is read at scrape
-time from ``AsyncLLMEngine.stats()`` and from the KV snapshot the ``/metrics`` handler
-fetches from the engine thread (``LLMEngine.metrics_snapshot``) just before rendering.
+time from ``AsyncLLM.stats()`` (the engine core's newest ``EngineStats``) and from the
+``KVStats`` snapshot the ``/metrics`` handler asks the engine core for just before rendering.
 Names are vLLM's with the ``kvserve_`` prefix (``vllm:time_to_first_token_seconds`` →
 ``kvserve_time_to_first_token_seconds``).
 """
@@ -10,7 +10,6 @@ Names are vLLM's with the ``kvserve_`` prefix (``vllm:time_to_first_token_second
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -20,7 +19,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.stats import KVStats, ReplicationStats, StoreStats
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -45,10 +45,10 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLM, model_name: str):
         self.engine = engine
         self.labels = {"model_name": model_name}
-        self.snapshot: dict[str, Any] | None = None  # set by the /metrics handler
+        self.snapshot: KVStats | None = None  # set by the /metrics handler
 
     def describe(self) -> list[Metric]:
         return []
@@ -68,43 +68,41 @@ class _EngineCollector:
             c.add_metric(values, value)
             return c
 
-        yield gauge("kvserve_num_requests_running", "Requests in the running batch.", s["running"])
-        yield gauge(
-            "kvserve_num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"]
-        )
-        total = max(s["kv_blocks_total"], 1)
+        yield gauge("kvserve_num_requests_running", "Requests in the running batch.", s.running)
+        yield gauge("kvserve_num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+        total = max(s.kv_blocks_total, 1)
         yield gauge(
             "kvserve_kv_cache_usage_perc",
             "Fraction of KV blocks in use (0-1).",
-            s["kv_blocks_used"] / total,
+            s.kv_blocks_used / total,
         )
         yield gauge(
             "kvserve_kv_cache_used_bytes",
             "Bytes of KV in used blocks (the demand kvserve plan --prometheus reads).",
-            s["kv_blocks_used"] * s["kv_block_bytes"],
+            s.kv_blocks_used * s.kv_block_bytes,
         )
         yield gauge(
             "kvserve_kv_cache_capacity_bytes",
             "Bytes of the KV pool.",
-            s["kv_blocks_total"] * s["kv_block_bytes"],
+            s.kv_blocks_total * s.kv_block_bytes,
         )
         blocks = GaugeMetricFamily(
             "kvserve_kv_cache_blocks", "KV blocks by state.", labels=[*names, "state"]
         )
-        free = s["kv_blocks_total"] - s["kv_blocks_used"]
-        blocks.add_metric([*values, "used"], s["kv_blocks_used"])
-        blocks.add_metric([*values, "cached_free"], s["kv_blocks_cached_free"])
-        blocks.add_metric([*values, "free"], free - s["kv_blocks_cached_free"])
+        free = s.kv_blocks_total - s.kv_blocks_used
+        blocks.add_metric([*values, "used"], s.kv_blocks_used)
+        blocks.add_metric([*values, "cached_free"], s.kv_blocks_cached_free)
+        blocks.add_metric([*values, "free"], free - s.kv_blocks_cached_free)
         yield blocks
         yield counter(
             "kvserve_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            s["prefix_cache_queries"],
+            s.prefix_cache_queries,
         )
         yield counter(
             "kvserve_prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
-            s["prefix_cache_hits"],
+            s.prefix_cache_hits,
         )
         snap = self.snapshot
         if snap is None:
@@ -112,7 +110,7 @@ class _EngineCollector:
         yield gauge(
             "kvserve_prefix_cache_hit_rate",
             "Prompt tokens found in the prefix cache / looked up, since start.",
-            snap["prefix_cache_hit_rate"],
+            snap.prefix_cache_hit_rate,
         )
         pre = CounterMetricFamily(
             "kvserve_num_preemptions",
@@ -120,36 +118,36 @@ class _EngineCollector:
             "(pool|tenant_limit|reservation).",
             labels=[*names, "mode", "tenant", "reason"],
         )
-        for (mode, tenant, reason), n in sorted(snap["preemptions"].items()):
-            pre.add_metric([*values, mode, tenant, reason], n)
+        for p in snap.preemptions:
+            pre.add_metric([*values, p.mode, p.tenant, p.reason], p.count)
         yield pre
         peak = GaugeMetricFamily(
             "kvserve_kv_cache_usage_peak_perc",
             "Peak fraction of KV blocks in use over a sliding window.",
             labels=[*names, "window"],
         )
-        for window, v in snap["peak_usage"].items():
+        for window, v in snap.peak_usage.items():
             peak.add_metric([*values, window], v)
         yield peak
         yield gauge(
             "kvserve_kv_cache_internal_fragmentation_ratio",
             "Unused token slots in allocated blocks / allocated slots.",
-            snap["internal_fragmentation"],
+            snap.internal_fragmentation,
         )
         yield gauge(
             "kvserve_kv_cache_free_fragmentation_ratio",
             "Free blocks / the longest run of consecutive free blocks (1 = one run).",
-            snap["free_fragmentation"],
+            snap.free_fragmentation,
         )
         yield gauge(
             "kvserve_swap_space_used_bytes",
             "Host swap space holding swapped-out requests' K/V.",
-            snap["swap_used_bytes"],
+            snap.swap_used_bytes,
         )
         yield gauge(
             "kvserve_swap_space_capacity_bytes",
             "Host swap space bound (--swap-space; 0 when swapping is off).",
-            snap["swap_capacity_bytes"],
+            snap.swap_capacity_bytes,
         )
         per_tenant = {
             "kvserve_tenant_kv_blocks": ("KV blocks charged to the tenant.", "blocks"),
@@ -161,11 +159,11 @@ class _EngineCollector:
             "kvserve_tenant_num_requests_waiting": ("The tenant's waiting requests.", "waiting"),
             "kvserve_tenant_num_requests_running": ("The tenant's running requests.", "running"),
         }
-        tenants = snap["tenants"]
+        tenants = snap.tenants
         for name, (doc, key) in per_tenant.items():
             g = GaugeMetricFamily(name, doc, labels=[*names, "tenant"])
             for t, d in tenants.items():
-                g.add_metric([*values, t], d[key])
+                g.add_metric([*values, t], getattr(d, key))
             yield g
         usage = GaugeMetricFamily(
             "kvserve_tenant_kv_cache_usage_perc",
@@ -178,17 +176,17 @@ class _EngineCollector:
             labels=[*names, "tenant"],
         )
         for t, d in tenants.items():
-            usage.add_metric([*values, t], d["blocks"] / total)
-            of_limit.add_metric([*values, t], d["blocks"] / max(d["limit"], 1))
+            usage.add_metric([*values, t], d.blocks / total)
+            of_limit.add_metric([*values, t], d.blocks / max(d.limit, 1))
         yield usage
         yield of_limit
-        if snap.get("store"):
-            yield from self._store_metrics(snap["store"], names, values)
-        if snap.get("replication"):
-            yield from self._replication_metrics(snap["replication"], names, values)
+        if snap.store is not None:
+            yield from self._store_metrics(snap.store, names, values)
+        if snap.replication is not None:
+            yield from self._replication_metrics(snap.replication, names, values)
 
     def _replication_metrics(
-        self, rep: dict, names: list[str], values: list[str]
+        self, rep: ReplicationStats, names: list[str], values: list[str]
     ) -> Iterator[Metric]:
         gauges = {
             "kvserve_replication_sessions": ("Sessions this node replicates now.", "sessions"),
@@ -203,7 +201,7 @@ class _EngineCollector:
         }
         for name, (doc, key) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, rep[key])
+            g.add_metric(values, getattr(rep, key))
             yield g
         counters = {
             "kvserve_replication_records": ("Session records written (fenced).", "published"),
@@ -233,10 +231,12 @@ class _EngineCollector:
         }
         for name, (doc, key) in counters.items():
             c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, rep[key])
+            c.add_metric(values, getattr(rep, key))
             yield c
 
-    def _store_metrics(self, store: dict, names: list[str], values: list[str]) -> Iterator[Metric]:
+    def _store_metrics(
+        self, store: StoreStats, names: list[str], values: list[str]
+    ) -> Iterator[Metric]:
         from kvserve.store.tiered import LATENCY_BUCKETS
 
         counters = {
@@ -257,8 +257,8 @@ class _EngineCollector:
         labels = [*names, "tier"]
         for name, (doc, field_name) in counters.items():
             c = CounterMetricFamily(name, doc, labels=labels)
-            for t in store["tiers"]:
-                c.add_metric([*values, t["name"]], getattr(t["stats"], field_name))
+            for t in store.tiers:
+                c.add_metric([*values, t.name], getattr(t.stats, field_name))
             yield c
         up = GaugeMetricFamily(
             "kvserve_kv_store_up", "1 while the tier's circuit breaker is closed.", labels=labels
@@ -268,15 +268,15 @@ class _EngineCollector:
             "Latency of store operations per tier.",
             labels=[*labels, "op"],
         )
-        for t in store["tiers"]:
-            up.add_metric([*values, t["name"]], 1.0 if t["up"] else 0.0)
-            st = t["stats"]
+        for t in store.tiers:
+            up.add_metric([*values, t.name], 1.0 if t.up else 0.0)
+            st = t.stats
             for op, counts in sorted(st.latency_counts.items()):
                 cumulative, buckets = 0, []
                 for le, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
                     cumulative += n
                     buckets.append(("+Inf" if le == float("inf") else str(le), cumulative))
-                hist.add_metric([*values, t["name"], op], buckets, st.latency_sums[op])
+                hist.add_metric([*values, t.name, op], buckets, st.latency_sums[op])
         yield up
         yield hist
         for name, doc, key in (
@@ -284,23 +284,23 @@ class _EngineCollector:
             ("kvserve_kv_store_saved_blocks", "Blocks offered to the store.", "saved_blocks"),
         ):
             c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, store[key])
+            c.add_metric(values, getattr(store, key))
             yield c
         g = GaugeMetricFamily(
             "kvserve_kv_store_queue_depth", "Write batches queued for lower tiers.", labels=names
         )
-        g.add_metric(values, store["queue_depth"])
+        g.add_metric(values, store.queue_depth)
         yield g
 
 
 class ServerMetrics:
     """The server's registry and the request-level instruments."""
 
-    def set_snapshot(self, snapshot: dict[str, Any] | None) -> None:
+    def set_snapshot(self, snapshot: KVStats | None) -> None:
         """The KV snapshot the next collection renders (None: only the basic gauges)."""
         self._engine_collector.snapshot = snapshot
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
         self._engine_collector = _EngineCollector(engine, model_name)
         self.registry.register(self._engine_collector)

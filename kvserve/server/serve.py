@@ -5,7 +5,10 @@ requests; an invalid file is logged and the old tenants stay.
 
 Shutdown: the first signal marks the server draining (``/ready`` → 503, new requests → 503)
 and uvicorn stops accepting connections, then waits up to ``graceful_timeout`` seconds for
-running requests and streams to finish; then the engine thread stops.
+running requests and streams to finish; then the engine core is told to shut down (it
+flushes the KV store and exits). The engine core runs in its own process
+(``engine.core_proc``); if it dies, running streams end with an error event, new requests
+and ``/health`` get 503, and the server exits 1.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from collections.abc import Iterator
 import uvicorn
 
 from kvserve.config import EngineArgs
-from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.errors import EngineError
+from kvserve.engine.messages import SetTenantBudgets
 from kvserve.server.app import ServerConfig, build_app
 
 logger = logging.getLogger("kvserve")
@@ -51,13 +55,16 @@ class _DrainingServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def _start_heartbeat(engine: AsyncLLMEngine, config: ServerConfig):
+def _start_heartbeat(engine: AsyncLLM, config: ServerConfig):
     """With ``--cluster``: register this worker and refresh its lease (a third of it)
-    until the returned stop function is called (which deregisters it)."""
-    replicator = engine.engine.replicator
-    if replicator is None:
+    until the returned stop function is called (which deregisters it). Runs in the API
+    server process, so the engine core's loop never waits for it."""
+    info = engine.info
+    if info.cluster is None or info.node_id is None:
         return lambda: None
-    coord, node = replicator.coord, replicator.node_id
+    from kvserve.ha.coordination import Coordinator
+
+    coord, node = Coordinator.from_url(info.cluster), info.node_id
     url = config.advertise_url or f"http://{config.host}:{config.port}"
     stop = threading.Event()
 
@@ -68,9 +75,9 @@ def _start_heartbeat(engine: AsyncLLMEngine, config: ServerConfig):
                 coord.heartbeat(
                     node,
                     url,
-                    running=s["running"],
-                    waiting=s["waiting"],
-                    kv_usage=s["kv_blocks_used"] / max(s["kv_blocks_total"], 1),
+                    running=s.running,
+                    waiting=s.waiting,
+                    kv_usage=s.kv_blocks_used / max(s.kv_blocks_total, 1),
                 )
             except Exception as e:  # Redis away: keep trying; the lease lapses meanwhile
                 logger.warning("cluster heartbeat failed: %s", e)
@@ -90,15 +97,16 @@ def _start_heartbeat(engine: AsyncLLMEngine, config: ServerConfig):
 
 
 def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
-    """Serve until a signal; returns after a graceful shutdown."""
-    llm_engine = LLMEngine(engine_args)
-    if llm_engine.replicator is not None and llm_engine.replicator.pusher is not None:
-        llm_engine.replicator.pusher.secret = config.cluster_secret
+    """Serve until a signal; returns after a graceful shutdown. Exits 1 when the engine
+    core cannot start or dies while serving (a supervisor restarts the server)."""
+    try:
+        engine = AsyncLLM.start(engine_args, config.cluster_secret, log_level)
+    except EngineError as e:
+        logger.error("the engine could not start: %s", e)
+        raise SystemExit(1) from None
+    info = engine.info
     if config.tenants is not None:
-        kv = llm_engine.kv
-        budgets = config.tenants.resolve(
-            kv.num_blocks, kv.block_size, llm_engine.kv_spec.bytes_per_block
-        )
+        budgets = config.tenants.resolve(info.num_blocks, info.block_size, info.bytes_per_block)
         for b in budgets.values():
             logger.info(
                 "tenant %s: priority %d, reservation %d blocks, limit %d blocks",
@@ -107,9 +115,32 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
                 b.reservation_blocks,
                 b.limit_blocks,
             )
-    engine = AsyncLLMEngine(llm_engine)
-    app = build_app(engine, config)
-    engine.start()
+    server: _DrainingServer | None = None
+    died = False
+
+    async def watch_engine() -> None:
+        nonlocal died
+        await engine.dead.wait()
+        died = True
+        logger.error("the engine core died: answering 503 and exiting")
+        await asyncio.sleep(0.5)  # running streams get their error event first
+        if server is not None:
+            server.should_exit = True
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.attach()
+        watcher = asyncio.create_task(watch_engine())
+        if config.tenants is not None:
+            await engine.call(SetTenantBudgets(app.state.kv.budgets(config.tenants)))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await engine.shutdown(config.graceful_timeout)  # flushes queued KV store writes
+            logger.info("engine stopped")
+
+    app = build_app(engine, config, lifespan)
     stop_heartbeat = _start_heartbeat(engine, config)
 
     def drain() -> None:
@@ -140,6 +171,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
         server.run()
     finally:
         stop_heartbeat()
-        engine.shutdown()
-        llm_engine.close()  # flushes queued KV store writes
-        logger.info("engine stopped")
+        if engine.proc.is_alive():  # uvicorn never started the app (e.g. port in use)
+            engine.proc.kill()
+    if died:
+        raise SystemExit(1)

@@ -1,0 +1,346 @@
+"""AsyncLLM: the API server's side of the engine core, over ZeroMQ.
+
+``AsyncLLM.start`` spawns the engine-core process (``engine.core_proc``) and waits for its
+``EngineInfo``; ``attach`` (inside the server's event loop) starts the task that reads
+its frames. Outputs arrive as per-step deltas; the ``OutputProcessor`` here turns them into
+cumulative ``RequestOutput`` snapshots with incremental text and stop strings, so the
+engine core never does text work.
+
+Contracts:
+
+- ``add_request`` / ``resume`` raise ``EngineError`` for a request the engine refuses and
+  ``EngineDeadError`` once the core is gone; else return a ``RequestStream``. Leaving the
+  stream early (disconnect, cancellation) aborts the request in the core.
+- When the core process dies, every stream gets ``EngineDeadError``, every pending call
+  fails with it, ``is_running`` turns False and ``dead`` is set — nothing hangs.
+- ``stats`` is the core's newest ``EngineStats`` (``waiting`` includes adds in flight).
+- ``shutdown`` asks the core to flush and exit, bounded by a timeout (then it is killed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvserve.config import EngineArgs
+from kvserve.engine.core_proc import run_engine_core
+from kvserve.engine.errors import EngineDeadError, EngineError
+from kvserve.engine.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    AddResult,
+    CoreMessage,
+    EngineInfo,
+    FinishStopped,
+    Outputs,
+    ResumeRequest,
+    Shutdown,
+    StartupFailed,
+    Utility,
+    UtilityCall,
+    UtilityResult,
+)
+from kvserve.engine.output import OutputProcessor
+from kvserve.engine.stats import EngineStats
+from kvserve.model.tokenizer import Tokenizer, load_tokenizer
+from kvserve.request import RequestOutput
+from kvserve.sampling import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+
+class RequestStream:
+    """Cumulative outputs of one request; iterate once. Leaving the iteration before the
+    final output (or calling ``abort``) aborts the request and frees its blocks."""
+
+    def __init__(self, owner: AsyncLLM, request_id: str, queue: asyncio.Queue, n_prompt: int):
+        self.owner = owner
+        self.request_id = request_id
+        self.num_prompt_tokens = n_prompt
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """The engine core in its own process, driven from one asyncio loop."""
+
+    def __init__(self, proc: Any, inp: zmq.Socket, out: zmq.Socket, info: EngineInfo, tmp: str):
+        self.proc = proc
+        self.info = info
+        self.tokenizer: Tokenizer | None = load_tokenizer(info.model)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._tmp = tmp
+        self._sync = (inp, out)
+        self._inp: zmq.asyncio.Socket | None = None
+        self._out: zmq.asyncio.Socket | None = None
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(CoreMessage)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._adds: dict[str, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self.error: BaseException | None = None
+        self.dead = asyncio.Event()
+        self._reader: asyncio.Task | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        args: EngineArgs,
+        cluster_secret: str | None = None,
+        log_level: str = "info",
+        timeout: float = 3600.0,
+    ) -> AsyncLLM:
+        """Spawn the engine core and wait (up to ``timeout`` s) until it loaded the model.
+        Raises ``EngineError`` with the core's reason when it cannot start."""
+        tmp = tempfile.mkdtemp(prefix="kvserve-core-")
+        in_addr, out_addr = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+        ctx = zmq.Context.instance()
+        inp = ctx.socket(zmq.PUSH)
+        inp.bind(in_addr)
+        out = ctx.socket(zmq.PULL)
+        out.bind(out_addr)
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(args, in_addr, out_addr, os.getpid(), cluster_secret, log_level),
+            name="kvserve-engine-core",
+            daemon=True,
+        )
+        proc.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            if out.poll(200):
+                msg = msgspec.msgpack.decode(out.recv(), type=CoreMessage)
+                break
+            if not proc.is_alive() or time.monotonic() > deadline:
+                proc.kill()
+                raise EngineError(f"the engine core exited while starting ({proc.exitcode})")
+        if isinstance(msg, StartupFailed):
+            proc.join(10)
+            raise EngineError(msg.message)
+        if not isinstance(msg, EngineInfo) or msg.protocol_version != PROTOCOL_VERSION:
+            proc.kill()
+            raise EngineError("the engine core speaks another protocol version")
+        return cls(proc, inp, out, msg, tmp)
+
+    def attach(self) -> None:
+        """Start reading the core's frames on the running loop (call once, in the loop)."""
+        inp, out = self._sync
+        self._inp = zmq.asyncio.Socket.from_socket(inp)
+        self._out = zmq.asyncio.Socket.from_socket(out)
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read())
+        loop.add_reader(self.proc.sentinel, self._on_exit)
+
+    def _on_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        if self.error is None:
+            self._fail(EngineDeadError(f"the engine core exited ({self.proc.exitcode})"))
+
+    def _fail(self, err: EngineDeadError) -> None:
+        logger.error("%s", err)
+        self.error = err
+        for q in self._streams.values():
+            q.put_nowait(err)
+        self._streams.clear()
+        for fut in [*self._adds.values(), *self._calls.values()]:
+            if not fut.done():
+                fut.set_exception(err)
+        self._adds.clear()
+        self._calls.clear()
+        self.dead.set()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Ask the core to flush and exit; kill it after ``timeout`` s."""
+        if self.proc.is_alive() and self.error is None:
+            with contextlib.suppress(Exception):
+                self._send(Shutdown())
+            deadline = time.monotonic() + timeout
+            while self.proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        if self._reader is not None:
+            self._reader.cancel()
+        self.error = self.error or EngineDeadError("the engine shut down")
+        with contextlib.suppress(OSError):
+            for name in ("in", "out"):
+                os.unlink(os.path.join(self._tmp, name))
+            os.rmdir(self._tmp)
+
+    @property
+    def is_running(self) -> bool:
+        return self.error is None
+
+    # ---- frames ---------------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        assert self._inp is not None, "attach() first"
+        self._inp.send(self._enc.encode(msg), copy=False)
+
+    async def _read(self) -> None:
+        assert self._out is not None
+        while True:
+            frame = await self._out.recv(copy=False)
+            msg = self._dec.decode(frame.buffer)
+            if isinstance(msg, Outputs):
+                self._stats = msg.stats
+                self._deliver(msg)
+            elif isinstance(msg, AddResult):
+                fut = self._adds.pop(msg.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, UtilityResult):
+                fut = self._calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def _deliver(self, msg: Outputs) -> None:
+        outs, hits = self.outputs.process(msg.outputs)
+        for hit in hits:
+            self._send(FinishStopped(hit.request_id, hit.num_output_tokens))
+        for out in outs:
+            q = self._streams.get(out.request_id)
+            if q is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            q.put_nowait(out)
+
+    # ---- requests -------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self._stats
+        if self._adds:
+            s = msgspec.structs.replace(s, waiting=s.waiting + len(self._adds))
+        return s
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise EngineError(f"{self.info.model} has no tokenizer.json; pass prompt token ids")
+        return self.tokenizer.encode(text)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> RequestStream:
+        """Queue one sequence; ``kwargs`` are ``AddRequest`` fields (``tenant`` …)."""
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str):  # off the event loop: a huge prompt must not stall it
+            ids = await asyncio.to_thread(self.tokenize, prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        msg = AddRequest(request_id, ids, params, seed, **kwargs)
+        return await self._add(request_id, msg, text, ids, params)
+
+    async def resume(
+        self,
+        request_id: str,
+        record: dict[str, Any],
+        delivered: Sequence[int],
+        seen_epoch: int | None,
+    ) -> RequestStream:
+        """``LLMEngine.resume_request`` as a stream (a failover's continuation)."""
+        msg = ResumeRequest(
+            request_id, msgspec.json.encode(record), [int(t) for t in delivered], seen_epoch
+        )
+        params = SamplingParams(**record["params"])
+        ids = [int(t) for t in record["prompt_token_ids"]]
+        return await self._add(request_id, msg, None, ids, params, msg.delivered)
+
+    async def _add(
+        self,
+        request_id: str,
+        msg: AddRequest | ResumeRequest,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        delivered: list[int] | None = None,
+    ) -> RequestStream:
+        # the stream exists before the core can answer: its first delta may be read in the
+        # same batch of frames as the AddResult
+        queue: asyncio.Queue = asyncio.Queue()
+        self.outputs.add_request(request_id, text, ids, params, delivered)
+        self._streams[request_id] = queue
+        fut = asyncio.get_running_loop().create_future()
+        self._adds[request_id] = fut
+        try:
+            self._send(msg)
+            result: AddResult = await fut
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self.abort(request_id)
+            raise
+        finally:
+            self._adds.pop(request_id, None)
+        if result.error is not None:
+            self.abort(request_id)
+            if result.internal:
+                raise RuntimeError(result.error)
+            raise EngineError(result.error)
+        return RequestStream(self, request_id, queue, len(ids))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in the core (no-op if unknown or the core is gone)."""
+        self._streams.pop(request_id, None)
+        self.outputs.abort(request_id)
+        if self.error is None:
+            with contextlib.suppress(EngineDeadError):
+                self._send(Abort([request_id]))
+
+    async def call(self, call: UtilityCall, type: Any = Any, timeout: float | None = None) -> Any:
+        """Run a utility call between steps; returns its value decoded as ``type``.
+        Raises ValueError with the core's message when the call failed there."""
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(Utility(call_id, call))
+            result: UtilityResult = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if result.error is not None:
+            raise ValueError(result.error)
+        return msgspec.msgpack.decode(result.value, type=type)

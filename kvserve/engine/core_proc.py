@@ -1,0 +1,276 @@
+"""The engine-core process: one busy loop that owns the engine (scheduler, KV, model).
+
+Contract of the loop (``CoreLoop.run``), one iteration:
+
+1. Read every message the client sent (without waiting when requests are running; up to
+   ``IDLE_POLL_S`` when idle) and apply it: add, resume, abort, finish (stop string),
+   utility calls (answered at once), shutdown.
+2. If requests are unfinished, run one ``LLMEngine.step()`` and send its deltas with the
+   engine's stats (``Outputs``); else send the stats once after anything changed.
+3. Exit when the parent (the API server) is gone: no orphans. The kernel's parent-death
+   signal covers a SIGKILLed parent too.
+
+Nothing else in this process does Python work the loop waits for during a forward pass:
+there is no asyncio loop, no HTTP, no tokenizer here. A request the engine refuses gets
+an ``AddResult`` with the reason; an exception inside ``step()`` is a bug or a device
+failure: it is logged and the process exits 1, and the client fails every stream
+(``EngineDeadError``) instead of hanging.
+
+SIGINT and SIGTERM are ignored here: the API server drains first and then sends
+``Shutdown``, after which the KV store and replication are flushed and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvserve.config import EngineArgs
+from kvserve.engine import kv_metrics
+from kvserve.engine.errors import EngineError
+from kvserve.engine.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AcceptPush,
+    AddRequest,
+    AddResult,
+    ClientMessage,
+    DeleteSession,
+    EngineInfo,
+    FinishStopped,
+    GetKVStats,
+    GetSession,
+    Outputs,
+    ReadCheckpoint,
+    ResetPrefixCache,
+    ResumeRequest,
+    SessionInfo,
+    SetTenantBudgets,
+    Shutdown,
+    StartupFailed,
+    Utility,
+    UtilityCall,
+    UtilityResult,
+)
+
+logger = logging.getLogger("kvserve")
+
+IDLE_POLL_S = 0.1
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere the
+    loop's parent check alone)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class CoreLoop:
+    """The busy loop around one ``LLMEngine``; ``run`` returns when told to shut down."""
+
+    def __init__(self, engine: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
+        self.engine = engine
+        self.inp = inp
+        self.out = out
+        self.parent_pid = parent_pid
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(ClientMessage)
+        self._poller = zmq.Poller()
+        self._poller.register(inp, zmq.POLLIN)
+        self._stop = False
+
+    def _send(self, msg: Any) -> None:
+        self.out.send(self._enc.encode(msg), copy=False)
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            busy = engine.has_unfinished_requests()
+            changed = False
+            if self._poller.poll(0 if busy else int(IDLE_POLL_S * 1000)):
+                while True:
+                    try:
+                        frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(self._dec.decode(frame.buffer))
+                    changed = True
+            if os.getppid() != self.parent_pid:
+                logger.error("engine core: the API server is gone; exiting")
+                return
+            if self._stop:
+                break
+            if engine.has_unfinished_requests():
+                self._send(Outputs(engine.step(), engine.stats()))
+            elif changed:
+                self._send(Outputs([], engine.stats()))
+
+    # ---- messages -----------------------------------------------------------------------
+    def _handle(self, msg: Any) -> None:
+        e = self.engine
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, ResumeRequest):
+            self._resume(msg)
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                e.abort_request(rid)
+        elif isinstance(msg, FinishStopped):
+            e.finish_request(msg.request_id, msg.num_output_tokens)
+        elif isinstance(msg, Utility):
+            self._utility(msg)
+        elif isinstance(msg, Shutdown):
+            self._stop = True
+
+    def _add(self, m: AddRequest) -> None:
+        try:
+            self.engine.add_request(
+                m.request_id,
+                m.prompt_token_ids,
+                m.params,
+                m.seed,
+                tenant=m.tenant,
+                cache_salt=m.cache_salt,
+                priority=m.priority,
+                session_id=m.session_id,
+                session_epoch=m.session_epoch,
+                ephemeral_session=m.ephemeral_session,
+                standby=m.standby,
+            )
+        except EngineError as err:
+            self._send(AddResult(m.request_id, error=str(err)))
+        except Exception as err:  # a bug: refuse this request, keep serving
+            logger.exception("engine core: add_request %s failed", m.request_id)
+            self._send(AddResult(m.request_id, error=f"internal error: {err!r}", internal=True))
+        else:
+            self._send(AddResult(m.request_id))
+
+    def _resume(self, m: ResumeRequest) -> None:
+        try:
+            record = json.loads(m.record)
+            self.engine.resume_request(m.request_id, record, m.delivered, m.seen_epoch)
+        except (EngineError, ValueError) as err:
+            self._send(AddResult(m.request_id, error=str(err)))
+        except Exception as err:
+            logger.exception("engine core: resume %s failed", m.request_id)
+            self._send(AddResult(m.request_id, error=f"internal error: {err!r}", internal=True))
+        else:
+            self._send(AddResult(m.request_id))
+
+    def _utility(self, m: Utility) -> None:
+        try:
+            value = self._call(m.call)
+        except Exception as err:
+            if not isinstance(err, ValueError | EngineError):
+                logger.exception("engine core: %s failed", type(m.call).__name__)
+            self._send(UtilityResult(m.call_id, error=str(err) or repr(err)))
+            return
+        self._send(UtilityResult(m.call_id, msgspec.Raw(self._enc.encode(value))))
+
+    def _call(self, call: UtilityCall) -> Any:
+        e = self.engine
+        if isinstance(call, ResetPrefixCache):
+            return e.kv.reset_prefix_cache()
+        if isinstance(call, GetSession):
+            rec = e.offloader.sessions.get(call.tenant, call.session_id) if e.offloader else None
+            if rec is None:
+                return None
+            return SessionInfo(
+                len(rec["tokens"]), len(rec["blocks"]), rec["updated"], rec["expires"]
+            )
+        if isinstance(call, DeleteSession):
+            return bool(e.offloader and e.offloader.sessions.delete(call.tenant, call.session_id))
+        if isinstance(call, SetTenantBudgets):
+            e.set_tenant_budgets(call.budgets)
+            return None
+        if isinstance(call, GetKVStats):
+            return kv_metrics.snapshot(e)
+        if isinstance(call, AcceptPush):
+            if e.offloader is None:
+                raise ValueError("this worker has no KV store")
+            from kvserve.ha.push import accept_push
+
+            return list(accept_push(e.offloader, call.body))
+        if isinstance(call, ReadCheckpoint):
+            rep = e.replicator
+            if rep is None or rep.checkpointer is None:
+                return None
+            record = rep.checkpointer.read(call.session_id)
+            return None if record is None else json.dumps(record).encode()
+        raise ValueError(f"unknown call {type(call).__name__}")
+
+
+def engine_info(engine: Any) -> EngineInfo:
+    rep = engine.replicator
+    return EngineInfo(
+        protocol_version=PROTOCOL_VERSION,
+        model=engine.model_config.model,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.spec.vocab_size,
+        num_blocks=engine.kv.num_blocks,
+        block_size=engine.kv.block_size,
+        bytes_per_block=engine.kv_spec.bytes_per_block,
+        has_kv_store=engine.offloader is not None,
+        cluster=engine.replication_url,
+        node_id=rep.node_id if rep is not None else None,
+        has_checkpointer=rep is not None and rep.checkpointer is not None,
+        pid=os.getpid(),
+    )
+
+
+def run_engine_core(
+    args: EngineArgs,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    cluster_secret: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Entry point of the engine-core process (``multiprocessing`` spawn target)."""
+    _die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the API server drains, then says Shutdown
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(output_addr)
+    enc = msgspec.msgpack.Encoder()
+    try:
+        from kvserve.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(args)
+    except Exception as e:  # a misconfiguration: the API server reports it and exits
+        logger.exception("engine core failed to start")
+        out.send(enc.encode(StartupFailed(str(e) or repr(e))))
+        out.close()
+        sys.exit(1)
+    if engine.replicator is not None and engine.replicator.pusher is not None:
+        engine.replicator.pusher.secret = cluster_secret
+    out.send(enc.encode(engine_info(engine)))
+    loop = CoreLoop(engine, inp, out, parent_pid)
+    try:
+        loop.run()
+    except Exception:
+        logger.exception("engine core failed")
+        os._exit(1)  # the client sees the process die and fails every stream
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    engine.close()  # flushes queued KV store writes and replication
+    inp.close(linger=0)
+    out.close()
+    ctx.term()

@@ -1,0 +1,11 @@
+"""Errors the engine raises to its callers (importable without loading the engine)."""
+
+from __future__ import annotations
+
+
+class EngineError(ValueError):
+    """A request or configuration the engine cannot serve; the message says why."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core failed or exited; the server must report unhealthy."""

@@ -1,0 +1,111 @@
+"""The engine core in its own process: faults between the API server and the core.
+
+Real processes and signals: ``kvserve serve`` spawns the engine core; SIGKILL of either
+side must end in a clear state within a bound, never a hang or an orphan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from server_proc import ServerProcess, wait_until
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(c) for c in text]
+    return out
+
+
+def _engine_core_pid(pid: int) -> int:
+    """The spawned engine-core child (not multiprocessing's resource tracker)."""
+    for child in _children(pid):
+        cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmd:
+            return child
+    raise AssertionError(f"no engine-core child of {pid}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+def _status(url: str, body: dict | None = None) -> int:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_engine_core_killed_mid_stream(llama_dir, tmp_path):
+    """SIGKILL of the engine core: the running stream ends with an error event, new
+    requests and /health get 503 while the server is up, and the server exits 1."""
+    server = ServerProcess(
+        llama_dir, "--kv-cache-memory", "16MiB", "--max-model-len", "2048",
+        log=tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        core = _engine_core_pid(server.proc.pid)
+        body = {"prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(
+            server.url + "/v1/completions", data=json.dumps(body).encode(), method="POST"
+        )
+        req.add_header("Content-Type", "application/json")
+        events = []
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(core, signal.SIGKILL)
+        assert len(events) > 3 and events[-1] != "[DONE]"
+        assert "ServiceUnavailableError" in events[-1] and "engine" in events[-1]
+        assert server.proc.wait(30) == 1
+    finally:
+        server.stop(signal.SIGKILL)
+    log = (tmp_path / "serve.log").read_text()
+    assert "the engine core died" in log
+
+
+def test_api_server_killed_leaves_no_orphan(llama_dir, tmp_path):
+    server = ServerProcess(llama_dir, "--kv-cache-memory", "16MiB", log=tmp_path / "s.log")
+    try:
+        server.wait_ready()
+        core = _engine_core_pid(server.proc.pid)
+        assert _status(server.url + "/health") == 200
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+        wait_until(lambda: not _alive(core), 15, "the engine core exits with its server")
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_sigterm_drains_and_the_core_exits_cleanly(llama_dir, tmp_path):
+    server = ServerProcess(llama_dir, "--kv-cache-memory", "16MiB", log=tmp_path / "s.log")
+    try:
+        server.wait_ready()
+        core = _engine_core_pid(server.proc.pid)
+        body = {"prompt": "hi", "max_tokens": 4}
+        assert _status(server.url + "/v1/completions", body) == 200
+        assert server.stop(signal.SIGTERM, timeout=30) == 0
+        wait_until(lambda: not _alive(core), 15, "the engine core exits after a drain")
+    finally:
+        server.stop(signal.SIGKILL)
