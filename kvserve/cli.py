@@ -69,7 +69,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from kvserve.server.app import ServerConfig
+    from kvserve.server.config import ServerConfig
     from kvserve.server.serve import run_server
     from kvserve.tenants import TenantsConfig
 

@@ -13,7 +13,7 @@ from fastapi import Request
 from kvserve.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerConfig
+    from kvserve.server.config import ServerConfig
 
 
 @dataclass(frozen=True)

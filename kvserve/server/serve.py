@@ -26,7 +26,8 @@ from kvserve.config import EngineArgs
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import SetTenantBudgets
-from kvserve.server.app import ServerConfig, build_app
+from kvserve.server.app import build_app
+from kvserve.server.config import ServerConfig
 
 logger = logging.getLogger("kvserve")
 

@@ -1,0 +1,29 @@
+"""``kvserve serve`` options beyond the engine's (CLI flags map one-to-one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.tenants import TenantsConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``kvserve serve`` options beyond the engine's (CLI flags map one-to-one)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None
+    max_waiting_requests: int = 1024
+    graceful_timeout: float = 30.0
+    tenants: TenantsConfig | None = None  # API key → tenant; overrides api_keys
+    cluster_secret: str | None = None  # authenticates /internal/* (header X-Kvserve-Cluster-Secret)
+    advertise_url: str | None = None  # how other cluster members reach this worker
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")

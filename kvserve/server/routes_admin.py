@@ -1,0 +1,101 @@
+"""Health, readiness, metrics, admin and session endpoints."""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvserve.engine.messages import (
+    DeleteSession,
+    GetKVStats,
+    GetSession,
+    ResetPrefixCache,
+    SessionInfo,
+)
+from kvserve.engine.stats import KVStats
+from kvserve.server.auth import Principal, authenticate
+from kvserve.server.errors import APIError, bad_request, unavailable
+from kvserve.server.state import ServerState
+
+
+def admin_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+    engine = state.engine
+
+    # ---- plain endpoints ------------------------------------------------------------------
+    @router.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise unavailable("the engine is not running")
+        return Response(status_code=200)
+
+    @router.get("/ready")
+    async def ready() -> JSONResponse:
+        if not engine.is_running or state.draining:
+            reason = "draining" if state.draining else "engine not running"
+            raise unavailable(f"not ready: {reason}")
+        return JSONResponse({"status": "ready", "model": state.model_name})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        snap = None
+        if engine.is_running:
+            with contextlib.suppress(Exception):  # a busy or failed engine: basic metrics only
+                snap = await engine.call(GetKVStats(), KVStats, timeout=10)
+        state.metrics.set_snapshot(snap)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- admin ----------------------------------------------------------------------------
+    @router.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        authenticate(request, state.config, admin=True)
+        n = await engine.call(ResetPrefixCache(), int)
+        return JSONResponse({"evicted_blocks": n})
+
+    # ---- sessions ------------------------------------------------------------------------
+    def _session_principal(request: Request) -> Principal:
+        principal = authenticate(request, state.config)
+        if not engine.info.has_kv_store:
+            raise APIError(
+                404, "sessions need a KV store (--kv-store)", "NotFoundError", code="no_kv_store"
+            )
+        return principal
+
+    @router.get("/v1/sessions/{session_id}")
+    async def get_session(request: Request, session_id: str) -> JSONResponse:
+        principal = _session_principal(request)
+        info = await engine.call(GetSession(principal.tenant, session_id), SessionInfo | None)
+        if info is None:
+            raise APIError(404, f"no session {session_id!r}", "NotFoundError", "session_id")
+        return JSONResponse(
+            {
+                "id": session_id,
+                "object": "session",
+                "num_tokens": info.num_tokens,
+                "num_blocks": info.num_blocks,
+                "updated_at": info.updated_at,
+                "expires_at": info.expires_at,
+            }
+        )
+
+    @router.delete("/v1/sessions/{session_id}")
+    async def delete_session(request: Request, session_id: str) -> JSONResponse:
+        principal = _session_principal(request)
+        deleted = await engine.call(DeleteSession(principal.tenant, session_id), bool)
+        if not deleted:
+            raise APIError(404, f"no session {session_id!r}", "NotFoundError", "session_id")
+        return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
+
+    @router.post("/admin/tenants/reload")
+    async def reload_tenants(request: Request) -> JSONResponse:
+        authenticate(request, state.config, admin=True)
+        try:
+            new = await state.reload_tenants()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        return JSONResponse({"tenants": [t.name for t in new.tenants], "source": new.source})
+
+    return router

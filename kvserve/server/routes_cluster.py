@@ -1,0 +1,164 @@
+"""Internal endpoints of a cluster worker (``/internal/*``, cluster secret required):
+resume a failed-over stream, drain, accept a primary's direct push."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.engine.errors import EngineError
+from kvserve.engine.messages import AcceptPush, ReadCheckpoint
+from kvserve.sampling import SamplingParams
+from kvserve.server.auth import authenticate
+from kvserve.server.errors import APIError, bad_request, unavailable
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.state import ServerState
+from kvserve.server.streaming import respond
+
+
+def cluster_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+    engine = state.engine
+
+    # ---- internal (cluster) -------------------------------------------------------------
+    def _cluster_auth(request: Request) -> None:
+        secret = state.config.cluster_secret
+        if secret is None:
+            raise APIError(403, "internal endpoints need --cluster-secret", "PermissionDeniedError")
+        given = request.headers.get("x-kvserve-cluster-secret", "")
+        if not hmac.compare_digest(given.encode(), secret.encode()):
+            raise APIError(401, "invalid cluster secret", "AuthenticationError")
+
+    @router.post("/internal/resume")
+    async def internal_resume(request: Request) -> Response:
+        """Continue a session's stream after a failover. Body: ``session_id``,
+        ``delivered_token_ids`` and ``delivered_text_chars`` (what the client has),
+        optional ``seen_epoch`` and ``ephemeral``, and the client's original ``request`` (``kind``
+        ``completion`` or ``chat``). The response continues exactly where the client is."""
+        _cluster_auth(request)
+        coord = state.coord
+        if coord is None:
+            raise APIError(404, "this worker is not in a cluster (--cluster)", "NotFoundError")
+        try:
+            body = await request.json()
+            session_id = str(body["session_id"])
+            delivered = [int(t) for t in body.get("delivered_token_ids", [])]
+            chars = int(body.get("delivered_text_chars", 0))
+            seen = body.get("seen_epoch")
+            chat = body.get("kind", "completion") == "chat"
+            model = ChatCompletionRequest if chat else CompletionRequest
+            original = model.model_validate(body.get("request") or {})
+        except (ValueError, KeyError, TypeError) as e:
+            raise bad_request(f"bad resume request: {e}") from None
+        if original.logprobs:
+            raise bad_request("streams with logprobs cannot be resumed")
+        principal = authenticate(request, state.config)  # the client's key, forwarded
+        try:
+            record = _record_from_request(
+                original, principal.tenant, session_id, chat, bool(body.get("ephemeral"))
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        try:
+            owner = await asyncio.to_thread(coord.owner, session_id)
+        except Exception as e:
+            raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
+        replicated = json.loads(owner.state) if owner is not None and owner.state else None
+        if replicated is None and engine.info.has_checkpointer:  # another site's state
+            raw = await engine.call(ReadCheckpoint(session_id), bytes | None)
+            replicated = json.loads(raw) if raw is not None else None
+        if replicated is not None and all(
+            replicated.get(k) == record[k] for k in ("prompt_token_ids", "params", "tenant")
+        ):
+            record = replicated  # this very request (its seed, when the client gave none)
+        if seen is None:
+            seen = owner.epoch if owner is not None else 0
+        rid = f"resume-{uuid.uuid4().hex[:24]}"
+        try:
+            stream = await engine.resume(rid, record, delivered, int(seen))
+        except EngineError as e:
+            raise APIError(409, str(e), "ConflictError") from None
+        params = SamplingParams(**record["params"])
+        kind = "chat.completion" if chat else "text_completion"
+        resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return await respond(
+            state,
+            original,
+            [stream],
+            params,
+            kind,
+            resp_id,
+            request,
+            resume=(len(delivered), chars),
+        )
+
+    def _record_from_request(
+        original: CompletionRequest | ChatCompletionRequest,
+        tenant: str,
+        session_id: str,
+        chat: bool,
+        request_ephemeral: bool,
+    ) -> dict[str, Any]:
+        """The session record of ``original`` as its primary started it (nothing
+        generated): a stream resumes from it when its primary replicated nothing yet.
+        Exact for greedy and seeded requests. Raises ValueError."""
+        params = original.sampling_params()
+        if params.n != 1:
+            raise ValueError("only single-choice (n = 1) streams can be resumed")
+        if chat:
+            prompt_ids = state.chat_prompt_ids(original)
+        else:
+            prompts = original.prompts()
+            if len(prompts) != 1:
+                raise ValueError("only single-prompt streams can be resumed")
+            p = prompts[0]
+            prompt_ids = engine.tokenize(p) if isinstance(p, str) else list(p)
+        return {
+            "session_id": session_id,
+            "tenant": tenant,
+            "cache_salt": original.cache_salt,
+            "prompt_token_ids": prompt_ids,
+            "params": params.to_dict(),
+            # no seed: exact only when greedy (the router always sends one)
+            "seed": params.seed if params.seed is not None else secrets.randbits(63),
+            "ephemeral": request_ephemeral,
+        }
+
+    @router.post("/internal/drain")
+    async def internal_drain(request: Request) -> JSONResponse:
+        """Take this worker out of rotation (body ``{"drain": true}``, the default) or back
+        in (``false``): while draining ``/ready`` answers 503, so routers send it no new
+        requests, and running streams finish here. Answers the running request count."""
+        _cluster_auth(request)
+        try:
+            raw = await request.body()
+            drain = bool(json.loads(raw).get("drain", True)) if raw else True
+        except (ValueError, AttributeError) as e:
+            raise bad_request(f"bad drain request: {e}") from None
+        state.draining = drain
+        return JSONResponse({"draining": drain, "running": engine.stats().running})
+
+    @router.post("/internal/replica")
+    async def internal_replica(request: Request) -> JSONResponse:
+        """A primary's direct push (``--replicate-to standby``): verified blocks go into
+        this worker's host tier (``ha.push``)."""
+        _cluster_auth(request)
+        if not engine.info.has_kv_store:
+            raise APIError(404, "this worker has no KV store", "NotFoundError")
+        body = await request.body()
+        try:
+            accepted, refused = await engine.call(AcceptPush(body), list[int])
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        state.metrics.pushed_blocks.labels(state.model_name, "accepted").inc(accepted)
+        state.metrics.pushed_blocks.labels(state.model_name, "refused").inc(refused)
+        return JSONResponse({"accepted": accepted, "refused": refused})
+
+    return router

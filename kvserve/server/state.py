@@ -1,0 +1,60 @@
+"""What the HTTP routes share: the engine client, the config, metrics, the coordinator."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.messages import SetTenantBudgets
+from kvserve.kv.tenant_ledger import Budget
+from kvserve.server.config import ServerConfig
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.tenants import TenantsConfig
+
+
+class ServerState:
+    """Shared by every route of one app; ``config`` changes only on a tenants reload."""
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.model_name = config.served_model_name or engine.info.model
+        self.model_aliases = {self.model_name, engine.info.model}
+        self.metrics = ServerMetrics(engine, self.model_name)
+        self.draining = False
+        self.created = int(time.time())
+        self.max_model_len = engine.info.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.coord = None  # the cluster coordinator, for session owner look-ups
+        if engine.info.cluster is not None:
+            from kvserve.ha.coordination import Coordinator
+
+            self.coord = Coordinator.from_url(engine.info.cluster)
+
+    def budgets(self, tenants: TenantsConfig) -> dict[str, Budget]:
+        info = self.engine.info
+        return tenants.budgets(info.num_blocks, info.block_size, info.bytes_per_block)
+
+    async def reload_tenants(self) -> TenantsConfig:
+        """Re-read the tenants file and apply it: API keys at once, budgets on the engine
+        thread between steps (running requests keep their blocks). Raises ValueError, changing
+        nothing, when the file is invalid or there is none."""
+        current = self.config.tenants
+        if current is None:
+            raise ValueError("the server runs without a tenants file (--tenants)")
+        new = TenantsConfig.load(current.source)
+        await self.engine.call(SetTenantBudgets(self.budgets(new)))
+        self.config = dataclasses.replace(self.config, tenants=new)
+        return new
+
+    def chat_prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt token ids of a chat request (the same for its first run and for a
+        resume elsewhere: a failover must see exactly the primary's prompt). Raises
+        ValueError without a tokenizer or chat template."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("the model has no tokenizer, so chat is unavailable")
+        text = tok.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
