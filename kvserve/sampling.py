@@ -8,7 +8,6 @@ samples exactly the token the primary would have.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -77,11 +76,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
-
-    def to_dict(self) -> dict:
-        """The constructor arguments (``SamplingParams(**p.to_dict())`` rebuilds it): what
-        a session record carries to the node that continues a stream."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def test_another_site_resumes_a_session_from_its_s3_checkpoint(two_sites, moto, 
     b = make_engine(llama_dir, kv_store=(site_b, s3), cluster=site_b, node_id="b", **ha)
     assert b.replicator.coord.owner("trip") is None  # site B's Redis never saw it
     record = b.replicator.checkpointer.read("trip")
-    assert record is not None and record["output_token_ids"] == want[:32]
+    assert record is not None and record.output_token_ids == want[:32]
     assert b.replicator.checkpointer.read("unknown") is None
     resumed = b.resume_request("x-b", record, want[:35])
     assert run_to_end(b)["x-b"] == want

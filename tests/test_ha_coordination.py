@@ -10,6 +10,8 @@ from redis_proc import redis_server
 from server_proc import wait_until
 
 from kvserve.ha.coordination import Coordinator
+from kvserve.ha.record import SessionRecord
+from kvserve.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +151,8 @@ def test_a_standby_resumes_the_stream_exactly(url, llama_dir, temperature):
 
     coord = Coordinator.from_url(url)
     owner = coord.owner(session)
-    record = json.loads(owner.state)
-    assert owner.node == "a" and len(record["output_token_ids"]) == 32
+    record = SessionRecord.from_json(owner.state)
+    assert owner.node == "a" and len(record.output_token_ids) == 32
     b = make_engine(llama_dir, node_id="b", **ha)
     resumed = b.resume_request("x-b", record, delivered, seen_epoch=owner.epoch)
     out = run_to_end(b)["x-b"]
@@ -176,7 +178,6 @@ def test_a_standby_prewarms_the_session_and_resumes_from_its_host_tier(url, llam
     """The primary names standby B; each publish tells B, whose pre-warmer copies the
     session's replicated blocks from Redis into B's host tier. B's takeover then reads
     them from local memory: no Redis read during the resume."""
-    import json
 
     from helpers import make_engine, random_prompts, run_to_end
 
@@ -192,9 +193,9 @@ def test_a_standby_prewarms_the_session_and_resumes_from_its_host_tier(url, llam
         a.step()
     assert a.replicator.flush() and a.offloader.store.flush()
     coord = Coordinator.from_url(url)
-    record = json.loads(coord.owner("warm").state)
-    assert record["standby"] == "b"
-    stored = record["stored_tokens"] // 16
+    record = SessionRecord.from_json(coord.owner("warm").state)
+    assert record.standby == "b"
+    stored = record.stored_tokens // 16
     assert stored == (len(prompt) + 48 - 1) // 16
     wait_until(lambda: b.prewarmer.num_blocks >= stored, 20, "standby pre-warmed")
     host, shared = b.offloader.store.stats
@@ -232,11 +233,10 @@ def test_a_newer_request_of_the_session_on_the_same_node_is_not_fenced(url, llam
     prompt = random_prompts([20], seed=8)[0]
     old = engine.add_request("turn-1", prompt, greedy(40), session_id="same")
     run_to_end(engine)  # its final record is now held in the publisher
-    record = {
-        "session_id": "same", "tenant": "default", "cache_salt": None,
-        "prompt_token_ids": prompt, "params": {"max_tokens": 40, "temperature": 0.0,
-                                                "ignore_eos": True}, "seed": 1,
-    }  # fmt: skip
+    record = SessionRecord(
+        session_id="same", tenant="default", prompt_token_ids=prompt, seed=1,
+        params=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+    )  # fmt: skip
     new = engine.resume_request("turn-2", record, old.output_token_ids[:18])
     gate.set()  # turn-1's write (epoch 1) reaches Redis after turn-2 took epoch 2: refused
     assert engine.replicator.flush()
@@ -255,7 +255,6 @@ def test_resumed_sampling_is_exact_on_the_default_model(url, seed, k):
     uninterrupted run's tokens. (These (seed, k) pairs diverged when the tail was
     recomputed as one prefill chunk: different kernels round differently, and a sampling
     draw near a boundary flips.)"""
-    import json
 
     from helpers import run_to_end
 
@@ -277,7 +276,7 @@ def test_resumed_sampling_is_exact_on_the_default_model(url, seed, k):
     a.add_request("r", f"Once upon a time number {seed}, there was a", params, session_id="s")
     want = run_to_end(a)["r"]
     assert a.replicator.flush() and a.offloader.store.flush()
-    record = json.loads(Coordinator.from_url(url).owner("s").state)
+    record = SessionRecord.from_json(Coordinator.from_url(url).owner("s").state)
     b.resume_request("r-b", record, want[:k])
     assert run_to_end(b)["r-b"] == want
     a.close()

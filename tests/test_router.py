@@ -12,12 +12,15 @@ import threading
 import urllib.error
 import urllib.request
 
+import msgspec
 import openai
 import pytest
 from cluster_proc import SECRET, cluster, router_view
 from server_proc import wait_until
 
+from kvserve.ha.record import SessionRecord
 from kvserve.router.workers import rendezvous
+from kvserve.sampling import SamplingParams
 
 WORDS = [
     "the",
@@ -300,8 +303,15 @@ def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_pat
         assert primary.metric("kvserve_replication_pushed_blocks_total") >= blocks
 
         # a push is authenticated, and a block that is not what the record says is refused
-        record = {"prompt_token_ids": prompt, "output_token_ids": [], "cache_salt": None}
-        bad = encode_push({"session": "x", "epoch": 1, "record": record}, [(0, b"\0" * 64)])
+        record = SessionRecord(
+            session_id="x",
+            tenant="default",
+            prompt_token_ids=prompt,
+            params=SamplingParams(),
+            seed=0,
+        )
+        header = {"session": "x", "epoch": 1, "record": msgspec.to_builtins(record)}
+        bad = encode_push(header, [(0, b"\0" * 64)])
         for headers, status in (({}, 401), ({"X-Kvserve-Cluster-Secret": SECRET}, 200)):
             req = urllib.request.Request(
                 standby.url + "/internal/replica", data=bad, headers=headers, method="POST"

@@ -55,6 +55,7 @@ from kvserve.engine.messages import (
 )
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.stats import EngineStats
+from kvserve.ha.record import SessionRecord
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
@@ -276,17 +277,15 @@ class AsyncLLM:
     async def resume(
         self,
         request_id: str,
-        record: dict[str, Any],
+        record: SessionRecord,
         delivered: Sequence[int],
         seen_epoch: int | None,
     ) -> RequestStream:
         """``LLMEngine.resume_request`` as a stream (a failover's continuation)."""
-        msg = ResumeRequest(
-            request_id, msgspec.json.encode(record), [int(t) for t in delivered], seen_epoch
+        msg = ResumeRequest(request_id, record, [int(t) for t in delivered], seen_epoch)
+        return await self._add(
+            request_id, msg, None, record.prompt_token_ids, record.params, msg.delivered
         )
-        params = SamplingParams(**record["params"])
-        ids = [int(t) for t in record["prompt_token_ids"]]
-        return await self._add(request_id, msg, None, ids, params, msg.delivered)
 
     async def _add(
         self,

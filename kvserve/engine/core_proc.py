@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -157,8 +156,7 @@ class CoreLoop:
 
     def _resume(self, m: ResumeRequest) -> None:
         try:
-            record = json.loads(m.record)
-            self.engine.resume_request(m.request_id, record, m.delivered, m.seen_epoch)
+            self.engine.resume_request(m.request_id, m.record, m.delivered, m.seen_epoch)
         except (EngineError, ValueError) as err:
             self._send(AddResult(m.request_id, error=str(err)))
         except Exception as err:
@@ -205,8 +203,7 @@ class CoreLoop:
             rep = e.replicator
             if rep is None or rep.checkpointer is None:
                 return None
-            record = rep.checkpointer.read(call.session_id)
-            return None if record is None else json.dumps(record).encode()
+            return rep.checkpointer.read(call.session_id)
         raise ValueError(f"unknown call {type(call).__name__}")
 
 

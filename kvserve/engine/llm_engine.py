@@ -17,6 +17,7 @@ from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import FINISH_ABORT, EngineCoreOutput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.stats import EngineStats, KVStats
+from kvserve.ha.record import SessionRecord
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
@@ -366,12 +367,12 @@ class LLMEngine:
     def resume_request(
         self,
         request_id: str,
-        record: dict[str, Any],
+        record: SessionRecord,
         delivered: Sequence[int],
         seen_epoch: int | None = None,
     ) -> Request:
         """Continue a stream another node started (failover). ``record`` is the session
-        state the primary replicated (``ha.replicator.session_record``); ``delivered`` are
+        state the primary replicated (``ha.record.SessionRecord``); ``delivered`` are
         the output tokens the client already has. They become this request's output so
         far: generation continues at the next position with the same (seed, position)
         draws. The prefix whose KV was stored is restored from the KV store (bit-exact
@@ -382,19 +383,15 @@ class LLMEngine:
         different batch sizes). With a cluster the
         session is taken over (conditionally on ``seen_epoch``). Raises EngineError when
         the record does not fit this engine or another node took the session first."""
-        try:
-            params = SamplingParams(**record["params"])
-            req = self._build_request(
-                request_id,
-                [int(t) for t in record["prompt_token_ids"]],
-                params,
-                int(record["seed"]),
-                str(record["tenant"]),
-                record.get("cache_salt"),
-                0,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise EngineError(f"not a session record: {e}") from None
+        req = self._build_request(
+            request_id,
+            record.prompt_token_ids,
+            record.params,
+            record.seed,
+            record.tenant,
+            record.cache_salt,
+            0,
+        )
         bad = [t for t in delivered if not 0 <= int(t) < self.spec.vocab_size]
         if bad or len(delivered) >= req.max_tokens:
             raise EngineError("delivered tokens outside the vocabulary or past max_tokens")
@@ -402,14 +399,12 @@ class LLMEngine:
         # recompute like the primary did (see Request.replay): restore stored blocks only
         # if they cover the prompt's end, else exactly the prefix it had from its cache
         req.replay = True
-        if "prefill_from" in record:
-            stored, prompt = int(record.get("stored_tokens", 0)), req.num_prompt_tokens
+        if record.prefill_from is not None:
+            stored, prompt = record.stored_tokens, req.num_prompt_tokens
             bs = self.kv.block_size
-            req.restore_limit = (
-                stored if stored >= prompt else int(record["prefill_from"]) // bs * bs
-            )
-        req.session_id = record.get("session_id")
-        req.session_ephemeral = bool(record.get("ephemeral", False))
+            req.restore_limit = stored if stored >= prompt else record.prefill_from // bs * bs
+        req.session_id = record.session_id
+        req.session_ephemeral = record.ephemeral
         self._queue(req, seen_epoch, claim_now=True)
         return req
 

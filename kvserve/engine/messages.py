@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from kvserve.engine.stats import EngineStats
+from kvserve.ha.record import SessionRecord
 from kvserve.kv.tenant_ledger import Budget
 from kvserve.sampling import Logprob, SamplingParams
 
@@ -65,11 +66,11 @@ class AddRequest(msgspec.Struct, tag=True, omit_defaults=True):
 
 
 class ResumeRequest(msgspec.Struct, tag=True):
-    """Continue a failed-over stream (``LLMEngine.resume_request``); ``record`` is the
-    session record as JSON. Answered by an ``AddResult``."""
+    """Continue a failed-over stream (``LLMEngine.resume_request``). Answered by an
+    ``AddResult``."""
 
     request_id: str
-    record: bytes
+    record: SessionRecord
     delivered: list[int]
     seen_epoch: int | None
 
@@ -120,7 +121,7 @@ class AcceptPush(msgspec.Struct, tag=True):
 
 
 class ReadCheckpoint(msgspec.Struct, tag=True):
-    """→ bytes | None: the session record checkpointed in the S3 tier, as JSON."""
+    """→ SessionRecord | None: the session's checkpoint in the S3 tier."""
 
     session_id: str
 

@@ -16,11 +16,10 @@ it, in the tier's own key layout); the value is the record's JSON.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections import OrderedDict
-from typing import Any
 
+from kvserve.ha.record import SessionRecord
 from kvserve.store.tiered import TieredStore
 
 
@@ -42,23 +41,23 @@ class Checkpointer:
         self._last: OrderedDict[str, float] = OrderedDict()  # session → last write
         self.num_written = 0
 
-    def offer(self, session: str, record: dict[str, Any]) -> bool:
+    def offer(self, session: str, record: SessionRecord) -> bool:
         """Queue ``record`` as the session's checkpoint if one is due (interval elapsed,
         or the turn finished); True if queued."""
         now = time.monotonic()
         last = self._last.get(session)
-        if not record.get("finished") and last is not None and now - last < self.interval:
+        if not record.finished and last is not None and now - last < self.interval:
             return False
         self._last[session] = now
         self._last.move_to_end(session)
         while len(self._last) > 65536:
             self._last.popitem(last=False)
-        data = json.dumps(record).encode()
+        data = record.to_json()
         self.store.put_to(self.tier, [(checkpoint_key(session), data)])
         self.num_written += 1
         return True
 
-    def read(self, session: str) -> dict[str, Any] | None:
+    def read(self, session: str) -> SessionRecord | None:
         """The session's last checkpoint in S3, or None (none, unreadable, or S3 down)."""
         try:
             [data] = self.store.tiers[self.tier].get([checkpoint_key(session)])
@@ -67,7 +66,7 @@ class Checkpointer:
         if data is None:
             return None
         try:
-            record = json.loads(data)
-        except ValueError:
+            record = SessionRecord.from_json(data)
+        except ValueError:  # foreign or corrupt: a miss
             return None
-        return record if isinstance(record, dict) and record.get("session_id") == session else None
+        return record if record.session_id == session else None

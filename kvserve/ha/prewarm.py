@@ -16,14 +16,13 @@ from scratch if it ever comes back). Nothing here is on the engine's step path.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
 
 from kvserve.ha.coordination import Coordinator
-from kvserve.ha.replicator import session_tokens
+from kvserve.ha.record import SessionRecord
 from kvserve.kv.manager import KVCacheManager
 from kvserve.store.tiered import TieredStore
 
@@ -80,9 +79,9 @@ class Prewarmer:
         own = self.coord.owner(session)
         if own is None or own.state is None or own.node == self.node_id:
             return 0
-        record = json.loads(own.state)
-        tokens = session_tokens(record)
-        n = min(int(record.get("stored_tokens", 0)), len(tokens)) // self.block_size
+        record = SessionRecord.from_json(own.state)
+        tokens = record.tokens()
+        n = min(record.stored_tokens, len(tokens)) // self.block_size
         now = time.monotonic()
         done, when = self._warm.pop(session, (0, now))
         if now - when > self.ttl:
@@ -90,7 +89,7 @@ class Prewarmer:
         if n <= done:
             self._remember(session, done, now)
             return 0
-        hashes = self.kv.hashes_for(tokens[: n * self.block_size], record.get("cache_salt"))
+        hashes = self.kv.hashes_for(tokens[: n * self.block_size], record.cache_salt)
         host = self.store.tiers[0]
         local = [host.contains([h]) > 0 for h in hashes[done:]]
         missing = [h for h, here in zip(hashes[done:], local, strict=True) if not here]

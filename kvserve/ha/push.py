@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import msgspec
 
 from kvserve.ha.coordination import Coordinator
-from kvserve.ha.replicator import session_tokens
+from kvserve.ha.record import SessionRecord
 from kvserve.store import serde
 
 if TYPE_CHECKING:
@@ -86,22 +87,23 @@ class StandbyPusher:
             self._urls[node] = (url, time.monotonic())
         return url
 
-    def push(self, session: str, epoch: int, record: dict[str, Any]) -> int:
-        """Send ``record`` and its blocks not pushed yet to ``record["standby"]``; returns
+    def push(self, session: str, epoch: int, record: SessionRecord) -> int:
+        """Send ``record`` and its blocks not pushed yet to ``record.standby``; returns
         the blocks sent (0 on failure: counted, the next push retries them)."""
-        standby = record.get("standby")
+        standby = record.standby
         url = self._url(standby) if standby else None
         if url is None:
             return 0
         kv = self.offloader.kv
         bs = kv.block_size
-        tokens = session_tokens(record)
-        n = min(int(record["stored_tokens"]), len(tokens)) // bs
+        tokens = record.tokens()
+        n = min(record.stored_tokens, len(tokens)) // bs
         done = self._pushed.get(session, 0)
-        hashes = kv.hashes_for(tokens[: n * bs], record.get("cache_salt"))[done:]
+        hashes = kv.hashes_for(tokens[: n * bs], record.cache_salt)[done:]
         values = self.offloader.store.tiers[0].get(hashes) if hashes else []
         blocks = [(done + j, v) for j, v in enumerate(values) if v is not None]
-        body = encode_push({"session": session, "epoch": epoch, "record": record}, blocks)
+        header = {"session": session, "epoch": epoch, "record": msgspec.to_builtins(record)}
+        body = encode_push(header, blocks)
         headers = {"Content-Type": "application/octet-stream"}
         if self.secret:
             headers["X-Kvserve-Cluster-Secret"] = self.secret
@@ -129,17 +131,14 @@ def accept_push(offloader: KVOffloader, body: bytes) -> tuple[int, int]:
     into the host tier. Returns (accepted, refused); raises ValueError for a malformed
     body."""
     header, blocks = decode_push(body)
-    record = header.get("record")
-    if not isinstance(record, dict):
+    if header.get("record") is None:
         raise ValueError("push without a record")
+    record = SessionRecord.from_builtins(header["record"])
     kv = offloader.kv
     bs = kv.block_size
-    try:
-        tokens = session_tokens(record)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"bad record: {e}") from None
+    tokens = record.tokens()
     n = len(tokens) // bs
-    hashes = kv.hashes_for(tokens[: n * bs], record.get("cache_salt"))
+    hashes = kv.hashes_for(tokens[: n * bs], record.cache_salt)
     fmt = offloader.block_format()
     good, refused = [], 0
     for i, data in blocks:

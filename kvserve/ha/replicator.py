@@ -23,7 +23,6 @@ publish — is tracked per session.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -31,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.ha.coordination import Coordinator
+from kvserve.ha.record import SessionRecord
 from kvserve.request import Request
 
-if TYPE_CHECKING:  # the pusher and the checkpointer read records: they import this module
+if TYPE_CHECKING:
     from kvserve.ha.checkpoint import Checkpointer
     from kvserve.ha.push import StandbyPusher
 
@@ -48,31 +48,6 @@ class _Tracked:
     published_tokens: int = 0  # output tokens covered by the newest queued record
     acked_tokens: int = 0  # … by the newest record Redis accepted
     acked_at: float = field(default_factory=time.monotonic)
-
-
-def session_record(req: Request, block_size: int) -> dict:
-    """The state a standby resumes from (the publisher adds ``epoch``)."""
-    return {
-        "session_id": req.session_id,
-        "request_id": req.request_id,
-        "tenant": req.tenant,
-        "cache_salt": req.cache_salt,
-        "prompt_token_ids": list(req.prompt_token_ids),
-        "output_token_ids": list(req.output_token_ids),
-        "params": req.params.to_dict(),
-        "seed": req.seed,
-        "max_tokens": req.max_tokens,
-        "stored_tokens": (req.num_computed_tokens // block_size) * block_size,
-        "prefill_from": req.num_cached_tokens,  # the prompt was computed from here on
-        "finished": req.is_finished,
-        "ephemeral": req.session_ephemeral,
-        "standby": req.standby,
-    }
-
-
-def session_tokens(record: dict) -> list[int]:
-    """Prompt and output token ids of a session record, in order."""
-    return [int(t) for t in (*record["prompt_token_ids"], *record["output_token_ids"])]
 
 
 class Replicator:
@@ -100,7 +75,8 @@ class Replicator:
         self.linger_s = 0.02  # a publish waits this long for the step's other records
         self.checkpointer = checkpointer  # --replicate-to s3
         self._tracked: dict[str, _Tracked] = {}  # session id → state (engine thread)
-        self._pending: dict[str, tuple[_Tracked, int, dict | None, bool]] = {}  # newest/session
+        # the newest job per session: (state, tokens covered, record, release)
+        self._pending: dict[str, tuple[_Tracked, int, SessionRecord | None, bool]] = {}
         self._fenced: set[str] = set()
         self._inflight = 0  # records taken by the publisher, not yet answered
         self._lock = threading.Lock()
@@ -147,7 +123,7 @@ class Replicator:
             return
         t.published_tokens = n
         release = req.is_finished and req.session_ephemeral  # nobody resumes it any more
-        record = None if release else session_record(req, self.block_size)
+        record = None if release else SessionRecord.of_request(req, self.block_size)
         with self._lock:
             self._pending[req.session_id] = (t, n, record, release)
         self._wake.set()
@@ -201,7 +177,7 @@ class Replicator:
                 epoch = self.coord.take_over(t.session, self.node_id, own.epoch)
         return epoch
 
-    def _publish_all(self, jobs: list[tuple[_Tracked, int, dict | None, bool]]) -> None:
+    def _publish_all(self, jobs: list[tuple[_Tracked, int, SessionRecord | None, bool]]) -> None:
         """Claims and releases one by one (once per request), then every record in one
         pipelined round trip of fenced writes."""
         writes = []
@@ -217,7 +193,7 @@ class Replicator:
                 if release:
                     self.coord.release(t.session, self.node_id, t.epoch)
                 elif record is not None:
-                    data = json.dumps(record | {"epoch": t.epoch}).encode()
+                    data = record.with_epoch(t.epoch).to_json()
                     writes.append((job, data))
             except Exception as e:  # Redis unavailable: keep it for the next round
                 self._retry_later(job, e)
@@ -247,16 +223,16 @@ class Replicator:
             self._pending.setdefault(job[0].session, job)
         time.sleep(0.1)
 
-    def _after_publish(self, t: _Tracked, record: dict) -> None:
+    def _after_publish(self, t: _Tracked, record: SessionRecord) -> None:
         """Checkpoint (``--replicate-to s3``) and tell or feed the standby; best effort."""
         if self.checkpointer is not None:
-            self.checkpointer.offer(t.session, record | {"epoch": t.epoch})
-        standby = record.get("standby")
+            self.checkpointer.offer(t.session, record.with_epoch(t.epoch))
+        standby = record.standby
         if standby and standby != self.node_id:
             try:  # the standby only starts colder if this fails
                 if self.pusher is not None:
                     self.pusher.push(t.session, t.epoch, record)
-                elif not record["finished"]:
+                elif not record.finished:
                     self.coord.notify_standby(standby, t.session)
             except Exception as e:
                 logger.debug("standby update for %s failed: %s", t.session, e)

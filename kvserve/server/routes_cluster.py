@@ -4,18 +4,18 @@ resume a failed-over stream, drain, accept a primary's direct push."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import secrets
 import uuid
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import AcceptPush, ReadCheckpoint
-from kvserve.sampling import SamplingParams
+from kvserve.ha.record import SessionRecord
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError, bad_request, unavailable
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -70,12 +70,16 @@ def cluster_routes(state: ServerState) -> APIRouter:
             owner = await asyncio.to_thread(coord.owner, session_id)
         except Exception as e:
             raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
-        replicated = json.loads(owner.state) if owner is not None and owner.state else None
+        replicated = None
+        if owner is not None and owner.state:
+            with contextlib.suppress(ValueError):  # a foreign value: resume from the request
+                replicated = SessionRecord.from_json(owner.state)
         if replicated is None and engine.info.has_checkpointer:  # another site's state
-            raw = await engine.call(ReadCheckpoint(session_id), bytes | None)
-            replicated = json.loads(raw) if raw is not None else None
-        if replicated is not None and all(
-            replicated.get(k) == record[k] for k in ("prompt_token_ids", "params", "tenant")
+            replicated = await engine.call(ReadCheckpoint(session_id), SessionRecord | None)
+        if replicated is not None and (
+            replicated.prompt_token_ids == record.prompt_token_ids
+            and replicated.params == record.params
+            and replicated.tenant == record.tenant
         ):
             record = replicated  # this very request (its seed, when the client gave none)
         if seen is None:
@@ -85,7 +89,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             stream = await engine.resume(rid, record, delivered, int(seen))
         except EngineError as e:
             raise APIError(409, str(e), "ConflictError") from None
-        params = SamplingParams(**record["params"])
+        params = record.params
         kind = "chat.completion" if chat else "text_completion"
         resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await respond(
@@ -105,7 +109,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
         session_id: str,
         chat: bool,
         request_ephemeral: bool,
-    ) -> dict[str, Any]:
+    ) -> SessionRecord:
         """The session record of ``original`` as its primary started it (nothing
         generated): a stream resumes from it when its primary replicated nothing yet.
         Exact for greedy and seeded requests. Raises ValueError."""
@@ -120,16 +124,16 @@ def cluster_routes(state: ServerState) -> APIRouter:
                 raise ValueError("only single-prompt streams can be resumed")
             p = prompts[0]
             prompt_ids = engine.tokenize(p) if isinstance(p, str) else list(p)
-        return {
-            "session_id": session_id,
-            "tenant": tenant,
-            "cache_salt": original.cache_salt,
-            "prompt_token_ids": prompt_ids,
-            "params": params.to_dict(),
+        return SessionRecord(
+            session_id=session_id,
+            tenant=tenant,
+            cache_salt=original.cache_salt,
+            prompt_token_ids=prompt_ids,
+            params=params,
             # no seed: exact only when greedy (the router always sends one)
-            "seed": params.seed if params.seed is not None else secrets.randbits(63),
-            "ephemeral": request_ephemeral,
-        }
+            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            ephemeral=request_ephemeral,
+        )
 
     @router.post("/internal/drain")
     async def internal_drain(request: Request) -> JSONResponse:
