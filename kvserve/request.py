@@ -86,6 +86,23 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """The finished state that ``token`` (just appended) puts the request in, or None:
+        stopped by a stop token id (recorded in ``stop_reason``) or EOS once ``min_tokens``
+        are out; length at ``max_tokens`` or the context limit. Stop strings are checked on
+        the text by the client."""
+        p = self.params
+        n_out = len(self.output_token_ids)
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
 
 @dataclass
 class CompletionOutput:

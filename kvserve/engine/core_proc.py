@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -87,6 +88,7 @@ class CoreLoop:
         self._poller = zmq.Poller()
         self._poller.register(inp, zmq.POLLIN)
         self._stop = False
+        self._busy = 0.0  # seconds in iterations that stepped (up to their send)
 
     def _send(self, msg: Any) -> None:
         self.out.send(self._enc.encode(msg), copy=False)
@@ -96,6 +98,7 @@ class CoreLoop:
         while not self._stop:
             busy = engine.has_unfinished_requests()
             changed = False
+            t0 = time.perf_counter()
             if self._poller.poll(0 if busy else int(IDLE_POLL_S * 1000)):
                 while True:
                     try:
@@ -104,13 +107,19 @@ class CoreLoop:
                         break
                     self._handle(self._dec.decode(frame.buffer))
                     changed = True
+                if not busy:  # idle until now: the wait was not work
+                    t0 = time.perf_counter()
             if os.getppid() != self.parent_pid:
                 logger.error("engine core: the API server is gone; exiting")
                 return
             if self._stop:
                 break
             if engine.has_unfinished_requests():
-                self._send(Outputs(engine.step(), engine.stats()))
+                outputs = engine.step()
+                stats = engine.stats()
+                self._busy += time.perf_counter() - t0
+                stats.loop_seconds = self._busy
+                self._send(Outputs(outputs, stats))
             elif changed:
                 self._send(Outputs([], engine.stats()))
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvserve.engine.stats import (
+    EngineStats,
     KVStats,
     PreemptionCount,
     ReplicationStats,
@@ -22,7 +23,15 @@ from kvserve.engine.stats import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.ha.prewarm import Prewarmer
+    from kvserve.ha.replicator import Replicator
+    from kvserve.kv.cache import KVCacheSpec
+    from kvserve.kv.manager import KVCacheManager
+    from kvserve.kv.offload import KVOffloader
+    from kvserve.kv.quant import KVFormat
+    from kvserve.kv.swap import SwapSpace
+    from kvserve.sched.cost import PreemptionCostModel
+    from kvserve.sched.scheduler import Scheduler
 
 WINDOWS = {"1m": 60, "5m": 300, "1h": 3600}
 
@@ -50,6 +59,60 @@ class PeakTracker:
         return max((v for s, v in self._buckets if s > t - window - 1), default=0.0)
 
 
+class EngineParts(Protocol):
+    """What a snapshot reads of an engine (``LLMEngine`` has these)."""
+
+    kv: KVCacheManager
+    scheduler: Scheduler
+    swap: SwapSpace | None
+    offloader: KVOffloader | None
+    replicator: Replicator | None
+    prewarmer: Prewarmer | None
+    peak_usage: PeakTracker
+    cost_model: PreemptionCostModel
+    kv_spec: KVCacheSpec
+    kv_format: KVFormat
+    max_model_len: int
+    window: int | None
+    attention_sinks: int
+    step_seconds: float
+    forward_seconds: float
+
+
+def engine_stats(engine: EngineParts) -> EngineStats:
+    """The cheap stats sent with every step's outputs."""
+    kv, sched = engine.kv, engine.scheduler
+    return EngineStats(
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        kv_blocks_used=kv.pool.num_used,
+        kv_blocks_total=kv.num_blocks,
+        kv_blocks_cached_free=kv.pool.num_cached_free,
+        kv_block_bytes=engine.kv_spec.bytes_per_block,
+        prefix_cache_queries=kv.stats.queries,
+        prefix_cache_hits=kv.stats.hits,
+        num_preemptions=sched.num_preemptions,
+        step_seconds=engine.step_seconds,
+        forward_seconds=engine.forward_seconds,
+    )
+
+
+def engine_info(engine: EngineParts) -> dict[str, Any]:
+    kv = engine.kv
+    return {
+        "bytes_per_token": engine.kv_spec.bytes_per_token,
+        "num_blocks": kv.num_blocks,
+        "block_size": kv.block_size,
+        "max_model_len": engine.max_model_len,
+        "kv_cache_dtype": engine.kv_format.name,
+        "sliding_window": engine.window,
+        "attention_sinks": engine.attention_sinks,
+        "prefix_cache_queries": kv.stats.queries,
+        "prefix_cache_hits": kv.stats.hits,
+        "prefix_cache_hit_rate": kv.stats.hit_rate,
+    }
+
+
 def largest_free_run(free_blocks: list[int]) -> int:
     """Length of the longest run of consecutive block ids in ``free_blocks``."""
     best = run = 0
@@ -61,7 +124,7 @@ def largest_free_run(free_blocks: list[int]) -> int:
     return best
 
 
-def snapshot(engine: LLMEngine) -> KVStats:
+def snapshot(engine: EngineParts) -> KVStats:
     """Everything the KV metrics report, read on the engine thread."""
     kv, sched = engine.kv, engine.scheduler
     pool = kv.pool
@@ -114,7 +177,7 @@ def snapshot(engine: LLMEngine) -> KVStats:
     )
 
 
-def _replication(engine: LLMEngine) -> ReplicationStats | None:
+def _replication(engine: EngineParts) -> ReplicationStats | None:
     rep = engine.replicator
     if rep is None:
         return None

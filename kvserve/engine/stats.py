@@ -24,6 +24,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # seconds since start: in steps, in the model runner (forward + sampling), and in the
+    # engine-core loop's busy iterations (steps + messages + sending outputs)
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    loop_seconds: float = 0.0
 
 
 class TenantStats(msgspec.Struct):

@@ -104,6 +104,20 @@ class _EngineCollector:
             "Prompt tokens found in the prefix cache.",
             s.prefix_cache_hits,
         )
+        for name, doc, value in (
+            (
+                "kvserve_engine_loop_busy_seconds",
+                "Engine-core loop time in iterations that ran a step (inputs, step, outputs).",
+                s.loop_seconds,
+            ),
+            ("kvserve_engine_step_seconds", "Time inside engine steps.", s.step_seconds),
+            (
+                "kvserve_engine_forward_seconds",
+                "Time in the model runner (forward pass and sampling).",
+                s.forward_seconds,
+            ),
+        ):
+            yield counter(name, doc, value)
         snap = self.snapshot
         if snap is None:
             return

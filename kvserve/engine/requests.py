@@ -1,0 +1,118 @@
+"""Input processing of the engine core: a prompt and its options → a validated ``Request``.
+
+``RequestFactory.build`` raises ``EngineError`` — saying what to change — for anything the
+engine could never serve: an empty prompt, a token outside the vocabulary, a context
+longer than ``max_model_len``, more KV blocks than the cache or the tenant's limit holds.
+It changes nothing (the request is not queued).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from kvserve.engine.errors import EngineError
+from kvserve.kv.manager import KVCacheManager
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.request import Request
+from kvserve.sampling import SamplingParams
+
+
+class RequestFactory:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        model: str,
+        vocab_size: int,
+        max_model_len: int,
+        kv: KVCacheManager,
+        eos_token_ids: tuple[int, ...],
+        tenant_isolation: bool,
+        rng: random.Random,
+    ):
+        self.tokenizer = tokenizer
+        self.model = model
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.tenant_isolation = tenant_isolation
+        self.rng = rng
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise EngineError(f"{self.model} has no tokenizer.json; pass prompt token ids")
+        return self.tokenizer.encode(prompt)
+
+    def salt(self, tenant: str, cache_salt: str | None) -> str | None:
+        """The prefix-cache salt of a request: its ``cache_salt``, and its tenant with
+        ``prefix_cache_isolation`` ``tenant``."""
+        parts = []
+        if self.tenant_isolation:
+            parts.append(f"tenant={tenant}")
+        if cache_salt is not None:
+            parts.append(f"salt={cache_salt}")
+        return "|".join(parts) or None
+
+    def build(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        seed: int | None,
+        tenant: str,
+        salt: str | None,
+        priority: int,
+    ) -> Request:
+        """A validated request (not queued); raises EngineError."""
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise EngineError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if len(ids) + max_tokens > self.max_model_len:
+            raise EngineError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request has {len(ids)} prompt tokens + max_tokens {max_tokens} = "
+                f"{len(ids) + max_tokens}"
+            )
+        need = self.kv.blocks_needed(len(ids) + max_tokens)
+        if not self.kv.can_ever_fit(len(ids) + max_tokens):
+            raise EngineError(
+                f"the request needs {need} KV blocks, the whole cache has {self.kv.num_blocks}"
+            )
+        tenant_limit = self.kv.ledger.limit(tenant)
+        if need > tenant_limit:
+            raise EngineError(
+                f"the request needs {need} KV blocks ({len(ids)} prompt tokens + max_tokens "
+                f"{max_tokens}), more than tenant {tenant!r}'s limit of {tenant_limit} blocks"
+            )
+        req_seed = seed if seed is not None else params.seed
+        if req_seed is None:
+            req_seed = self.rng.getrandbits(63)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            seed=req_seed,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            prompt=text,
+            cache_salt=salt,
+            tenant=tenant,
+            priority=priority,
+        )
+
+    def check_delivered(self, req: Request, delivered: Sequence[int]) -> list[int]:
+        """The output tokens a client already has of a resumed stream; raises EngineError
+        for ids outside the vocabulary or as many as ``max_tokens``."""
+        ids = [int(t) for t in delivered]
+        if any(not 0 <= t < self.vocab_size for t in ids) or len(ids) >= req.max_tokens:
+            raise EngineError("delivered tokens outside the vocabulary or past max_tokens")
+        return ids
