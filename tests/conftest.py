@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ARCHS
+from s3_proc import aws_env, moto  # noqa: F401 - fixtures for the S3 tests
 
 from kvserve.tiny_model import build_tokenizer
 
@@ -56,9 +58,6 @@ def _configs() -> dict[str, object]:
             **common, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False
         ),
     }
-
-
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def build_hf_model(kind: str, out: Path, dtype: torch.dtype = torch.float32) -> Path:

@@ -233,12 +233,15 @@ class TieredStore:
                 except queue.Empty:
                     break
             try:
-                batches: dict[int, list[tuple[Key, bytes]]] = {}
+                # one value per key and tier, the newest: a batch's puts may run in
+                # parallel (S3), so two writes of one key must not race each other
+                batches: dict[int, dict[Key, bytes]] = {}
                 for job in jobs:
                     if job is not None:
                         for i in job[0]:
-                            batches.setdefault(i, []).extend(job[1])
-                for i, items in sorted(batches.items()):
+                            batches.setdefault(i, {}).update(job[1])
+                for i, newest in sorted(batches.items()):
+                    items = list(newest.items())
                     if not self._breakers[i].allows():
                         self.stats[i].dropped_writes += len(items)
                         continue

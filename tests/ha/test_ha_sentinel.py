@@ -13,8 +13,8 @@ import openai
 import redis
 from cluster_proc import cluster
 from redis_proc import redis_sentinel
+from router_client import router_client, stream_via, workload_spec
 from server_proc import wait_until
-from test_router import _client, _spec, _stream
 
 
 def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
@@ -23,15 +23,15 @@ def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
         redis_sentinel(tmp_path / "redis") as sentinel,
         cluster(llama_dir, tmp_path, redis_url=sentinel.url) as c,
     ):
-        client = _client(c.routers[0])
-        spec = _spec(3, str(llama_dir)) | {"max_tokens": 150}  # chat, seeded sampling
+        client = router_client(c.routers[0])
+        spec = workload_spec(3, str(llama_dir)) | {"max_tokens": 150}  # chat, seeded sampling
         spec["extra_body"] = {"ignore_eos": True, "session_id": "reference"}
-        want = _stream(client, spec)[1]
+        want = stream_via(client, spec)[1]
 
         # Redis' master dies while a stream is under way
         progress, result = [0], {}
         spec["extra_body"]["session_id"] = "during"
-        t = threading.Thread(target=lambda: result.update(r=_stream(client, spec, progress)))
+        t = threading.Thread(target=lambda: result.update(r=stream_via(client, spec, progress)))
         t.start()
         wait_until(lambda: progress[0] >= 5, 30, "stream under way")
         old_master = sentinel.master_port()
@@ -44,7 +44,7 @@ def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
         # on the promoted master: a stream whose worker is killed mid-way fails over exactly
         spec["extra_body"]["session_id"] = "after"
         progress, result = [0], {}
-        t = threading.Thread(target=lambda: result.update(r=_stream(client, spec, progress)))
+        t = threading.Thread(target=lambda: result.update(r=stream_via(client, spec, progress)))
         t.start()
         wait_until(lambda: progress[0] >= 20, 60, "stream under way")
         coord = c.coord

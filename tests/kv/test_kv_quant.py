@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS
-from helpers import greedy, make_engine, random_prompts, run_to_end
+from helpers import ARCHS, greedy, make_engine, random_prompts, run_to_end
 from safetensors.torch import load_file, save_file
 
 from kvserve.default_model import corpus_files, default_model_path

@@ -124,6 +124,7 @@ class FlakyStore(HostStore):
         self.down = False
         self.calls = 0
         self.gate: threading.Event | None = None
+        self.puts: list[list] = []  # the batches written, in order
 
     def _check(self) -> None:
         self.calls += 1
@@ -142,6 +143,7 @@ class FlakyStore(HostStore):
 
     def put(self, items):
         self._check()
+        self.puts.append(list(items))
         super().put(items)
 
 
@@ -177,6 +179,25 @@ def test_write_through_and_write_back():
     assert wb.flush() and low.get([_key(1)]) == [b"a" * 100]
     assert wb.get([_key(1)]) == [b"a" * 100]
     wb.close()
+
+
+def test_a_batch_writes_each_key_once_with_its_newest_value():
+    """Writes queued together reach a lower tier as one batch; two writes of one key
+    become one put of the newer value (a tier may run a batch's puts in parallel, as S3
+    does, and the older value must not win the race)."""
+    top, slow = HostStore(1 << 20), FlakyStore(1 << 20)
+    slow.gate = threading.Event()  # holds the writer: the writes queue up together
+    store = TieredStore([top, slow])
+    store.put([(_key(0), b"first")])
+    store.put([(_key(1), b"old")])
+    store.put([(_key(1), b"new"), (_key(2), b"x")])
+    slow.gate.set()
+    assert store.flush()
+    written = [item for batch in slow.puts for item in batch]
+    assert [v for k, v in written if k == _key(1)] == [b"new"]
+    assert sorted(k for k, _ in written) == [_key(0), _key(1), _key(2)]
+    assert slow.get([_key(1)]) == [b"new"]
+    store.close()
 
 
 def test_a_slow_tier_sheds_writes_instead_of_blocking():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS
 from helpers import (
+    ARCHS,
     greedy,
     hf_greedy,
     hf_model,

@@ -16,67 +16,12 @@ import msgspec
 import openai
 import pytest
 from cluster_proc import SECRET, cluster, router_view
+from router_client import prompt_text, router_client, stream_via, workload_spec
 from server_proc import wait_until
 
 from kvserve.ha.record import SessionRecord
 from kvserve.router.workers import rendezvous
 from kvserve.sampling import SamplingParams
-
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "hum",
-]
-
-
-def _prompt(i: int, n: int = 12) -> str:
-    return " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(n))
-
-
-def _spec(i: int, model: str) -> dict:
-    """Stream ``i`` of a mixed workload: completion/chat, greedy/seeded sampling, with and
-    without a session id."""
-    spec: dict = {"model": model, "max_tokens": 200, "temperature": 0.0 if i % 2 == 0 else 0.8}
-    if i % 2:
-        spec["seed"] = 100 + i
-    extra: dict = {"ignore_eos": True}
-    if i < 4:
-        extra["session_id"] = f"conv-{i}"
-    if i % 4 == 3:
-        spec["messages"] = [{"role": "user", "content": _prompt(i)}]
-    else:
-        spec["prompt"] = _prompt(i)
-    spec["extra_body"] = extra
-    return spec
-
-
-def _stream(client: openai.OpenAI, spec: dict, progress: list | None = None):
-    """(worker that took it, text) of one streamed request; ``progress[0]`` counts the
-    content chunks as they arrive."""
-    chat = "messages" in spec
-    api = client.chat.completions if chat else client.completions
-    raw = api.with_raw_response.create(stream=True, **spec)
-    worker = raw.headers["x-kvserve-worker"]
-    text = ""
-    for chunk in raw.parse():
-        if not chunk.choices:
-            continue
-        piece = chunk.choices[0].delta.content if chat else chunk.choices[0].text
-        text += piece or ""
-        if progress is not None and piece:
-            progress[0] += 1
-    return worker, text
 
 
 def _router_metric(router, name: str) -> float:
@@ -89,16 +34,12 @@ def _router_metric(router, name: str) -> float:
     )
 
 
-def _client(router) -> openai.OpenAI:
-    return openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
 def test_eight_streams_survive_kill_9_of_a_worker(llama_dir, tmp_path):
     with cluster(llama_dir, tmp_path) as c:
         router = c.routers[0]
-        client = _client(router)
-        specs = [_spec(i, str(llama_dir)) for i in range(8)]
-        want = [_stream(client, s)[1] for s in specs]  # uninterrupted runs
+        client = router_client(router)
+        specs = [workload_spec(i, str(llama_dir)) for i in range(8)]
+        want = [stream_via(client, s)[1] for s in specs]  # uninterrupted runs
         assert len(set(want)) == 8
 
         progress = [[0] for _ in specs]
@@ -106,7 +47,7 @@ def test_eight_streams_survive_kill_9_of_a_worker(llama_dir, tmp_path):
 
         def run(i: int) -> None:
             try:
-                results[i] = _stream(client, specs[i], progress[i])
+                results[i] = stream_via(client, specs[i], progress[i])
             except Exception as e:  # reported by the assertion below
                 results[i] = ("error", repr(e))
 
@@ -129,10 +70,10 @@ def test_eight_streams_survive_kill_9_of_a_worker(llama_dir, tmp_path):
 def test_a_stopped_primary_is_failed_over_and_fenced(llama_dir, tmp_path):
     with cluster(llama_dir, tmp_path) as c:
         router = c.routers[0]
-        client = _client(router)
-        spec = _spec(1, str(llama_dir)) | {"max_tokens": 120}
+        client = router_client(router)
+        spec = workload_spec(1, str(llama_dir)) | {"max_tokens": 120}
         spec["extra_body"] = {"ignore_eos": True, "session_id": "paused"}
-        want = _stream(client, spec)[1]
+        want = stream_via(client, spec)[1]
 
         chat = "messages" in spec
         raw = client.completions.with_raw_response.create(stream=True, **spec)
@@ -171,12 +112,12 @@ def test_session_affinity_is_kept_in_redis_across_routers(llama_dir, tmp_path):
             home[s] = "b" if favourite == "a" else "a"
             direct = openai.OpenAI(base_url=c.workers[home[s]].url + "/v1", api_key="x")
             direct.completions.create(
-                model=model, prompt=_prompt(1), max_tokens=4, extra_body={"session_id": s}
+                model=model, prompt=prompt_text(1), max_tokens=4, extra_body={"session_id": s}
             )
 
         def turn(router, s: str) -> str:
-            raw = _client(router).completions.with_raw_response.create(
-                model=model, prompt=_prompt(2), max_tokens=4, extra_body={"session_id": s}
+            raw = router_client(router).completions.with_raw_response.create(
+                model=model, prompt=prompt_text(2), max_tokens=4, extra_body={"session_id": s}
             )
             raw.parse()
             return raw.headers["x-kvserve-worker"]
@@ -205,10 +146,10 @@ def test_session_affinity_is_kept_in_redis_across_routers(llama_dir, tmp_path):
 def test_serving_goes_on_while_redis_is_briefly_stopped(llama_dir, tmp_path):
     with cluster(llama_dir, tmp_path) as c:
         router = c.routers[0]
-        client = _client(router)
-        spec = _spec(5, str(llama_dir)) | {"max_tokens": 150}
+        client = router_client(router)
+        spec = workload_spec(5, str(llama_dir)) | {"max_tokens": 150}
         spec["extra_body"] = {"ignore_eos": True, "session_id": "outage"}
-        want = _stream(client, spec)[1]
+        want = stream_via(client, spec)[1]
 
         raw = client.completions.with_raw_response.create(stream=True, **spec)
         text, stopped = "", False
@@ -221,7 +162,7 @@ def test_serving_goes_on_while_redis_is_briefly_stopped(llama_dir, tmp_path):
         # a new conversation while Redis is still stopped
         late = client.completions.create(
             model=str(llama_dir),
-            prompt=_prompt(3),
+            prompt=prompt_text(3),
             max_tokens=30,
             extra_body={"ignore_eos": True, "session_id": "during-outage"},
         )
@@ -258,7 +199,7 @@ def test_router_errors_are_openai_shaped(llama_dir, tmp_path):
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 400
         assert json.loads(e.value.read())["error"]["type"] == "BadRequestError"
-        client = _client(router)
+        client = router_client(router)
         with pytest.raises(openai.NotFoundError):  # the worker's 404, relayed
             client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
         with pytest.raises(openai.BadRequestError):
@@ -282,7 +223,7 @@ def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_pat
     from kvserve.ha.push import encode_push
 
     with cluster(llama_dir, tmp_path, worker_args=("--replicate-to", "standby")) as c:
-        client = _client(c.routers[0])
+        client = router_client(c.routers[0])
         prompt = random_prompts([40], seed=3)[0]
         raw = client.completions.with_raw_response.create(
             model=str(llama_dir),
@@ -350,9 +291,9 @@ def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_pat
 def test_a_drained_worker_finishes_its_streams_and_gets_no_new_ones(llama_dir, tmp_path):
     with cluster(llama_dir, tmp_path) as c:
         router = c.routers[0]
-        client = _client(router)
-        spec = _spec(0, str(llama_dir)) | {"max_tokens": 150}
-        want = _stream(client, spec)[1]
+        client = router_client(router)
+        spec = workload_spec(0, str(llama_dir)) | {"max_tokens": 150}
+        want = stream_via(client, spec)[1]
         raw = client.completions.with_raw_response.create(stream=True, **spec)
         busy = c.workers[raw.headers["x-kvserve-worker"]]
         other = next(n for n, w in c.workers.items() if w is not busy)
@@ -385,7 +326,7 @@ def test_a_drained_worker_finishes_its_streams_and_gets_no_new_ones(llama_dir, t
         )
         for i in range(4):  # new conversations all go elsewhere
             r = client.completions.with_raw_response.create(
-                model=str(llama_dir), prompt=_prompt(i), max_tokens=4
+                model=str(llama_dir), prompt=prompt_text(i), max_tokens=4
             )
             r.parse()
             assert r.headers["x-kvserve-worker"] == other

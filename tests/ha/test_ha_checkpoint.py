@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 from helpers import make_engine, run_to_end
 from redis_proc import redis_server
-from test_store_s3 import aws_env, moto  # noqa: F401 - fixtures
 
 from kvserve.engine.llm_engine import EngineError
 from kvserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("aws_env")
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def two_sites(tmp_path_factory):
         yield f"redis://127.0.0.1:{ra.port}/0", f"redis://127.0.0.1:{rb.port}/0"
 
 
-def test_another_site_resumes_a_session_from_its_s3_checkpoint(two_sites, moto, llama_dir):  # noqa: F811
+def test_another_site_resumes_a_session_from_its_s3_checkpoint(two_sites, moto, llama_dir):
     site_a, site_b = two_sites
     s3 = moto.url("ckpt")
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=60, ignore_eos=True)
