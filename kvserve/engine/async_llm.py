@@ -54,13 +54,16 @@ from kvserve.engine.messages import (
     UtilityResult,
 )
 from kvserve.engine.output import OutputProcessor
+from kvserve.engine.requests import context_length_error
 from kvserve.engine.stats import EngineStats
 from kvserve.ha.record import SessionRecord
-from kvserve.model.tokenizer import Tokenizer, load_tokenizer
+from kvserve.model.tokenizer import PromptTooLong, Tokenizer, load_tokenizer
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
 
 logger = logging.getLogger("kvserve")
+
+_INLINE_TOKENIZE = 4096  # characters; longer prompts are tokenized on a worker thread
 
 
 class RequestStream:
@@ -252,10 +255,21 @@ class AsyncLLM:
             s = msgspec.structs.replace(s, waiting=s.waiting + len(self._adds))
         return s
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, params: SamplingParams | None = None) -> list[int]:
+        """Token ids of a prompt; with ``params``, raises EngineError (before building the
+        ids) when the prompt cannot fit the context with its ``max_tokens``."""
         if self.tokenizer is None:
             raise EngineError(f"{self.info.model} has no tokenizer.json; pass prompt token ids")
-        return self.tokenizer.encode(text)
+        limit = self.info.max_model_len
+        if params is not None and params.max_tokens is not None:
+            limit -= params.max_tokens
+        try:
+            return self.tokenizer.encode(text, max_tokens=max(limit, 0) if params else None)
+        except PromptTooLong as e:
+            assert params is not None
+            max_tokens = params.max_tokens or 0
+            error = context_length_error(e.num_tokens, max_tokens, self.info.max_model_len)
+            raise EngineError(error or str(e)) from None
 
     async def add_request(
         self,
@@ -267,8 +281,11 @@ class AsyncLLM:
     ) -> RequestStream:
         """Queue one sequence; ``kwargs`` are ``AddRequest`` fields (``tenant`` …)."""
         text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, str):  # off the event loop: a huge prompt must not stall it
-            ids = await asyncio.to_thread(self.tokenize, prompt)
+        if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE:
+            # off the event loop: a huge prompt must not stall it
+            ids = await asyncio.to_thread(self.tokenize, prompt, params)
+        elif isinstance(prompt, str):
+            ids = self.tokenize(prompt, params)
         else:
             ids = [int(t) for t in prompt]
         msg = AddRequest(request_id, ids, params, seed, **kwargs)

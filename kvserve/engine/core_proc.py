@@ -121,7 +121,9 @@ class CoreLoop:
                 stats.loop_seconds = self._busy
                 self._send(Outputs(outputs, stats))
             elif changed:
-                self._send(Outputs([], engine.stats()))
+                stats = engine.stats()
+                stats.loop_seconds = self._busy  # every frame carries the running total
+                self._send(Outputs([], stats))
 
     # ---- messages -----------------------------------------------------------------------
     def _handle(self, msg: Any) -> None:

@@ -18,6 +18,17 @@ from kvserve.request import Request
 from kvserve.sampling import SamplingParams
 
 
+def context_length_error(num_prompt: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt of ``num_prompt`` tokens plus ``max_tokens`` cannot fit the context,
+    or None when it fits."""
+    if num_prompt + max_tokens <= max_model_len:
+        return None
+    return (
+        f"this model's maximum context length is {max_model_len} tokens; the request has "
+        f"{num_prompt} prompt tokens + max_tokens {max_tokens} = {num_prompt + max_tokens}"
+    )
+
+
 class RequestFactory:
     def __init__(
         self,
@@ -76,12 +87,9 @@ class RequestFactory:
             )
         room = self.max_model_len - len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if len(ids) + max_tokens > self.max_model_len:
-            raise EngineError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request has {len(ids)} prompt tokens + max_tokens {max_tokens} = "
-                f"{len(ids) + max_tokens}"
-            )
+        error = context_length_error(len(ids), max_tokens, self.max_model_len)
+        if error is not None:
+            raise EngineError(error)
         need = self.kv.blocks_needed(len(ids) + max_tokens)
         if not self.kv.can_ever_fit(len(ids) + max_tokens):
             raise EngineError(

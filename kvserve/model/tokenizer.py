@@ -22,6 +22,17 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+_LONG_TEXT = 4096  # characters; longer texts are tokenized without holding the GIL
+
+
+class PromptTooLong(ValueError):
+    """A text with more tokens than allowed; ``num_tokens`` says how many."""
+
+    def __init__(self, num_tokens: int):
+        super().__init__(f"{num_tokens} tokens")
+        self.num_tokens = num_tokens
+
+
 class Tokenizer:
     """Encode/decode and chat-template rendering for one model."""
 
@@ -39,8 +50,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        """Token ids of ``text``. Raises ``PromptTooLong`` (before building the id list)
+        when it has more than ``max_tokens`` tokens. Long texts go through the batch
+        call, which releases the GIL while it works (the single call does not: a 6 MB
+        prompt would stall every other thread of the process for seconds)."""
+        if len(text) > _LONG_TEXT:
+            enc = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        if max_tokens is not None and len(enc) > max_tokens:
+            raise PromptTooLong(len(enc))
+        ids = enc.ids
         if (
             add_special_tokens
             and self._add_bos
