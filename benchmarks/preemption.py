@@ -115,14 +115,15 @@ def worker_workload(a: argparse.Namespace) -> dict:
         return out
 
     engine.scheduler.schedule = counting_schedule
-    if engine.swap is not None:
-        observe = engine.swap.on_copy
+    host = engine.runner.host_swap  # the worker's side of swapping: it does the copies
+    if host is not None:
+        observe = host.on_copy
 
         def counting_copy(nbytes: int, seconds: float) -> None:
             work["swap_bytes"] += nbytes
             observe(nbytes, seconds)
 
-        engine.swap.on_copy = counting_copy
+        host.on_copy = counting_copy
     c0 = time.process_time()
     t0 = time.perf_counter()
     for i, (p, m) in enumerate(requests):
@@ -172,6 +173,7 @@ def worker_crossover(a: argparse.Namespace) -> dict:
 
     from kvserve.request import Request
     from kvserve.sampling import SamplingParams
+    from kvserve.sched.scheduler import SchedulerOutput
 
     engine = _engine(
         a.model, kv_cache_memory="512MiB", max_num_batched_tokens=4096, max_model_len=2048
@@ -188,12 +190,15 @@ def worker_crossover(a: argparse.Namespace) -> dict:
         prefill = time.perf_counter() - t0
         req: Request = engine.requests[f"p{i}"]
         table = engine.kv.block_table(req.request_id)
-        swap = engine.swap
+        swap, null = engine.swap, engine.kv.pool.null_block
         times = []
-        for _ in range(5):
+        for _ in range(5):  # out and back into the same blocks, as the worker copies them
             t0 = time.perf_counter()
-            assert swap.swap_out(req.request_id, table, engine.kv.pool.null_block)
-            swap.swap_in(req.request_id, table)
+            out = swap.reserve(req.request_id, table, null)
+            assert out is not None
+            engine.runner.apply_swaps(SchedulerOutput(swap_out=[out]))
+            back = swap.release(req.request_id, out.blocks, 0)
+            engine.runner.apply_swaps(SchedulerOutput(swap_in=[back]))
             times.append(time.perf_counter() - t0)
         engine.abort_request(req.request_id)
         if i >= 2:

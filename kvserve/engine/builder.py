@@ -39,6 +39,7 @@ from kvserve.planner.usage import UsageRecorder
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
 from kvserve.utils import cdiv, format_size, resolve_device
+from kvserve.worker.swap import HostSwap
 
 logger = logging.getLogger("kvserve")
 
@@ -126,11 +127,11 @@ class EngineBuilder:
         self.cost_model.calibrate_copy(self.device)
         self.swap = None
         if self.cache_config.swap_space and self.scheduler_config.preemption_mode != "recompute":
-            self.swap = SwapSpace(
+            self.swap = SwapSpace(self.kv_spec.bytes_per_block, self.cache_config.swap_space)
+            self.runner.host_swap = HostSwap(
                 self.runner.kv_caches,
                 self.kv.block_size,
                 self.kv_spec.bytes_per_block,
-                self.cache_config.swap_space,
                 on_copy=self.cost_model.observe_copy,
             )
         self.offloader = self._offloader(args)

@@ -171,11 +171,12 @@ class LLMEngine:
         outputs = self._drop_fenced()
         sched = self.scheduler.schedule()
         self._observe_usage()
+        if sched.has_copies:  # swaps first: the batch may reuse a victim's blocks
+            self.runner.apply_swaps(sched)
         if not sched.is_empty:
             t1 = time.perf_counter()
             result = self.runner.run(sched.scheduled)
-            dt = time.perf_counter() - t1
-            self.forward_seconds += dt
+            self.forward_seconds += (dt := time.perf_counter() - t1)
             chunks = [(s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
             self.cost_model.observe_step(sched.num_tokens, attention_pairs(chunks), dt)
             outputs += self._update(sched.scheduled, result)
@@ -278,6 +279,9 @@ class LLMEngine:
         self.kv.check_integrity()
         if self.swap is not None:
             self.swap.check_integrity()
+            held = self.runner.host_swap.held() - set(self.scheduler.pending_drops)
+            if held != self.swap.held():  # right after a step the worker holds the same
+                raise AssertionError(f"host copies {held} != swapped {self.swap.held()}")
         live = {r.request_id for r in self.scheduler.running + self.scheduler.loading}
         if self.kv.num_requests() > len(live):
             raise AssertionError("blocks are held by requests that are not running")

@@ -17,7 +17,8 @@ from kvserve.model.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.request import Request
 from kvserve.sampling import SampleRow, sample, token_logprobs
-from kvserve.sched.scheduler import ScheduledRequest
+from kvserve.sched.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.worker.swap import HostSwap
 
 
 @dataclass
@@ -43,7 +44,9 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the KV tensors; builds per-step metadata; runs forward + sampling."""
+    """Owns the KV tensors (and, through ``host_swap``, their host copies); executes a
+    ``SchedulerOutput``: its swaps (``apply_swaps``), then its batch (``run``: metadata,
+    forward, sampling)."""
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.window = sliding_window
         self.sinks = attention_sinks if sliding_window is not None else 0
+        self.host_swap: HostSwap | None = None  # with a swap space (the builder sets it)
         self.keep_logits = False  # tests set this to inspect raw logits
         self.last_logits: dict[str, torch.Tensor] = {}
         self.prompt_logits: dict[str, list[torch.Tensor]] = {}  # with keep_logits
@@ -162,6 +166,13 @@ class ModelRunner:
         need_mask = self.window is not None or any(n != max_len for n in lens)
         mask_t = mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
         return padded.to(self.device), mask_t
+
+    @torch.inference_mode()
+    def apply_swaps(self, out: SchedulerOutput) -> None:
+        """The swap lists of ``out``, before its batch runs (``worker.swap.HostSwap``)."""
+        if self.host_swap is None:
+            raise RuntimeError("swaps scheduled without a swap space")
+        self.host_swap.apply(out)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledRequest]) -> StepResult:

@@ -68,3 +68,19 @@ class KVCacheSpec:
             device=device,
         )
         return list(full.unbind(0))
+
+
+def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
+    """Every device tensor holding per-slot data, viewed as ``[2, blocks, block_size, …]``
+    (fp8 through uint8: CPU index kernels do not cover fp8). Per-head fp8 scales are
+    global and stay on the device."""
+    out = []
+    for cache in caches:
+        parts = [cache]
+        if isinstance(cache, QuantizedKVCache):
+            parts = [cache.data.view(torch.uint8)]
+            if cache.fmt.scale == "token":
+                parts.append(cache.scale)
+        for t in parts:
+            out.append(t.view(2, -1, block_size, *t.shape[2:]))
+    return out

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.kv.cache import block_tensors
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import QuantizedKVCache
-from kvserve.kv.swap import block_tensors
 from kvserve.request import Request
 from kvserve.store import serde
 from kvserve.store.sessions import SessionStore

@@ -18,7 +18,10 @@ Each step:
    that preempted, only tenants below their reservation are admitted.
 
 New requests start after the longest prefix the KV manager already holds (prefix caching);
-swapped requests get fresh blocks and their K/V copied back.
+swapped requests get fresh blocks and their K/V copied back. The scheduler decides only:
+it never touches a tensor. Copies it decides on (swap-outs of victims, swap-ins of
+returning requests, dropped host copies) are lists in the ``SchedulerOutput`` the worker
+executes before the step's forward pass.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import POOL, KVCacheManager
 from kvserve.kv.offload import KVOffloader
-from kvserve.kv.swap import SwapSpace
+from kvserve.kv.swap import SwapIn, SwapOut, SwapSpace
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.preemption import PreemptionPolicy
@@ -45,10 +48,20 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """The batch for one step; ``scheduled`` lists each request once."""
+    """What one step does, as data: ``scheduled`` lists each request once with its new
+    tokens (its block table is the KV manager's); the worker first drops the host copies
+    of ``swap_drop``, copies the ``swap_out`` blocks to the host, then ``swap_in`` back,
+    and then runs the forward pass."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swap_out: list[SwapOut] = field(default_factory=list)
+    swap_in: list[SwapIn] = field(default_factory=list)
+    swap_drop: list[str] = field(default_factory=list)
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.swap_drop)
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +96,7 @@ class Scheduler:
             kv, self.cost, swap, config.preemption_mode, config.preemption_victim
         )
         self.offloader = offloader
+        self._dropped: list[str] = []  # swapped requests finished since the last step
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loading: list[Request] = []  # admitted, their prefix loading from the store
@@ -96,12 +110,19 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    @property
+    def pending_drops(self) -> list[str]:
+        """Swapped requests finished since the last ``schedule`` (their host copies are
+        dropped by the worker at the next step)."""
+        return list(self._dropped)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(swap_drop=self._dropped)
+        self._dropped = []
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
         if self.loading:
@@ -150,7 +171,7 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
                 return
-            n = self._try_admit(req, budget)
+            n = self._try_admit(req, budget, out)
             if n == 0:  # its prefix is loading from the KV store
                 continue
             # within its reservation a tenant may take blocks from tenants above theirs
@@ -164,7 +185,7 @@ class Scheduler:
                     break
                 victim = max(victims, key=self.policy.victim_key)
                 budget += self._preempt(victim, RESERVATION, out, scheduled)
-                n = self._try_admit(req, budget)
+                n = self._try_admit(req, budget, out)
             if n is None:
                 if below:  # too big for what the reservation covers now; smaller may fit
                     passed.add(req.request_id)
@@ -193,7 +214,7 @@ class Scheduler:
         ]
         return min(candidates, key=key) if candidates else None
 
-    def _try_admit(self, req: Request, budget: int) -> int | None:
+    def _try_admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Allocate blocks for ``req``'s first chunk (≤ ``budget`` tokens); returns the
         chunk's size, or None (``kv.shortage`` says why)."""
         if req.status is RequestStatus.SWAPPED:
@@ -205,7 +226,7 @@ class Scheduler:
             if fresh is None:
                 return None
             copied = sum(live) - len(shared)
-            self.swap.swap_in(req.request_id, fresh[:copied], skip=len(shared))
+            out.swap_in.append(self.swap.release(req.request_id, fresh[:copied], len(shared)))
             return n
         cached = self.kv.find_cached_prefix(req)
         if req.restore_limit is not None:
@@ -272,8 +293,13 @@ class Scheduler:
         mode = self.policy.mode_for(req)
         table = self.kv.block_table(req.request_id)
         null = self.kv.pool.null_block
-        if mode == "swap" and not (self.swap and self.swap.swap_out(req.request_id, table, null)):
+        copy = None
+        if mode == "swap" and self.swap is not None:
+            copy = self.swap.reserve(req.request_id, table, null)
+        if copy is None:
             mode = "recompute"
+        else:
+            out.swap_out.append(copy)
         self.kv.free(req)
         if mode == "swap":
             req.status = RequestStatus.SWAPPED
@@ -294,8 +320,8 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark ``req`` finished with ``status``, free its blocks (and swap space), drop it
         from the queues."""
-        if self.swap is not None:
-            self.swap.discard(req.request_id)
+        if self.swap is not None and self.swap.discard(req.request_id):
+            self._dropped.append(req.request_id)  # the worker drops its copy next step
         if self.offloader is not None:
             self.offloader.forget(req)
         req.status = status

@@ -7,10 +7,12 @@ import pytest
 import torch
 from helpers import greedy, make_engine, random_prompts, run_to_end
 
-from kvserve.kv.swap import SwapSpace
+from kvserve.kv.swap import SwapOut, SwapSpace
 from kvserve.request import RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.sched.cost import PreemptionCostModel, attention_pairs
+from kvserve.sched.scheduler import SchedulerOutput
+from kvserve.worker.swap import HostSwap
 
 TIGHT = dict(kv_cache_memory=16 * 16 * 512, max_model_len=128)  # 16 blocks of 16 tokens
 
@@ -74,13 +76,20 @@ def test_swap_preserves_kv_bytes_and_the_null_blocks():
     for c in caches:
         c.data.copy_(torch.randint(-127, 127, c.data.shape, dtype=torch.int8))
         c.scale.copy_(torch.rand(c.scale.shape).half())
-    swap = SwapSpace(caches, 4, spec.bytes_per_block, 3 * spec.bytes_per_block)
+    swap = SwapSpace(spec.bytes_per_block, 3 * spec.bytes_per_block)
+    host = HostSwap(caches, 4, spec.bytes_per_block)
     before = [(c.data.clone(), c.scale.clone()) for c in caches]
-    assert not swap.swap_out("big", [1, 2, 3, 4], null_block=0)  # 4 blocks > capacity 3
-    assert swap.swap_out("r", [0, 5, 7], null_block=0)
+    assert swap.reserve("big", [1, 2, 3, 4], null_block=0) is None  # 4 blocks > capacity 3
+    out = SchedulerOutput(swap_out=[swap.reserve("r", [0, 5, 7], null_block=0)])
+    assert out.swap_out == [SwapOut("r", [5, 7])]
     assert swap.used_bytes == 2 * spec.bytes_per_block and not swap.can_hold(2)
     assert swap.live("r") == [False, True, True]
-    swap.swap_in("r", [8, 2])
+    host.apply(out)
+    for c in caches:  # the device blocks may be reused now: the host copy stands alone
+        c.data.zero_()
+        c.scale.zero_()
+    host.apply(SchedulerOutput(swap_in=[swap.release("r", [8, 2], skip=0)]))
+    assert host.held() == set()
     for c, (d, s) in zip(caches, before, strict=True):
         for src, dst in ((5, 8), (7, 2)):
             assert torch.equal(c.data[:, dst * 4 : dst * 4 + 4], d[:, src * 4 : src * 4 + 4])
@@ -167,7 +176,9 @@ def test_swap_in_shares_a_prefix_still_in_the_pool_instead_of_copying_it(llama_d
     b = engine.add_request("r1", prompts[1], greedy(30))
     engine.step()
     assert engine.kv.block_table("r1")[:4] == engine.kv.block_table("r0")[:4]
-    engine.scheduler._preempt(b, "pool", SchedulerOutput(), {})
+    out = SchedulerOutput()
+    engine.scheduler._preempt(b, "pool", out, {})
+    engine.runner.apply_swaps(out)  # what the step that preempted B would have done
     assert b.status is RequestStatus.SWAPPED and engine.swap.used_blocks == 6
     used_before = engine.kv.pool.num_used
     engine.step()  # B comes back

@@ -19,6 +19,7 @@ from kvserve.kv.tenant_ledger import Budget
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.sched.scheduler import Scheduler
+from kvserve.worker.swap import HostSwap
 
 BS = 4  # tokens per block
 TENANTS = ("gold", "silver", "bronze", "free")
@@ -35,7 +36,8 @@ class Sim:
         self.kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
         self.kv.ledger.set_budgets(budgets)
         self.cache = torch.zeros(2, num_blocks * BS, 1, 1)
-        self.swap = SwapSpace([self.cache], BS, 1, swap_blocks)
+        self.swap = SwapSpace(1, swap_blocks)
+        self.host = HostSwap([self.cache], BS, 1)  # the worker side: executes the copies
         config = SchedulerConfig(10_000, 1_000, True, mode, victim)
         self.sched = Scheduler(config, self.kv, swap=self.swap)
         self.steps = 0
@@ -51,6 +53,7 @@ class Sim:
 
     def step(self):
         out = self.sched.schedule()
+        self.host.apply(out)  # as the worker does, before the forward pass
         self.check_reservations()
         self.steps += 1
         for s in out.scheduled:
@@ -75,6 +78,7 @@ class Sim:
     def check(self) -> None:
         self.kv.check_integrity()
         self.swap.check_integrity()
+        assert self.host.held() - set(self.sched.pending_drops) == self.swap.held()
         ledger = self.kv.ledger
         for t in TENANTS:
             assert ledger.usage(t) <= ledger.limit(t), f"{t} above its limit"

@@ -1,0 +1,1 @@
+"""The worker: the only owner of KV tensors (model runner, swaps)."""
