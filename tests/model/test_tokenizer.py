@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from server_proc import wait_until
 
 from kvserve.default_model import default_model_path
 from kvserve.engine.output import IncrementalDetokenizer
@@ -27,13 +28,12 @@ def test_long_text_leaves_other_threads_running(tok):
     done = threading.Event()
 
     def ticker() -> None:
-        while not done.is_set():
+        while not done.wait(0.005):  # a tick every 5 ms while it can get the GIL
             ticks.append(time.perf_counter())
-            time.sleep(0.005)
 
     t = threading.Thread(target=ticker)
     t.start()
-    time.sleep(0.05)
+    wait_until(lambda: len(ticks) >= 2, 10, "the ticker runs")
     start = time.perf_counter()
     ids = tok.encode(text)
     end = time.perf_counter()
