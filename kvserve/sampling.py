@@ -53,7 +53,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
+        if not -1 <= self.top_k < 2**31:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
@@ -72,6 +72,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         self.stop_strings = tuple(stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (integers in [0, 2**31))")
+
 
     @property
     def greedy(self) -> bool:

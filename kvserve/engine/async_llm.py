@@ -321,7 +321,10 @@ class AsyncLLM:
         fut = asyncio.get_running_loop().create_future()
         self._adds[request_id] = fut
         try:
-            self._send(msg)
+            try:
+                self._send(msg)
+            except OverflowError as e:  # an integer field beyond 64 bits: the client's error
+                raise EngineError(f"a number in the request is out of range ({e})") from None
             result: AddResult = await fut
         except asyncio.CancelledError:
             self.abort(request_id)

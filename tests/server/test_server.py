@@ -191,6 +191,9 @@ def test_32_concurrent_streams_and_aborts_free_kv(server):
         ({"model": "tiny", "prompt": [99999], "max_tokens": 4}, 400, "vocabulary"),
         ({"model": "tiny", "prompt": ""}, 400, "empty"),
         ({"model": "nope", "prompt": "x"}, 404, "nope"),
+        ({"model": "tiny", "prompt": "x", "stop_token_ids": [-(2**63) - 1]}, 400, "stop_token"),
+        ({"model": "tiny", "prompt": "x", "top_k": 2**70}, 400, "top_k"),
+        ({"model": "tiny", "prompt": "x", "priority": 2**70}, 400, "out of range"),
     ],
 )
 def test_errors_are_openai_shaped_and_server_survives(server, body, status, fragment):
