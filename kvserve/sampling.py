@@ -75,7 +75,6 @@ class SamplingParams:
         if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be token ids (integers in [0, 2**31))")
 
-
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS

@@ -220,6 +220,20 @@ class AsyncLLM:
         self._inp.send(self._enc.encode(msg), copy=False)
 
     async def _read(self) -> None:
+        """Dispatch the core's frames until cancelled; a frame that cannot be read or
+        handled is fatal (every stream and call fails, none is left waiting)."""
+        try:
+            await self._read_frames()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("reading the engine core's output failed")
+            if self.error is None:
+                self._fail(EngineDeadError(f"the engine core's output is unreadable: {e!r}"))
+            if self.proc.is_alive():
+                self.proc.kill()
+
+    async def _read_frames(self) -> None:
         assert self._out is not None
         while True:
             frame = await self._out.recv(copy=False)
