@@ -39,6 +39,7 @@ from kvserve.planner.usage import UsageRecorder
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
 from kvserve.utils import cdiv, format_size, resolve_device
+from kvserve.worker.offload import KVTransfer
 from kvserve.worker.swap import HostSwap
 
 logger = logging.getLogger("kvserve")
@@ -166,13 +167,11 @@ class EngineBuilder:
             namespace=f"{self.model_fingerprint[:16]}-{self.kv_format.name}-bs{self.kv.block_size}",
         )
         logger.info("KV store tiers: %s", " → ".join(t.name for t in store.tiers))
+        self.runner.kv_transfer = KVTransfer(
+            self.runner.kv_caches, self.kv.block_size, self.model_fingerprint, self.kv_format.name
+        )
         return KVOffloader(
-            store,
-            self.runner.kv_caches,
-            self.kv,
-            self.model_fingerprint,
-            self.kv_format.name,
-            store_config.session_ttl,
+            store, self.kv, self.runner.kv_transfer.block_format, store_config.session_ttl
         )
 
     def _replicator(self, args: EngineArgs):

@@ -171,8 +171,8 @@ class LLMEngine:
         outputs = self._drop_fenced()
         sched = self.scheduler.schedule()
         self._observe_usage()
-        if sched.has_copies:  # swaps first: the batch may reuse a victim's blocks
-            self.runner.apply_swaps(sched)
+        if sched.has_copies:  # swaps, loads first: the batch may reuse a victim's blocks
+            self.runner.apply_copies(sched)
         if not sched.is_empty:
             t1 = time.perf_counter()
             result = self.runner.run(sched.scheduled)
@@ -192,8 +192,8 @@ class LLMEngine:
             starts.append(s.request.num_computed_tokens)
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
-        if self.offloader is not None:  # before a sliding window frees any block
-            self.offloader.save([s.request for s in scheduled])
+        if (off := self.offloader) is not None:  # before a sliding window frees a block
+            self.runner.save_blocks(off.saves_for([s.request for s in scheduled]), off.store)
         outputs = []
         for s, start in zip(scheduled, starts, strict=True):
             req = s.request

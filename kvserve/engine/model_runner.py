@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.offload import KVSave
 from kvserve.model.attention import AttentionMetadata, PrefillChunk
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.request import Request
 from kvserve.sampling import SampleRow, sample, token_logprobs
 from kvserve.sched.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.store.tiered import TieredStore
+from kvserve.worker.offload import KVTransfer
 from kvserve.worker.swap import HostSwap
 
 
@@ -45,8 +48,8 @@ class StepResult:
 
 class ModelRunner:
     """Owns the KV tensors (and, through ``host_swap``, their host copies); executes a
-    ``SchedulerOutput``: its swaps (``apply_swaps``), then its batch (``run``: metadata,
-    forward, sampling)."""
+    ``SchedulerOutput``: its swaps and KV store loads (``apply_copies``), then its batch
+    (``run``: metadata, forward, sampling); after the step, ``save_blocks``."""
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class ModelRunner:
         self.window = sliding_window
         self.sinks = attention_sinks if sliding_window is not None else 0
         self.host_swap: HostSwap | None = None  # with a swap space (the builder sets it)
+        self.kv_transfer: KVTransfer | None = None  # with a KV store (the builder sets it)
         self.keep_logits = False  # tests set this to inspect raw logits
         self.last_logits: dict[str, torch.Tensor] = {}
         self.prompt_logits: dict[str, list[torch.Tensor]] = {}  # with keep_logits
@@ -168,11 +172,24 @@ class ModelRunner:
         return padded.to(self.device), mask_t
 
     @torch.inference_mode()
-    def apply_swaps(self, out: SchedulerOutput) -> None:
-        """The swap lists of ``out``, before its batch runs (``worker.swap.HostSwap``)."""
-        if self.host_swap is None:
-            raise RuntimeError("swaps scheduled without a swap space")
-        self.host_swap.apply(out)
+    def apply_copies(self, out: SchedulerOutput) -> None:
+        """The swap lists of ``out`` (``worker.swap.HostSwap``), then its KV store loads
+        (``worker.offload.KVTransfer``), before its batch runs."""
+        if out.swap_out or out.swap_in or out.swap_drop:
+            if self.host_swap is None:
+                raise RuntimeError("swaps scheduled without a swap space")
+            self.host_swap.apply(out)
+        if out.kv_loads:
+            if self.kv_transfer is None:
+                raise RuntimeError("KV store loads scheduled without a KV store")
+            self.kv_transfer.load(out.kv_loads)
+
+    @torch.inference_mode()
+    def save_blocks(self, saves: list[KVSave], store: TieredStore) -> int:
+        """Serialize and store ``saves`` (blocks full after this step); returns their count."""
+        if not saves or self.kv_transfer is None:
+            return 0
+        return self.kv_transfer.save(saves, store)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledRequest]) -> StepResult:

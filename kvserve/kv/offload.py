@@ -1,33 +1,32 @@
-"""The engine's side of the KV store: save full blocks, find and load stored prefixes.
+"""The engine's side of the KV store: which blocks to save, find and fetch stored prefixes.
+It touches no KV tensor: block bytes move in and out of the cache in the worker
+(``worker.offload.KVTransfer``).
 
-- ``save(requests)`` (after each step): every block of those requests that became full is
-  serialized (``store.serde``: header + checksum + token ids) and put into the tiered
-  store — synchronously into the host tier, asynchronously below it. Blocks the host tier
+- ``saves_for(requests)`` (after each step): the blocks of those requests that became
+  full, as ``KVSave`` items for the worker to serialize and store. Blocks the host tier
   already holds are skipped (a shared prefix is stored once).
 - ``lookup(request, start)``: how many blocks after the device-pool hits the store holds
   (leading, across tiers).
-- ``start_load(request, blocks)``: fetch and decode those blocks on a loader thread; the
-  request waits in the scheduler's loading set meanwhile, other requests keep running.
-- ``poll()`` (engine thread, before scheduling): copies finished loads into their device
-  blocks and returns how many leading blocks each request got. A block that is missing,
-  corrupt, foreign or fails to load ends the run there (counted; the store drops it): the
-  request computes the rest.
+- ``start_load(request, blocks)``: fetch and check those blocks on a loader thread (bytes
+  only); the request waits in the scheduler's loading set meanwhile, other requests keep
+  running.
+- ``poll()`` (before scheduling): finished fetches as ``KVLoad`` items — the payload rows
+  of the leading blocks that checked out. A block that is missing, corrupt, foreign or
+  fails to load ends the run there (counted; the store drops it): the request computes
+  the rest. The worker copies the rows into the device blocks before the step runs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvserve.kv.cache import block_tensors
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.quant import QuantizedKVCache
 from kvserve.request import Request
 from kvserve.store import serde
 from kvserve.store.sessions import SessionStore
@@ -37,13 +36,24 @@ logger = logging.getLogger("kvserve")
 
 _FETCH_CHUNK = 32  # blocks per store round trip when loading
 
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-}
+
+@dataclass(frozen=True)
+class KVSave:
+    """A full block to store: its key (chained hash), device block and token ids."""
+
+    key: bytes
+    block: int
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Fetched payload ``rows`` ([n, payload bytes], uint8, host) for the first n of a
+    request's ``blocks``."""
+
+    request_id: str
+    blocks: list[int]
+    rows: torch.Tensor
 
 
 @dataclass
@@ -57,24 +67,15 @@ class KVOffloader:
     def __init__(
         self,
         store: TieredStore,
-        caches: list,
         kv: KVCacheManager,
-        model_fingerprint: str,
-        kv_dtype: str,
+        block_format: Callable[[], serde.BlockFormat],
         session_ttl: float = 86400.0,
     ):
         self.store = store
         self.sessions = SessionStore(store, session_ttl)
         self.kv = kv
-        self.caches = caches
         self.block_size = kv.block_size
-        self._views = block_tensors(caches, kv.block_size)
-        parts_per_layer = len(self._views) // len(caches)
-        parts = tuple(
-            (_DTYPE_NAMES[v.dtype], (v.shape[0], *v.shape[2:]))
-            for v in self._views[:parts_per_layer]
-        )
-        self._base = (model_fingerprint, kv_dtype, kv.block_size, len(caches), parts)
+        self.block_format = block_format  # the worker's (KVTransfer.block_format)
         self._saved: dict[str, int] = {}  # request id → leading blocks already offered
         self._loads: dict[str, _Load] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-loader")
@@ -82,27 +83,16 @@ class KVOffloader:
         self.num_saved_blocks = 0
         self.num_load_failures = 0
 
-    def block_format(self) -> serde.BlockFormat:
-        """The format of this engine's blocks. Recomputed per use: fp8 scales may be
-        calibrated after start."""
-        digest = None
-        if isinstance(self.caches[0], QuantizedKVCache) and self.caches[0].fmt.scale == "head":
-            h = hashlib.blake2b(digest_size=8)
-            for c in self.caches:
-                h.update(c.scale.detach().cpu().numpy().tobytes())
-            digest = h.hexdigest()
-        return serde.BlockFormat(*self._base, scales_digest=digest)
-
     def _tokens(self, request: Request, i: int) -> list[int]:
         return request.token_slice(i * self.block_size, (i + 1) * self.block_size)
 
     # ---- saving ------------------------------------------------------------------------
-    def save(self, requests: Sequence[Request]) -> None:
-        """Offer the newly full blocks of ``requests`` (this step's) to the store: one
-        gather per KV tensor and one store batch for all of them."""
+    def saves_for(self, requests: Sequence[Request]) -> list[KVSave]:
+        """The newly full blocks of ``requests`` (this step's) not in the host tier yet;
+        they count as offered from now on."""
         null = self.kv.pool.null_block
         host = self.store.tiers[0]
-        todo: list[tuple[Request, int, bytes, int]] = []  # (request, index, hash, block)
+        todo: list[KVSave] = []
         for request in requests:
             rid = request.request_id
             full = request.num_computed_tokens // self.block_size
@@ -114,26 +104,9 @@ class KVOffloader:
             self._saved[rid] = full
             for i in range(done, full):
                 if table[i] != null and not host.contains([hashes[i]]):
-                    todo.append((request, i, hashes[i], table[i]))
-        if not todo:
-            return
-        fmt = self.block_format()
-        n = len(todo)
-        idx = torch.tensor([t[3] for t in todo], device=self._views[0].device)
-        # one row of payload bytes per block: every layer's parts, layer-major (serde.pack)
-        rows = torch.cat(
-            [
-                v.index_select(1, idx).transpose(0, 1).contiguous().view(torch.uint8).reshape(n, -1)
-                for v in self._views
-            ],
-            dim=1,
-        ).cpu()
-        items = [
-            (key, serde.encode(fmt, key, rows[j], self._tokens(request, i)))
-            for j, (request, i, key, _) in enumerate(todo)
-        ]
-        self.store.put(items)
-        self.num_saved_blocks += len(items)
+                    todo.append(KVSave(hashes[i], table[i], self._tokens(request, i)))
+        self.num_saved_blocks += len(todo)
+        return todo
 
     def record_session(self, request: Request) -> None:
         """Record a finished turn of ``request.session_id`` (its tokens and blocks)."""
@@ -189,8 +162,8 @@ class KVOffloader:
                 n += 1
         return rows[:n]
 
-    def poll(self, wait: bool = False) -> list[tuple[Request, int]]:
-        """Finished loads: (request, leading blocks now in the device cache)."""
+    def poll(self, wait: bool = False) -> list[tuple[Request, KVLoad]]:
+        """Finished fetches: (request, its load — ``rows`` leading blocks checked out)."""
         done = []
         for rid, load in list(self._loads.items()):
             if not (wait or load.future.done()):
@@ -204,23 +177,9 @@ class KVOffloader:
             n = rows.shape[0]
             if n < len(load.blocks):
                 self.num_load_failures += 1
-            if n:
-                self._copy_in(load.blocks[:n], rows)
-                self.num_loaded_blocks += n
-            done.append((load.request, n))
+            self.num_loaded_blocks += n
+            done.append((load.request, KVLoad(rid, load.blocks, rows)))
         return done
-
-    def _copy_in(self, blocks: list[int], rows: torch.Tensor) -> None:
-        """Payload ``rows`` ([n, payload bytes]) into device ``blocks``."""
-        n = len(blocks)
-        idx = torch.tensor(blocks, device=self._views[0].device)
-        offset = 0
-        for view in self._views:
-            shape = (n, 2, *view.shape[2:])
-            size = view[:, :1].numel() * view.element_size()  # bytes of one block
-            part = rows[:, offset : offset + size].contiguous().view(view.dtype).view(shape)
-            view.index_copy_(1, idx, part.transpose(0, 1).to(view.device))
-            offset += size
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

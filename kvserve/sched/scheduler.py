@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import POOL, KVCacheManager
-from kvserve.kv.offload import KVOffloader
+from kvserve.kv.offload import KVLoad, KVOffloader
 from kvserve.kv.swap import SwapIn, SwapOut, SwapSpace
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.cost import PreemptionCostModel
@@ -51,17 +51,19 @@ class SchedulerOutput:
     """What one step does, as data: ``scheduled`` lists each request once with its new
     tokens (its block table is the KV manager's); the worker first drops the host copies
     of ``swap_drop``, copies the ``swap_out`` blocks to the host, then ``swap_in`` back,
-    and then runs the forward pass."""
+    copies the ``kv_loads`` fetched from the KV store into their blocks, and then runs the
+    forward pass."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     swap_out: list[SwapOut] = field(default_factory=list)
     swap_in: list[SwapIn] = field(default_factory=list)
     swap_drop: list[str] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)  # store blocks fetched for requests
 
     @property
     def has_copies(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.swap_drop)
+        return bool(self.swap_out or self.swap_in or self.swap_drop or self.kv_loads)
 
     @property
     def num_tokens(self) -> int:
@@ -126,7 +128,7 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
         if self.loading:
-            self._finish_loads(wait=not self.running)
+            self._finish_loads(out, wait=not self.running)
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -267,13 +269,16 @@ class Scheduler:
         self.loading.append(req)
         return 0
 
-    def _finish_loads(self, wait: bool) -> None:
-        """Loaded requests join the running queue with their loaded blocks computed."""
+    def _finish_loads(self, out: SchedulerOutput, wait: bool) -> None:
+        """Loaded requests join the running queue with their loaded blocks computed (the
+        worker copies the fetched rows in before this step runs)."""
         assert self.offloader is not None
-        for req, n in self.offloader.poll(wait=wait):
+        for req, load in self.offloader.poll(wait=wait):
             if req not in self.loading:
                 continue  # aborted meanwhile
             self.loading.remove(req)
+            out.kv_loads.append(load)
+            n = load.rows.shape[0]
             req.num_computed_tokens += n * self.kv.block_size
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens

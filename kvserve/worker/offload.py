@@ -1,0 +1,92 @@
+"""The worker's side of the KV store: block bytes in and out of the KV tensors.
+
+- ``block_format()``: the format this worker's blocks are stored in (model, KV dtype,
+  shapes; fp8 per-head scales by digest, recomputed per use: they may be calibrated after
+  start).
+- ``load(loads)``: each ``KVLoad``'s fetched payload rows into its device blocks. The
+  engine runs it before the step's forward pass (from the ``SchedulerOutput``), so a
+  request scheduled in the step its load finished reads its restored blocks.
+- ``save(saves, store)``: the ``KVSave`` blocks (full after this step) gathered in one
+  index per KV tensor, serialized (``store.serde``: header, checksum, token ids) and put
+  into the tiered store in one batch — synchronously into the host tier, asynchronously
+  below it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.kv.cache import block_tensors
+from kvserve.kv.quant import QuantizedKVCache
+from kvserve.store import serde
+
+if TYPE_CHECKING:
+    from kvserve.kv.offload import KVLoad, KVSave
+    from kvserve.store.tiered import TieredStore
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+}
+
+
+class KVTransfer:
+    def __init__(self, caches: list, block_size: int, model_fingerprint: str, kv_dtype: str):
+        self.caches = caches
+        self._views = block_tensors(caches, block_size)
+        parts_per_layer = len(self._views) // len(caches)
+        parts = tuple(
+            (_DTYPE_NAMES[v.dtype], (v.shape[0], *v.shape[2:]))
+            for v in self._views[:parts_per_layer]
+        )
+        self._base = (model_fingerprint, kv_dtype, block_size, len(caches), parts)
+
+    def block_format(self) -> serde.BlockFormat:
+        digest = None
+        if isinstance(self.caches[0], QuantizedKVCache) and self.caches[0].fmt.scale == "head":
+            h = hashlib.blake2b(digest_size=8)
+            for c in self.caches:
+                h.update(c.scale.detach().cpu().numpy().tobytes())
+            digest = h.hexdigest()
+        return serde.BlockFormat(*self._base, scales_digest=digest)
+
+    def save(self, saves: list[KVSave], store: TieredStore) -> int:
+        """Serialize and store ``saves``; returns how many blocks were offered."""
+        if not saves:
+            return 0
+        fmt = self.block_format()
+        n = len(saves)
+        idx = torch.tensor([s.block for s in saves], device=self._views[0].device)
+        # one row of payload bytes per block: every layer's parts, layer-major (serde.pack)
+        rows = torch.cat(
+            [
+                v.index_select(1, idx).transpose(0, 1).contiguous().view(torch.uint8).reshape(n, -1)
+                for v in self._views
+            ],
+            dim=1,
+        ).cpu()
+        store.put(
+            [(s.key, serde.encode(fmt, s.key, rows[j], s.tokens)) for j, s in enumerate(saves)]
+        )
+        return n
+
+    def load(self, loads: list[KVLoad]) -> None:
+        """Payload rows ([n, payload bytes]) of each load into its device blocks."""
+        for ld in loads:
+            n = ld.rows.shape[0]
+            if not n:
+                continue
+            idx = torch.tensor(ld.blocks[:n], device=self._views[0].device)
+            offset = 0
+            for view in self._views:
+                shape = (n, 2, *view.shape[2:])
+                size = view[:, :1].numel() * view.element_size()  # bytes of one block
+                part = ld.rows[:, offset : offset + size].contiguous().view(view.dtype).view(shape)
+                view.index_copy_(1, idx, part.transpose(0, 1).to(view.device))
+                offset += size
