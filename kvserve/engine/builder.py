@@ -15,7 +15,6 @@ from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine import kv_metrics
 from kvserve.engine.cpu_env import tune_malloc
 from kvserve.engine.errors import EngineError
-from kvserve.engine.model_runner import ModelRunner
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
@@ -39,6 +38,7 @@ from kvserve.planner.usage import UsageRecorder
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
 from kvserve.utils import cdiv, format_size, resolve_device
+from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
 from kvserve.worker.swap import HostSwap
 

@@ -17,7 +17,6 @@ from kvserve.engine import kv_metrics
 from kvserve.engine.builder import PARTS, EngineBuilder
 from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import FINISH_ABORT, EngineCoreOutput
-from kvserve.engine.model_runner import StepResult
 from kvserve.engine.requests import RequestFactory
 from kvserve.engine.stats import EngineStats, KVStats
 from kvserve.ha.record import SessionRecord
@@ -26,6 +25,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.sched.cost import attention_pairs
 from kvserve.sched.scheduler import ScheduledRequest
+from kvserve.worker.model_runner import StepResult
 
 __all__ = ["EngineError", "LLMEngine"]
 

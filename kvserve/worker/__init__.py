@@ -1,1 +1,2 @@
-"""The worker: the only owner of KV tensors (model runner, swaps)."""
+"""The worker: the only owner of KV tensors — the model runner (forward, sampling), its
+swaps (``swap``) and KV store transfers (``offload``), driven by ``SchedulerOutput``."""
