@@ -118,6 +118,7 @@ class AsyncLLM:
         self._stats = EngineStats()
         self.error: BaseException | None = None
         self.dead = asyncio.Event()
+        self._closing = False
         self._reader: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -173,7 +174,7 @@ class AsyncLLM:
     def _on_exit(self) -> None:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self.proc.sentinel)
-        if self.error is None:
+        if self.error is None and not self._closing:
             self._fail(EngineDeadError(f"the engine core exited ({self.proc.exitcode})"))
 
     def _fail(self, err: EngineDeadError) -> None:
@@ -191,6 +192,7 @@ class AsyncLLM:
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Ask the core to flush and exit; kill it after ``timeout`` s."""
+        self._closing = True  # its exit is expected from now on
         if self.proc.is_alive() and self.error is None:
             with contextlib.suppress(Exception):
                 self._send(Shutdown())

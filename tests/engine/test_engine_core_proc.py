@@ -109,3 +109,5 @@ def test_sigterm_drains_and_the_core_exits_cleanly(llama_dir, tmp_path):
         wait_until(lambda: not _alive(core), 15, "the engine core exits after a drain")
     finally:
         server.stop(signal.SIGKILL)
+    log = (tmp_path / "s.log").read_text()
+    assert "engine stopped" in log and "the engine core exited" not in log  # not an error
