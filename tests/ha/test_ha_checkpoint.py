@@ -4,9 +4,14 @@ saw the session, continues it exactly from the S3 checkpoint and the blocks in S
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import pytest
+from cluster_proc import SECRET
 from helpers import make_engine, run_to_end
 from redis_proc import redis_server
+from server_proc import ServerProcess
 
 from kvserve.engine.llm_engine import EngineError
 from kvserve.sampling import SamplingParams
@@ -58,3 +63,49 @@ def test_s3_checkpoints_need_an_s3_tier(two_sites, llama_dir):
         make_engine(llama_dir, kv_store=(two_sites[0],), cluster=two_sites[0], replicate_to=("s3",))
     with pytest.raises(ValueError, match="replicate-to"):
         make_engine(llama_dir, cluster=two_sites[0], replicate_to=("tape",))
+
+
+def test_a_worker_resumes_from_the_s3_checkpoint_over_http(two_sites, moto, llama_dir, tmp_path):
+    """The same through ``POST /internal/resume`` of a ``kvserve serve`` worker at site B:
+    its Redis has no record, so the API server asks its engine core for the S3 checkpoint
+    (a ReadCheckpoint call over the wire). The client's request has no seed, so only the
+    checkpoint's seed (the one A drew) continues A's stream token for token."""
+    site_a, site_b = two_sites
+    s3 = moto.url("ckpt-http")
+    params = SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True)  # no seed
+    prompt = list(range(7, 47))
+    ha = dict(replicate_every=16, replicate_to=("s3",), checkpoint_interval=0.0)
+    a = make_engine(llama_dir, kv_store=(site_a, s3), cluster=site_a, node_id="a2", **ha)
+    a.replicator.linger_s = 0
+    a.add_request("y", prompt, params, session_id="trip-http")
+    want = run_to_end(a)["y"]
+    assert a.replicator.flush() and a.offloader.store.flush()
+    a.close()
+
+    b = ServerProcess(
+        llama_dir, "--kv-store", site_b, "--kv-store", s3, "--cluster", site_b,
+        "--node-id", "b2", "--replicate-to", "s3", "--cluster-secret", SECRET,
+        "--kv-cache-memory", "16MiB", "--max-model-len", "256", log=tmp_path / "b.log",
+    )  # fmt: skip
+    try:
+        b.wait_ready()
+        body = {
+            "session_id": "trip-http",
+            "delivered_token_ids": want[:35],
+            "kind": "completion",
+            "request": {
+                "prompt": prompt, "max_tokens": 60, "temperature": 0.8, "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        }  # fmt: skip
+        req = urllib.request.Request(
+            b.url + "/internal/resume", data=json.dumps(body).encode(), method="POST"
+        )
+        req.add_header("Content-Type", "application/json")
+        req.add_header("X-Kvserve-Cluster-Secret", SECRET)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            choice = json.loads(r.read())["choices"][0]
+        assert choice["token_ids"] == want  # delivered + continuation with A's seed
+        assert b.metric("kvserve_kv_store_loaded_blocks_total") >= 2  # A's blocks, from S3
+    finally:
+        assert b.stop() == 0, (tmp_path / "b.log").read_text()[-2000:]
