@@ -4,7 +4,8 @@ Contract of the loop (``CoreLoop.run``), one iteration:
 
 1. Read every message the client sent (without waiting when requests are running; up to
    ``IDLE_POLL_S`` when idle) and apply it: add, resume, abort, finish (stop string),
-   utility calls (answered at once), shutdown.
+   utility calls (answered at once, except a checkpoint read from S3: it runs on an io
+   thread and its answer is sent by a later iteration), shutdown.
 2. If requests are unfinished, run one ``LLMEngine.step()`` and send its deltas with the
    engine's stats (``Outputs``); else send the stats once after anything changed.
 3. Exit when the parent (the API server) is gone: no orphans. The kernel's parent-death
@@ -26,9 +27,11 @@ import contextlib
 import ctypes
 import logging
 import os
+import queue
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -89,6 +92,14 @@ class CoreLoop:
         self._poller.register(inp, zmq.POLLIN)
         self._stop = False
         self._busy = 0.0  # seconds in iterations that stepped (up to their send)
+        # calls that wait on the network (an S3 read) run here, not on the loop
+        self._slow = ThreadPoolExecutor(1, thread_name_prefix="kvserve-core-io")
+        self._answers: queue.SimpleQueue[UtilityResult] = queue.SimpleQueue()
+        self._slow_pending = 0
+
+    def close(self) -> None:
+        """Wait for calls still running on the io thread (their answers are dropped)."""
+        self._slow.shutdown(wait=True)
 
     def _send(self, msg: Any) -> None:
         self.out.send(self._enc.encode(msg), copy=False)
@@ -99,7 +110,8 @@ class CoreLoop:
             busy = engine.has_unfinished_requests()
             changed = False
             t0 = time.perf_counter()
-            if self._poller.poll(0 if busy else int(IDLE_POLL_S * 1000)):
+            idle_ms = 5 if self._slow_pending else int(IDLE_POLL_S * 1000)
+            if self._poller.poll(0 if busy else idle_ms):
                 while True:
                     try:
                         frame = self.inp.recv(zmq.NOBLOCK, copy=False)
@@ -109,6 +121,9 @@ class CoreLoop:
                     changed = True
                 if not busy:  # idle until now: the wait was not work
                     t0 = time.perf_counter()
+            while self._slow_pending and not self._answers.empty():
+                self._send(self._answers.get())
+                self._slow_pending -= 1
             if os.getppid() != self.parent_pid:
                 logger.error("engine core: the API server is gone; exiting")
                 return
@@ -177,14 +192,20 @@ class CoreLoop:
             self._send(AddResult(m.request_id))
 
     def _utility(self, m: Utility) -> None:
+        if isinstance(m.call, ReadCheckpoint):  # network I/O: answered from the io thread
+            self._slow_pending += 1
+            self._slow.submit(lambda: self._answers.put(self._answer(m)))
+            return
+        self._send(self._answer(m))
+
+    def _answer(self, m: Utility) -> UtilityResult:
         try:
             value = self._call(m.call)
         except Exception as err:
             if not isinstance(err, ValueError | EngineError):
                 logger.exception("engine core: %s failed", type(m.call).__name__)
-            self._send(UtilityResult(m.call_id, error=str(err) or repr(err)))
-            return
-        self._send(UtilityResult(m.call_id, msgspec.Raw(self._enc.encode(value))))
+            return UtilityResult(m.call_id, error=str(err) or repr(err))
+        return UtilityResult(m.call_id, msgspec.Raw(msgspec.msgpack.encode(value)))
 
     def _call(self, call: UtilityCall) -> Any:
         e = self.engine
@@ -278,6 +299,7 @@ def run_engine_core(
         os._exit(1)  # the client sees the process die and fails every stream
     for rid in list(engine.requests):
         engine.abort_request(rid)
+    loop.close()
     engine.close()  # flushes queued KV store writes and replication
     inp.close(linger=0)
     out.close()
