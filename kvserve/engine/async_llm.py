@@ -118,6 +118,7 @@ class AsyncLLM:
         self._stats = EngineStats()
         self.error: BaseException | None = None
         self.dead = asyncio.Event()
+        self._exited = asyncio.Event()  # the core process ended (expected or not)
         self._closing = False
         self._reader: asyncio.Task | None = None
 
@@ -172,6 +173,7 @@ class AsyncLLM:
         loop.add_reader(self.proc.sentinel, self._on_exit)
 
     def _on_exit(self) -> None:
+        self._exited.set()
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self.proc.sentinel)
         if self.error is None and not self._closing:
@@ -196,9 +198,8 @@ class AsyncLLM:
         if self.proc.is_alive() and self.error is None:
             with contextlib.suppress(Exception):
                 self._send(Shutdown())
-            deadline = time.monotonic() + timeout
-            while self.proc.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exited.wait(), timeout)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)
@@ -342,10 +343,7 @@ class AsyncLLM:
             except OverflowError as e:  # an integer field beyond 64 bits: the client's error
                 raise EngineError(f"a number in the request is out of range ({e})") from None
             result: AddResult = await fut
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        except BaseException:
+        except BaseException:  # refused on the wire, cancelled, or the core is gone
             self.abort(request_id)
             raise
         finally:

@@ -64,6 +64,7 @@ from kvserve.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from kvserve.engine.stats import EngineStats
 
 logger = logging.getLogger("kvserve")
 
@@ -131,14 +132,16 @@ class CoreLoop:
                 break
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                stats = engine.stats()
                 self._busy += time.perf_counter() - t0
-                stats.loop_seconds = self._busy
-                self._send(Outputs(outputs, stats))
+                self._send(Outputs(outputs, self._stats()))
             elif changed:
-                stats = engine.stats()
-                stats.loop_seconds = self._busy  # every frame carries the running total
-                self._send(Outputs([], stats))
+                self._send(Outputs([], self._stats()))
+
+    def _stats(self) -> EngineStats:
+        """The engine's stats with the loop's running busy total (every frame has it)."""
+        stats = self.engine.stats()
+        stats.loop_seconds = self._busy
+        return stats
 
     # ---- messages -----------------------------------------------------------------------
     def _handle(self, msg: Any) -> None:
@@ -245,7 +248,6 @@ def engine_info(engine: Any) -> EngineInfo:
         protocol_version=PROTOCOL_VERSION,
         model=engine.model_config.model,
         max_model_len=engine.max_model_len,
-        vocab_size=engine.spec.vocab_size,
         num_blocks=engine.kv.num_blocks,
         block_size=engine.kv.block_size,
         bytes_per_block=engine.kv_spec.bytes_per_block,
@@ -253,7 +255,6 @@ def engine_info(engine: Any) -> EngineInfo:
         cluster=engine.replication_url,
         node_id=rep.node_id if rep is not None else None,
         has_checkpointer=rep is not None and rep.checkpointer is not None,
-        pid=os.getpid(),
     )
 
 

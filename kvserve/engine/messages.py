@@ -23,7 +23,7 @@ from kvserve.sampling import Logprob, SamplingParams
 PROTOCOL_VERSION = 1
 
 # finish reasons (vLLM's names): RequestStatus.value of the finished states
-FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+FINISH_STOP, FINISH_ABORT = "stop", "abort"
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -166,7 +166,6 @@ class EngineInfo(msgspec.Struct, tag=True):
     protocol_version: int
     model: str
     max_model_len: int
-    vocab_size: int
     num_blocks: int
     block_size: int
     bytes_per_block: int
@@ -174,7 +173,6 @@ class EngineInfo(msgspec.Struct, tag=True):
     cluster: str | None  # the coordinator URL when in a cluster
     node_id: str | None
     has_checkpointer: bool
-    pid: int
 
 
 class StartupFailed(msgspec.Struct, tag=True):

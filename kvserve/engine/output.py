@@ -118,12 +118,6 @@ class OutputProcessor:
         """Forget a request (no-op when unknown)."""
         self._states.pop(request_id, None)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
-
-    def __len__(self) -> int:
-        return len(self._states)
-
     def process(
         self, deltas: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[StopStringHit]]:
