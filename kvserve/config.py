@@ -28,6 +28,7 @@ class ModelConfig:
     model's ``max_position_embeddings``. ``attention_backend`` ``auto`` uses the C++ CPU kernels
     (paged decode attention, fused RMSNorm/RoPE/SiLU) on CPU when they build, else the
     portable PyTorch (SDPA) path; ``torch`` forces the latter, ``cpu`` requires the former.
+    Except with ``torch``, bf16/fp16 linear weights on a CPU are prepacked for oneDNN.
     """
 
     model: str

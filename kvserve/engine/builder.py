@@ -29,6 +29,7 @@ from kvserve.model.attention import (
     TorchPagedAttention,
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.linear import prepack_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
 from kvserve.model.ops import CpuKernelOps, TorchOps
@@ -94,6 +95,8 @@ class EngineBuilder:
             ops,
             self.max_model_len,
         )
+        if self.model_config.attention_backend != "torch":
+            prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
         self.kv_format = kv_format(self.cache_config.kv_cache_dtype, self.dtype)
         self.kv_spec = KVCacheSpec.for_format(
             self.spec.num_layers,

@@ -144,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         )
         self.rope: RotaryEmbedding | None = None
+        # a packed copy of the tied embeddings for the LM head (``model.linear``)
+        self.lm_head_packed: nn.Module | None = None
 
     def init_rope(self, device: torch.device, max_positions: int) -> None:
         self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, device)
@@ -165,8 +167,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """HF checkpoint tensor names this model needs, with their shapes."""
