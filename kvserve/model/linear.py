@@ -64,9 +64,7 @@ class PackedLinear(nn.Module):
         return cls(lin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(
-            x, self.packed_weight, self.bias, "none", [], ""
-        )
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
@@ -93,4 +91,3 @@ def prepack_linears(model: nn.Module) -> int:
         model.lm_head_packed = PackedLinear.from_weight(model.embed_tokens.weight)
     logger.info("prepacked %d linear weights for oneDNN (%s)", count, first.weight.dtype)
     return count
-
