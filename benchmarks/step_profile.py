@@ -42,12 +42,20 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="per prefill prompt")
+    ap.add_argument("--prefill-prompts", type=int, default=1, help="prompts in the prefill step")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--json-out")
     a = ap.parse_args()
 
-    llm = LLM(a.model, dtype="bfloat16", kv_cache_memory="2GiB", max_num_batched_tokens=2048)
+    llm = LLM(
+        a.model,
+        dtype="bfloat16",
+        kv_cache_memory="2GiB",
+        max_num_batched_tokens=2048,
+        kv_cache_dtype=a.kv_cache_dtype,
+    )
     engine = llm.engine
     vocab = engine.runner.model.spec.vocab_size
     rng = np.random.default_rng(0)
@@ -70,11 +78,19 @@ def main() -> None:
     decode = _table(prof, a.steps, a.top)
     for i in range(a.num_seqs):
         engine.abort_request(f"d{i}")
-    engine.add_request("p0", rng.integers(0, vocab, a.prefill_tokens).tolist(), params)
-    engine.add_request("p1", rng.integers(0, vocab, a.prefill_tokens).tolist(), params)
+
+    def add_prefills(tag: str) -> None:
+        for i in range(a.prefill_prompts):
+            prompt = rng.integers(0, vocab, a.prefill_tokens).tolist()
+            engine.add_request(f"{tag}{i}", prompt, params)
+
+    add_prefills("w")  # the unprofiled (timed) step
     t = time.perf_counter()
     engine.step()
     prefill_ms = (time.perf_counter() - t) * 1e3
+    for i in range(a.prefill_prompts):
+        engine.abort_request(f"w{i}")
+    add_prefills("p")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
     prefill = _table(prof, 1, a.top)
@@ -84,7 +100,9 @@ def main() -> None:
         "decode_seqs": a.num_seqs,
         "prefill_step_ms": prefill_ms,
         "prefill_tokens": a.prefill_tokens,
+        "prefill_prompts": a.prefill_prompts,
         "threads": torch.get_num_threads(),
+        "kv_cache_dtype": a.kv_cache_dtype,
         "decode_ops": decode,
         "prefill_ops": prefill,
     }

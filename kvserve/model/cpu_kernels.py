@@ -4,38 +4,81 @@
 attention and the fused element-wise ops (RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE).
 A machine without a working compiler/ninja gets False (and a logged reason); callers then
 fall back to the portable PyTorch path.
+
+The build is cached under torch's extension directory (``TORCH_EXTENSIONS_DIR``) with a
+name keyed by a hash of the sources (``csrc/*.cpp`` and ``*.h``), the torch version, the
+Python version and the compiler flags: two checkouts or venvs on one host never rebuild
+each other's kernels, and a changed source never loads a stale ``.so``. torch builds under
+a lock file in that directory, so two processes starting at once build it once.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).parent / "csrc" / n for n in ("paged_decode.cpp", "fused_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [CSRC / n for n in ("paged_decode.cpp", "fused_ops.cpp")]
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+_OPS = ("paged_decode", "rms_norm", "add_rms_norm", "silu_and_mul", "rope")
+
+
+def build_name() -> str:
+    """The extension's cache name: ``kvserve_cpu_kernels_<12 hex digits>``."""
+    h = hashlib.sha256()
+    for path in sorted(CSRC.glob("*")):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{_CFLAGS}|{_LDFLAGS}".encode())
+    return f"kvserve_cpu_kernels_{h.hexdigest()[:12]}"
+
+
+def _build_dir(name: str) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
 
 
 @functools.cache
 def load_cpu_kernels() -> bool:
-    """Build (first time, ~10 s) and load the kernels; True on success. Thread-unsafe."""
+    """Build (first time, ~40 s on 2 cores) and load the kernels; True on success.
+
+    Logs one line before a build so a first start does not look hung. Thread-unsafe
+    (call it from one thread; processes are safe).
+    """
     try:
         from torch.utils.cpp_extension import load
 
+        name = build_name()
+        built = (_build_dir(name) / f"{name}.so").is_file()
+        if not built:
+            logger.warning(
+                "building the CPU kernels into %s (first start with these sources only, "
+                "~40 s on 2 cores)",
+                _build_dir(name),
+            )
+        start = time.monotonic()
         load(
-            name="kvserve_cpu_kernels",
+            name=name,
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=list(_CFLAGS),  # copies: torch appends its own flags to these
+            extra_ldflags=list(_LDFLAGS),
+            extra_include_paths=[str(CSRC)],
             is_python_module=False,
-            verbose=False,
+            verbose=os.environ.get("KVSERVE_VERBOSE_BUILD") == "1",
         )
-        return all(
-            hasattr(torch.ops.kvserve, op)
-            for op in ("paged_decode", "rms_norm", "add_rms_norm", "silu_and_mul", "rope")
-        )
+        if not built:
+            logger.warning("built the CPU kernels in %.0f s", time.monotonic() - start)
+        return all(hasattr(torch.ops.kvserve, op) for op in _OPS)
     except Exception as e:
         logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
         return False

@@ -119,3 +119,27 @@ def test_decode_kernel_reads_quantized_cache_like_the_dequantizing_path(fmt, win
     ref = TorchPagedAttention(BS).decode(q, cache, meta, 0.125)
     got = CpuPagedAttention(BS, window, sinks).decode(q, cache, meta, 0.125)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_kernel_cache_is_keyed_by_sources_torch_and_flags(tmp_path, monkeypatch):
+    """Two checkouts with different kernels never share (or overwrite) one cached .so."""
+    import shutil
+
+    import kvserve.model.cpu_kernels as ck
+
+    assert load_cpu_kernels()
+    name = ck.build_name()
+    assert name.startswith("kvserve_cpu_kernels_")
+    assert (ck._build_dir(name) / f"{name}.so").is_file()  # what this process loaded
+    copy = tmp_path / "csrc"
+    shutil.copytree(ck.CSRC, copy)
+    monkeypatch.setattr(ck, "CSRC", copy)
+    assert ck.build_name() == name  # same sources elsewhere: the same build is reused
+    src = copy / "fused_ops.cpp"
+    src.write_text(src.read_text() + "\n// changed\n")
+    changed = ck.build_name()
+    assert changed != name
+    monkeypatch.setattr(ck, "_CFLAGS", (*ck._CFLAGS, "-DX"))
+    assert ck.build_name() not in (name, changed)
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert len({ck.build_name(), name, changed}) == 3
