@@ -15,7 +15,8 @@ Each step:
    they come back first). A tenant at its limit or at its ``max_concurrent_requests`` is
    skipped for the step; a pool shortage stops admission, except that a tenant below its
    reservation preempts requests of tenants above theirs to get its blocks. In a step
-   that preempted, only tenants below their reservation are admitted.
+   that preempted, only tenants below their reservation are admitted, and never a
+   request preempted in that same step.
 
 New requests start after the longest prefix the KV manager already holds (prefix caching);
 swapped requests get fresh blocks and their K/V copied back. The scheduler decides only:
@@ -156,7 +157,9 @@ class Scheduler:
     ) -> None:
         ledger = self.kv.ledger
         skip: set[str] = set()  # tenants that admit nothing more this step
-        passed: set[str] = set()  # requests passed over this step
+        # requests passed over this step; this step's victims stay out until the next one
+        # (a swap-in of a request swapped out in the same step would copy stale blocks)
+        passed: set[str] = {r.request_id for r in out.preempted}
         only_reserved = bool(out.preempted)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting(skip, passed)
@@ -187,6 +190,7 @@ class Scheduler:
                     break
                 victim = max(victims, key=self.policy.victim_key)
                 budget += self._preempt(victim, RESERVATION, out, scheduled)
+                passed.add(victim.request_id)
                 n = self._try_admit(req, budget, out)
             if n is None:
                 if below:  # too big for what the reservation covers now; smaller may fit

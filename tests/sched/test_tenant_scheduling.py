@@ -132,6 +132,48 @@ def scenarios(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_tenant_budgets_hold_under_pressure(sc):
+    _run(sc)
+
+
+def test_a_victim_is_not_swapped_back_in_within_the_step_that_swapped_it_out():
+    """Found by the property test: a reserved tenant's admission preempted r1, r1 came
+    back, was preempted and came back again in one step — two swap-outs and two swap-ins
+    of one request in one SchedulerOutput, which the worker cannot order (it copied stale
+    blocks, then failed). This step's victims now wait for the next step."""
+    flat = [2] * 15
+    _run(
+        dict(
+            num_blocks=31,
+            budgets={
+                "gold": Budget(0, 6),
+                "silver": Budget(0, 15),
+                "bronze": Budget(1, 6),
+                "free": Budget(13, 13),
+            },
+            mode="swap",
+            victim="cost",
+            swap_blocks=2,
+            caching=False,
+            requests=[
+                ("r2", "gold", flat[:1], 1, 0),
+                ("r4", "silver", flat[:5], 7, 0),
+                ("r5", "gold", flat[:1], 1, 0),
+                ("r6", "gold", flat[:1], 1, 0),
+                ("r10", "bronze", flat[:7], 7, 0),
+                ("r11", "free", flat[:15], 7, 0),
+                ("r1", "bronze", flat[:1], 6, 1),
+                ("r7", "silver", flat[:9], 6, 1),
+                ("r9", "free", flat[:8], 6, 1),
+                ("r3", "silver", flat[:13], 5, 2),
+                ("r12", "gold", flat[:9], 5, 2),
+                ("r0", "silver", flat[:9], 3, 4),
+                ("r8", "free", flat[:9], 1, 6),
+            ],
+        )
+    )
+
+
+def _run(sc: dict) -> None:
     sim = Sim(
         sc["num_blocks"], sc["budgets"], sc["mode"], sc["victim"], sc["swap_blocks"], sc["caching"]
     )
