@@ -25,6 +25,33 @@ def _token_text(value: Any) -> str | None:
 _LONG_TEXT = 4096  # characters; longer texts are tokenized without holding the GIL
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _uses(component: Any, kind: str) -> bool:
+    """Is ``kind`` (e.g. ``ByteLevel``) the type of a tokenizer.json component, or of one
+    of a ``Sequence``'s parts?"""
+    if not isinstance(component, dict):
+        return False
+    if component.get("type") == kind:
+        return True
+    parts = component.get("decoders") or component.get("pretokenizers") or []
+    return any(_uses(p, kind) for p in parts)
+
+
 class PromptTooLong(ValueError):
     """A text with more tokens than allowed; ``num_tokens`` says how many."""
 
@@ -45,6 +72,11 @@ class Tokenizer:
         self.eos_token_id = None if self.eos_token is None else tok.token_to_id(self.eos_token)
         self._add_bos = bool(config.get("add_bos_token", False))
         self.bos_token_id = None if self.bos_token is None else tok.token_to_id(self.bos_token)
+        self._added = set(tok.get_added_tokens_decoder())
+        try:
+            self._byte_level = _uses(json.loads(tok.to_str()).get("decoder"), "ByteLevel")
+        except ValueError:
+            self._byte_level = False
 
     @property
     def vocab_size(self) -> int:
@@ -75,6 +107,23 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when they are not a whole UTF-8 character
+        (OpenAI's logprob ``bytes``): byte-level BPE pieces map back through their
+        alphabet, byte-fallback pieces (``<0xE2>``) are that byte; otherwise the token's
+        decoded text."""
+        if token_id in self._added:  # added/special tokens are stored as plain text
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece[-1] == ">":
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(
         self,

@@ -33,6 +33,13 @@ from kvserve.ha.coordination import Coordinator
 from kvserve.router.config import RouterConfig
 from kvserve.router.relay import Flow, Relay, Unroutable
 from kvserve.router.workers import WorkerPool
+from kvserve.server.errors import (
+    INVALID_TEXT,
+    NOT_UTF8,
+    error_response,
+    invalid_text_path,
+    json_error_message,
+)
 
 
 class RouterMetrics:
@@ -67,9 +74,9 @@ class RouterMetrics:
         workers.labels("routable").set_function(lambda: len(pool_view().routable()))
 
 
-def _error(status: int, message: str, type_: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status)
+def _error(status: int, message: str, type_: str | None = None, param: str | None = None):
+    """The same OpenAI-shaped (and ASCII-safe) error body the workers answer with."""
+    return error_response(status, message, type_, param)
 
 
 def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> FastAPI:
@@ -95,9 +102,8 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        type_ = "NotFoundError" if e.status_code == 404 else "APIError"
-        return _error(e.status_code, str(e.detail), type_)
+    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+        return _error(e.status_code, str(e.detail))
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,6 +131,7 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
                         "url": w.url,
                         "healthy": w.healthy,
                         "routable": w.node_id in routable,
+                        "secret_ok": pool.secret_matches(w),
                         "inflight": w.inflight,
                         "running": w.info.get("running"),
                         "waiting": w.info.get("waiting"),
@@ -150,10 +157,15 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
         metrics.requests.labels(kind).inc()
         try:
             body = json.loads(await request.body())
-        except ValueError as e:
-            return _error(400, f"the body is not valid JSON: {e}", "BadRequestError")
+        except UnicodeDecodeError:
+            return _error(400, NOT_UTF8)
+        except json.JSONDecodeError as e:
+            return _error(400, json_error_message(e.msg, e.pos))
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "BadRequestError")
+            return _error(400, "the body must be a JSON object")
+        bad_text = invalid_text_path(body)
+        if bad_text is not None:  # worded as a worker words it (server/protocol.py)
+            return _error(400, f"{bad_text}: {INVALID_TEXT}", param=bad_text)
         flow = Flow.from_client(kind, body, request.headers)
         relay: Relay = holder["relay"]
         try:

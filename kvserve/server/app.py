@@ -9,20 +9,39 @@ full (with ``Retry-After``), 503 draining or engine gone, 500 for a bug (the ser
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.server.config import ServerConfig
-from kvserve.server.errors import APIError, bad_request
+from kvserve.server.errors import NOT_UTF8, APIError, bad_request, json_error_message
 from kvserve.server.routes_admin import admin_routes
 from kvserve.server.routes_cluster import cluster_routes
 from kvserve.server.routes_openai import openai_routes
 from kvserve.server.state import ServerState
 
 __all__ = ["ServerConfig", "ServerState", "build_app"]
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The 400 for FastAPI's first validation error, worded as the router words its own."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    kind, ctx = first.get("type"), first.get("ctx") or {}
+    if kind == "json_invalid":
+        pos = first.get("loc", (None, None))[-1]
+        return bad_request(json_error_message(str(ctx.get("error", "")), pos))
+    if kind == "invalid_text":  # raised with the offending field's path (protocol.py)
+        return bad_request(first.get("msg", "invalid text"), ctx.get("path"))
+    if kind == "model_attributes_type" and not loc:
+        return bad_request("the body must be a JSON object")
+    msg = first.get("msg", "invalid request")
+    return bad_request(f"{'.'.join(loc) or 'body'}: {msg}", ".".join(loc) or None)
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, lifespan=None) -> FastAPI:
@@ -32,27 +51,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig, lifespan=None) -> FastAPI:
     app.state.kv = state
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    async def _api_error(_: Request, e: APIError) -> Response:
         state.metrics.http_errors.labels(state.model_name, str(e.status)).inc()
         return e.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = first.get("msg", "invalid request")
-        return await _api_error(
-            _, bad_request(f"{'.'.join(loc) or 'body'}: {msg}", ".".join(loc) or None)
-        )
+    async def _validation(_: Request, e: RequestValidationError) -> Response:
+        return await _api_error(_, validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(e.status_code, "Error")
-        return await _api_error(_, APIError(e.status_code, str(e.detail), kind))
+    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+        message = str(e.detail)
+        if e.status_code == 400 and message == "There was an error parsing the body":
+            message = NOT_UTF8  # the only body FastAPI fails to read before JSON parsing
+        return await _api_error(_, APIError(e.status_code, message))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
+    async def _internal(_: Request, e: Exception) -> Response:
         return await _api_error(_, APIError(500, f"internal error: {e!r}", "InternalServerError"))
 
     app.include_router(admin_routes(state))

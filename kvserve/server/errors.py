@@ -1,8 +1,94 @@
-"""Error responses in OpenAI's format."""
+"""Error responses in OpenAI's format, shared by the server and the router.
+
+Both answer a bad request the same way: ``{"error": {"message", "type", "param", "code"}}``
+with the status OpenAI uses and ``type`` the name of the exception the official ``openai``
+client raises for that status (``BadRequestError`` for 400 …). Bodies are rendered as ASCII
+JSON, so no message can fail to encode (a lone surrogate in a client's string is escaped,
+never a 500).
+"""
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+from typing import Any
+
+from fastapi.responses import Response
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+NOT_UTF8 = "the body is not valid JSON: it is not UTF-8 text"
+INVALID_TEXT = "is not valid Unicode text (it contains a lone UTF-16 surrogate)"
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "APIError")
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """The JSON error response (ASCII-escaped; ``type_`` defaults from the status)."""
+    body = {
+        "error": {
+            "message": message,
+            "type": type_ or error_type(status),
+            "param": param,
+            "code": code,
+        }
+    }
+    return Response(
+        json.dumps(body, ensure_ascii=True),
+        status_code=status,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+def json_error_message(msg: str, pos: int | None) -> str:
+    """How both the server and the router word a body that does not parse as JSON."""
+    where = "" if pos is None else f" at position {pos}"
+    return f"the body is not valid JSON: {msg}{where}"
+
+
+def invalid_text_path(obj: Any, path: str = "") -> str | None:
+    """The dotted path (``messages.0.content``) of the first string in a parsed JSON value
+    that cannot be encoded as UTF-8 (a lone surrogate such as ``"\\ud800"``), or None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, list):
+        items = enumerate(obj)
+    else:
+        return None
+    for key, value in items:
+        sub = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and invalid_text_path(key) is not None:
+            return sub
+        found = invalid_text_path(value, sub)
+        if found is not None:
+            return found
+    return None
 
 
 class APIError(Exception):
@@ -12,25 +98,19 @@ class APIError(Exception):
         self,
         status: int,
         message: str,
-        type_: str,
+        type_: str | None = None,
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
+        self.status, self.message, self.type = status, message, type_ or error_type(status)
         self.param, self.code, self.headers = param, code, headers
 
-    def response(self) -> JSONResponse:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        return error_response(
+            self.status, self.message, self.type, self.param, self.code, self.headers
+        )
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -3,24 +3,36 @@
 Fields follow the OpenAI API; vLLM's common extensions are accepted (``top_k``, ``min_p``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``) plus kvserve's
 ``session_id`` and ``priority``. Unknown fields are ignored, as OpenAI clients send
-options this server does not implement (penalties, ``user`` …).
+options this server does not implement (penalties, ``user`` …). Booleans are strict
+(``"stream": "yes"`` is a 400, as it is at OpenAI), and a string anywhere in the body that
+is not valid Unicode (a lone surrogate) is a 400 naming its path, before any field is read.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvserve.sampling import SamplingParams
+from kvserve.server.errors import INVALID_TEXT, invalid_text_path
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        path = invalid_text_path(data)
+        if path is not None:
+            raise PydanticCustomError("invalid_text", f"{path}: {INVALID_TEXT}", {"path": path})
+        return data
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -28,18 +40,18 @@ class _Common(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     cache_salt: str | None = None
-    return_token_ids: bool = False  # token ids of the prompt and of each choice / delta
+    return_token_ids: StrictBool = False  # token ids of the prompt and of each choice / delta
     # kvserve extensions
     session_id: str | None = Field(None, max_length=256)
     priority: int = 0
@@ -67,7 +79,7 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
 
     def sampling_params(self) -> SamplingParams:
         return self._sampling(self.max_tokens, self.logprobs)
@@ -112,9 +124,9 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens

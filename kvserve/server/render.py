@@ -33,8 +33,11 @@ class ChoiceState:
         params: SamplingParams,
         chat: bool,
         return_token_ids: bool = False,
+        echo: str = "",
     ):
         self.index = index
+        self._echo = echo  # completions ``echo``: the prompt text, sent before the output
+        self._echo_sent = not echo
         self.return_token_ids = return_token_ids
         self._ids_sent = 0  # token ids already streamed (with return_token_ids)
         self.prompt_token_ids: list[int] = []
@@ -56,7 +59,9 @@ class ChoiceState:
     def resume_after(self, num_token_ids: int, num_chars: int) -> None:
         """The client already has this many token ids and text characters: stream only
         what follows them."""
-        self._ids_sent, self._sent = num_token_ids, num_chars
+        self._ids_sent = num_token_ids
+        self._sent = max(0, num_chars - len(self._echo))  # the client has the echo too
+        self._echo_sent = True
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +83,8 @@ class ChoiceState:
             while end > self._sent and self.text[end - 1] == "\ufffd":
                 end -= 1
         delta = self.text[self._sent : end] if end > self._sent else ""
+        if not self._echo_sent:
+            delta, self._echo_sent = self._echo + delta, True
         new_lps = self.logprobs[self._lp_sent :]
         new_ids = self.token_ids[self._ids_sent :] if self.return_token_ids else []
         if not delta and not new_lps and not new_ids and not out.finished:
@@ -129,7 +136,7 @@ class ChoiceState:
         else:
             choice = {
                 "index": self.index,
-                "text": self.text,
+                "text": self._echo + self.text,
                 "logprobs": lp,
                 "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason,
@@ -143,6 +150,12 @@ class ChoiceState:
         if self.tok is None:
             return f"token_id:{token_id}"
         return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (part of a UTF-8 character for byte-level pieces)."""
+        if self.tok is None:
+            return list(self._piece(token_id).encode())
+        return list(self.tok.token_bytes(token_id))
 
     def _render_logprobs(self, first: int, entries: list[dict[int, Logprob]]) -> Any:
         n_top = self.params.logprobs or 0
@@ -161,12 +174,12 @@ class ChoiceState:
                     {
                         "token": piece,
                         "logprob": entry[tid].logprob,
-                        "bytes": list(piece.encode()),
+                        "bytes": self._bytes(tid),
                         "top_logprobs": [
                             {
                                 "token": self._piece(t),
                                 "logprob": lp.logprob,
-                                "bytes": list(self._piece(t).encode()),
+                                "bytes": self._bytes(t),
                             }
                             for t, lp in zip(top_ids, top, strict=True)
                         ],

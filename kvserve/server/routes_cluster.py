@@ -101,7 +101,14 @@ def cluster_routes(state: ServerState) -> APIRouter:
             resp_id,
             request,
             resume=(len(delivered), chars),
+            echo=[_echo_text(original)],
         )
+
+    def _echo_text(original: CompletionRequest | ChatCompletionRequest) -> str:
+        """What the client got before the output (``echo``): counted in its characters."""
+        if not isinstance(original, CompletionRequest) or not original.echo:
+            return ""
+        return state.prompt_text(original.prompts()[0])
 
     def _record_from_request(
         original: CompletionRequest | ChatCompletionRequest,

@@ -119,10 +119,15 @@ def openai_routes(state: ServerState) -> APIRouter:
             params = body.sampling_params()
         except ValueError as e:
             raise bad_request(str(e)) from None
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", "echo")
         streams = await _start(prompts, params, principal, body, request)
         kind = "text_completion"
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await respond(state, body, streams, params, kind, rid, request)
+        echo = None
+        if body.echo:
+            echo = [state.prompt_text(p) for p in prompts for _ in range(params.n)]
+        return await respond(state, body, streams, params, kind, rid, request, echo=echo)
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.messages import SetTenantBudgets
@@ -13,6 +14,25 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.tenants import TenantsConfig
 
+DEFAULT_MODEL_ID = "kvserve-default"
+
+
+def served_model_id(model: str, served_model_name: str | None) -> str:
+    """The model id of the API: ``--served-model-name`` when given; ``kvserve-default``
+    for the bundled model; otherwise the last component of the ``--model`` path (the
+    directory's or file's name), so no filesystem path leaks into the API."""
+    if served_model_name:
+        return served_model_name
+    from kvserve.default_model import DEFAULT_MODEL_DIR
+
+    path = Path(model)
+    try:
+        if path.resolve() == DEFAULT_MODEL_DIR.resolve():
+            return DEFAULT_MODEL_ID
+    except OSError:
+        pass
+    return path.name or model
+
 
 class ServerState:
     """Shared by every route of one app; ``config`` changes only on a tenants reload."""
@@ -20,7 +40,8 @@ class ServerState:
     def __init__(self, engine: AsyncLLM, config: ServerConfig):
         self.engine = engine
         self.config = config
-        self.model_name = config.served_model_name or engine.info.model
+        self.model_name = served_model_id(engine.info.model, config.served_model_name)
+        # the path as given still names the model (clients written against older versions)
         self.model_aliases = {self.model_name, engine.info.model}
         self.metrics = ServerMetrics(engine, self.model_name)
         self.draining = False
@@ -48,6 +69,14 @@ class ServerState:
         await self.engine.call(SetTenantBudgets(self.budgets(new)))
         self.config = dataclasses.replace(self.config, tenants=new)
         return new
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A completions prompt as text (``echo``): as given, or its ids decoded ("" when
+        the model has no tokenizer)."""
+        if isinstance(prompt, str):
+            return prompt
+        tok = self.tokenizer
+        return "" if tok is None else tok.decode(prompt, skip_special_tokens=False)
 
     def chat_prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt token ids of a chat request (the same for its first run and for a

@@ -64,12 +64,17 @@ async def respond(
     rid: str,
     request: Request,
     resume: tuple[int, int] | None = None,
+    echo: list[str] | None = None,
 ) -> Response:
     """``resume``: (token ids, text characters) the client already has — the response
-    continues after them (a failover)."""
+    continues after them (a failover). ``echo``: per stream, text sent before its output
+    (completions ``echo``)."""
     chat = kind == "chat.completion"
     ids = bool(getattr(body, "return_token_ids", False))
-    choices = [ChoiceState(i, state.tokenizer, params, chat, ids) for i in range(len(streams))]
+    echo = echo or [""] * len(streams)
+    choices = [
+        ChoiceState(i, state.tokenizer, params, chat, ids, echo[i]) for i in range(len(streams))
+    ]
     if resume is not None:
         choices[0].resume_after(*resume)
     created = int(time.time())

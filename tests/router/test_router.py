@@ -15,6 +15,7 @@ import urllib.request
 import msgspec
 import openai
 import pytest
+from bad_bodies import BAD_BODIES, post_raw
 from cluster_proc import SECRET, cluster, router_view
 from router_client import prompt_text, router_client, stream_via, workload_spec
 from server_proc import wait_until
@@ -199,13 +200,17 @@ def test_router_errors_are_openai_shaped(llama_dir, tmp_path):
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 400
         assert json.loads(e.value.read())["error"]["type"] == "BadRequestError"
+        for path, body, _ in BAD_BODIES:  # the router answers exactly as a worker does
+            via_router = post_raw(router.url + path, body)
+            direct = post_raw(c.workers["a"].url + path, body)
+            assert via_router[0] == 400 and via_router == direct, body
         client = router_client(router)
         with pytest.raises(openai.NotFoundError):  # the worker's 404, relayed
             client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=str(llama_dir), prompt="x", max_tokens=100_000)
         models = client.models.list()
-        assert [m.id for m in models.data] == [str(llama_dir)]
+        assert [m.id for m in models.data] == [llama_dir.name]  # no filesystem path
 
         c.workers["a"].stop(signal.SIGKILL)  # no worker left: refused, not hung
         wait_until(lambda: not router_view(router)["workers"], 30, "worker gone")
