@@ -17,6 +17,7 @@ win.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -61,6 +62,23 @@ class Ownership:
     epoch: int
     state: bytes | None = None
     synced_at: float | None = None
+
+
+MISSING_SECRET = (
+    "kvserve {command}: --cluster needs a cluster secret, shared by every worker and router "
+    "of the cluster: it authenticates their /internal endpoints, without which failover "
+    "cannot work. Set KVSERVE_CLUSTER_SECRET (e.g. export KVSERVE_CLUSTER_SECRET=$(openssl "
+    "rand -hex 32)) or pass --cluster-secret."
+)
+
+
+def secret_fingerprint(secret: str | None) -> str | None:
+    """A short, one-way fingerprint of the cluster secret, published with a worker's
+    registration so a router with a different secret sees the mismatch at once (instead
+    of at the first failover, when the worker's /internal endpoints refuse it)."""
+    if not secret:
+        return None
+    return hashlib.sha256(b"kvserve-cluster-secret\0" + secret.encode()).hexdigest()[:16]
 
 
 class Coordinator:

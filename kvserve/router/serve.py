@@ -6,6 +6,7 @@ import logging
 
 import uvicorn
 
+from kvserve.ha.coordination import MISSING_SECRET
 from kvserve.router.app import build_router_app
 from kvserve.router.config import RouterConfig
 
@@ -13,7 +14,11 @@ logger = logging.getLogger("kvserve.router")
 
 
 def run_router(config: RouterConfig, log_level: str = "info") -> None:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per proxied request
+    """Serve until a signal. Refuses to start without a cluster secret (SystemExit)."""
+    if not config.cluster_secret:
+        raise SystemExit(MISSING_SECRET.format(command="router"))
+    for name in ("httpx", "httpx2"):  # no line per proxied request
+        logging.getLogger(name).setLevel(logging.WARNING)
     app = build_router_app(config)
     logger.info("router for cluster %s on http://%s:%d", config.cluster, config.host, config.port)
     uvicorn.run(

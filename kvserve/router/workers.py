@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from kvserve.ha.coordination import Coordinator
+from kvserve.ha.coordination import Coordinator, secret_fingerprint
 from kvserve.router.config import RouterConfig
 
 logger = logging.getLogger("kvserve.router")
@@ -54,6 +54,8 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self.registry_ok = False
         self._task: asyncio.Task | None = None
+        self._secret_fp = secret_fingerprint(config.cluster_secret)
+        self._mismatch_logged: set[str] = set()
 
     # ---- view -----------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -73,6 +75,17 @@ class WorkerPool:
                     w = self.workers[node_id] = Worker(node_id, info["url"].rstrip("/"))
                     logger.info("worker %s joined at %s", node_id, w.url)
                 w.info, w.registered_at = info, now
+                if not self.secret_matches(w) and node_id not in self._mismatch_logged:
+                    self._mismatch_logged.add(node_id)
+                    logger.error(
+                        "worker %s at %s has a different cluster secret than this router "
+                        "(fingerprint %s, ours %s): not routable; give every worker and "
+                        "router the same KVSERVE_CLUSTER_SECRET",
+                        node_id,
+                        w.url,
+                        info.get("secret_fp"),
+                        self._secret_fp,
+                    )
             for node_id in [n for n in self.workers if n not in nodes]:
                 logger.info("worker %s left the registry", node_id)
                 del self.workers[node_id]
@@ -105,13 +118,20 @@ class WorkerPool:
                     return False
         return await self.probe(w)
 
+    def secret_matches(self, w: Worker) -> bool:
+        """Does the worker publish this router's cluster-secret fingerprint? A worker with
+        another secret would refuse every resume, so it is never routable."""
+        return w.info.get("secret_fp") == self._secret_fp
+
     def routable(self) -> list[Worker]:
         now = time.monotonic()
         grace = self.config.registry_grace
         return [
             w
             for w in self.workers.values()
-            if w.healthy and (self.registry_ok or now - w.registered_at < grace)
+            if w.healthy
+            and self.secret_matches(w)
+            and (self.registry_ok or now - w.registered_at < grace)
         ]
 
     def get(self, node_id: str) -> Worker | None:

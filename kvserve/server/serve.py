@@ -63,9 +63,10 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig):
     info = engine.info
     if info.cluster is None or info.node_id is None:
         return lambda: None
-    from kvserve.ha.coordination import Coordinator
+    from kvserve.ha.coordination import Coordinator, secret_fingerprint
 
     coord, node = Coordinator.from_url(info.cluster), info.node_id
+    fingerprint = secret_fingerprint(config.cluster_secret)
     url = config.advertise_url or f"http://{config.host}:{config.port}"
     stop = threading.Event()
 
@@ -79,6 +80,7 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig):
                     running=s.running,
                     waiting=s.waiting,
                     kv_usage=s.kv_blocks_used / max(s.kv_blocks_total, 1),
+                    secret_fp=fingerprint,
                 )
             except Exception as e:  # Redis away: keep trying; the lease lapses meanwhile
                 logger.warning("cluster heartbeat failed: %s", e)
@@ -99,7 +101,12 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig):
 
 def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
     """Serve until a signal; returns after a graceful shutdown. Exits 1 when the engine
-    core cannot start or dies while serving (a supervisor restarts the server)."""
+    core cannot start or dies while serving (a supervisor restarts the server). Refuses
+    ``--cluster`` without a cluster secret before loading anything (SystemExit)."""
+    if engine_args.cluster and not config.cluster_secret:
+        from kvserve.ha.coordination import MISSING_SECRET
+
+        raise SystemExit(MISSING_SECRET.format(command="serve"))
     try:
         engine = AsyncLLM.start(engine_args, config.cluster_secret, log_level)
     except EngineError as e:
