@@ -226,7 +226,9 @@ def _plan(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    levels = ("debug", "info", "warning", "error", "DEBUG", "INFO", "WARNING", "ERROR")
+    log_help = "logging level (default: info)"
+    parser.add_argument("--log-level", default="INFO", choices=levels, help=log_help)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline from one or more prompts")
     EngineArgs.add_cli_args(gen, model_default=None)
@@ -237,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    EngineArgs.add_cli_args(sv, model_default=None)
+    EngineArgs.add_cli_args(sv, model_default=None, serve=True)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", default=None, help="model id in the API")
@@ -348,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--compare", action="append", help="key=value[,key=value] variant")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
+    # ``--log-level`` also after the subcommand (``kvserve serve --log-level debug``)
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for sp in getattr(action, "choices", {}).values():
+            sp.add_argument("--log-level", default=argparse.SUPPRESS, choices=levels, help=log_help)
     return parser
 
 
@@ -357,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # the openai client logs every HTTP request at INFO: noise over progress bars (bench
+    # serve) and over the server's own log
+    for chatty in ("httpx", "httpx2", "httpcore", "httpcore2", "openai"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as e:

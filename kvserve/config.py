@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.kv.quant import KV_CACHE_DTYPES
-from kvserve.utils import parse_size
+from kvserve.utils import DTYPE_NAMES, parse_size
 
 PREFIX_CACHE_ISOLATION = ("none", "tenant")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -53,7 +54,8 @@ class CacheConfig:
     """Paged KV cache shape and capacity.
 
     Capacity comes from ``kv_cache_memory`` (bytes) when set; otherwise, on CUDA, from
-    ``gpu_memory_utilization`` after a profiling forward pass, and on CPU from a 4 GiB default.
+    ``gpu_memory_utilization`` after a profiling forward pass, and on CPU room for 32
+    sequences of ``max_model_len``, at most 4 GiB.
     ``kv_cache_dtype``: ``auto`` (the model dtype), a 16/32-bit float, ``int8`` (per-token
     scales) or ``fp8``/``fp8_e4m3``/``fp8_e5m2`` (per-head scales; ``calculate_kv_scales``
     sets them from the first forward pass instead of the checkpoint's or 1.0).
@@ -206,6 +208,16 @@ class ReplicationConfig:
             raise ValueError("checkpoint_interval must be >= 0")
 
 
+STORE_WRITE_POLICIES = ("write-through", "write-back")
+
+
+def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None, serve: bool = False):
+    """An ``EngineArgs`` field with its CLI help, choices, and whether only ``kvserve
+    serve`` takes it (cluster flags mean nothing to ``generate``/``eval``)."""
+    meta = {"help": help, "choices": choices, "serve_only": serve}
+    return dataclasses.field(default=default, metadata=meta)
+
+
 _SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
 _LIST_FIELDS = {"kv_store", "replicate_to"}
 _STR_FIELDS = {"kv_usage_log", "cluster", "node_id"}
@@ -219,38 +231,68 @@ class EngineArgs:
     ``kv_cache_memory`` accepts a size string (``4GiB``) or bytes.
     """
 
-    model: str
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    device: str = "auto"
-    seed: int = 0
-    attention_backend: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False
-    enable_prefix_caching: bool = True
-    prefix_cache_isolation: str = "none"
-    sliding_window: int | None = None
-    attention_sinks: int | None = None
-    swap_space: int | str = "4GiB"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"
-    preemption_victim: str = "cost"
-    kv_usage_log: str | None = None
-    kv_usage_interval: float = 10.0
-    kv_store: tuple[str, ...] = ()
-    kv_store_write_policy: str = "write-through"
-    kv_store_queue_size: int = 1024
-    kv_store_session_ttl: float = 86400.0
-    cluster: str | None = None
-    node_id: str | None = None
-    replicate_every: int = 16
-    replicate_to: tuple[str, ...] = ()
-    checkpoint_interval: float = 30.0
+    model: str = dataclasses.field(
+        metadata={"help": "model directory (HF format: config.json + safetensors)"}
+    )
+    dtype: str = _arg(
+        "auto", "weights and activations; auto takes the checkpoint's", ("auto", *DTYPE_NAMES)
+    )
+    max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
+    device: str = _arg("auto", "auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
+    seed: int = _arg(0, "seed of the weights' random init (tests) and of default seeds")
+    attention_backend: str = _arg(
+        "auto",
+        "cpu: C++ kernels; torch: portable SDPA; auto: cpu on a CPU device when they build",
+        ATTENTION_BACKENDS,
+    )
+    block_size: int = _arg(16, "tokens per KV block")
+    kv_cache_memory: int | str | None = _arg(
+        None,
+        "KV cache size (e.g. 4GiB); default: on CPU room for 32 sequences of max_model_len "
+        "(at most 4 GiB), on CUDA what --gpu-memory-utilization leaves",
+    )
+    gpu_memory_utilization: float = _arg(
+        0.9, "on CUDA without --kv-cache-memory: the share of GPU memory to use"
+    )
+    kv_cache_dtype: str = _arg("auto", "KV cache element type", KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _arg(False, "fp8 KV: per-head scales from the first batch")
+    enable_prefix_caching: bool = _arg(True, "share full KV blocks between equal prefixes")
+    prefix_cache_isolation: str = _arg(
+        "none", "tenant: share prefix blocks only within a tenant", PREFIX_CACHE_ISOLATION
+    )
+    sliding_window: int | None = _arg(None, "attend to the last N tokens only (frees blocks)")
+    attention_sinks: int | None = _arg(
+        None, "with a sliding window: first tokens always attended (default 4 with the flag)"
+    )
+    swap_space: int | str = _arg("4GiB", "host memory for swapped-out KV (0: off)")
+    max_num_batched_tokens: int = _arg(2048, "token budget of one engine step")
+    max_num_seqs: int = _arg(256, "most running sequences")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over steps")
+    preemption_mode: str = _arg(
+        "auto", "swap, recompute, or auto (the measured cheaper one)", PREEMPTION_MODES
+    )
+    preemption_victim: str = _arg(
+        "cost", "cost (cheapest to bring back) or latest (newest request)", PREEMPTION_VICTIMS
+    )
+    kv_usage_log: str | None = _arg(None, "append KV usage samples (JSONL) for kvserve plan")
+    kv_usage_interval: float = _arg(10.0, "seconds between KV usage samples")
+    kv_store: tuple[str, ...] = _arg(
+        (), "a KV store tier (host://, file://, redis://, s3://); repeat in tier order"
+    )
+    kv_store_write_policy: str = _arg(
+        "write-through", "when full blocks go to the store", STORE_WRITE_POLICIES
+    )
+    kv_store_queue_size: int = _arg(1024, "blocks waiting for the store writer at most")
+    kv_store_session_ttl: float = _arg(86400.0, "seconds a stored session record lives")
+    cluster: str | None = _arg(None, "the cluster's Redis (HA: registry, sessions)", serve=True)
+    node_id: str | None = _arg(
+        None, "this worker's id in the cluster (default host:pid)", serve=True
+    )
+    replicate_every: int = _arg(16, "tokens between session state replications", serve=True)
+    replicate_to: tuple[str, ...] = _arg(
+        (), "extra replication targets: standby, s3 (store is always on); repeat", serve=True
+    )
+    checkpoint_interval: float = _arg(30.0, "seconds between S3 checkpoints", serve=True)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -307,19 +349,30 @@ class EngineArgs:
         return ObservabilityConfig(self.kv_usage_log, self.kv_usage_interval)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
-        """Add one ``--flag`` per field (``max_num_seqs`` → ``--max-num-seqs``)."""
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, *, model_default: str | None, serve: bool = False
+    ) -> None:
+        """Add one ``--flag`` per field (``max_num_seqs`` → ``--max-num-seqs``) with the
+        field's help, default and choices; serve-only fields (the cluster's) only when
+        ``serve``."""
         for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if meta.get("serve_only") and not serve:
+                continue
             flag = "--" + f.name.replace("_", "-")
+            help_ = meta.get("help", "")
             if f.name == "model":
-                parser.add_argument(flag, default=model_default, help="model directory")
+                parser.add_argument(flag, default=model_default, help=help_, metavar="DIR")
                 continue
             default = f.default
             if f.name in _LIST_FIELDS:
-                parser.add_argument(flag, action="append", default=[], metavar="URL")
+                parser.add_argument(flag, action="append", default=[], metavar="URL", help=help_)
                 continue
+            shown = help_ if default is None else f"{help_} (default: %(default)s)"
             if isinstance(default, bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_
+                )
                 if f.name in _ALIASES:
                     parser.add_argument(
                         _ALIASES[f.name],
@@ -327,16 +380,20 @@ class EngineArgs:
                         action="store_false",
                         help=f"same as --no-{f.name.replace('_', '-')}",
                     )
-            elif f.name in _SIZE_FIELDS | _STR_FIELDS or default is None:
-                conv = str if f.name in _SIZE_FIELDS | _STR_FIELDS else int
-                parser.add_argument(flag, type=conv, default=default)
+                continue
+            if f.name in _SIZE_FIELDS | _STR_FIELDS or default is None:
+                conv: Any = str if f.name in _SIZE_FIELDS | _STR_FIELDS else int
             else:
-                parser.add_argument(flag, type=type(default), default=default)
+                conv = type(default)
+            parser.add_argument(
+                flag, type=conv, default=default, choices=meta.get("choices"), help=shown
+            )
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {n: getattr(ns, n) for n in names}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        # a subcommand without the serve-only flags keeps their defaults
+        values = {n: getattr(ns, n, f.default) for n, f in fields.items()}
         for n in _LIST_FIELDS:
             values[n] = tuple(values[n] or ())
         return cls(**values)

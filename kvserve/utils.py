@@ -65,6 +65,9 @@ _DTYPES = {
 }
 
 
+DTYPE_NAMES = tuple(_DTYPES)
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """Map a dtype name (``bfloat16``, ``float16``, ``float32`` and aliases) to torch."""
     try:

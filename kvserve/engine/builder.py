@@ -45,7 +45,8 @@ from kvserve.worker.swap import HostSwap
 
 logger = logging.getLogger("kvserve")
 
-_CPU_DEFAULT_KV_MEMORY = 4 * 1024**3
+_CPU_DEFAULT_KV_MEMORY = 4 * 1024**3  # at most, without --kv-cache-memory
+_CPU_DEFAULT_KV_SEQS = 32  # …and no more than this many sequences of max_model_len need
 
 # what an engine takes over from its builder (attribute names on both)
 PARTS = (
@@ -261,8 +262,9 @@ class EngineBuilder:
         mem = self.cache_config.kv_cache_memory
         if mem is None:
             mem = self._profile_cuda_memory() if self.device.type == "cuda" else None
-        if mem is None:
-            mem = _CPU_DEFAULT_KV_MEMORY
+        if mem is None:  # CPU: a small model gets a small cache, not 4 GiB of zeroed pages
+            need = _CPU_DEFAULT_KV_SEQS * self.max_model_len * self.kv_spec.bytes_per_token
+            mem = min(_CPU_DEFAULT_KV_MEMORY, need + self.kv_spec.bytes_per_block)
         blocks = self.kv_spec.num_blocks_for(mem)
         if blocks <= 0:
             raise EngineError(

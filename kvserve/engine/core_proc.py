@@ -285,7 +285,10 @@ def run_engine_core(
 
         engine = LLMEngine(args)
     except Exception as e:  # a misconfiguration: the API server reports it and exits
-        logger.exception("engine core failed to start")
+        if isinstance(e, (ValueError, OSError, EngineError)):  # the user's to fix: no trace
+            logger.debug("engine core failed to start", exc_info=True)
+        else:
+            logger.exception("engine core failed to start")
         out.send(enc.encode(StartupFailed(str(e) or repr(e))))
         out.close()
         sys.exit(1)

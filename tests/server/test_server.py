@@ -330,3 +330,4 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert s["p50_ttft_ms"] > 0 and s["output_throughput"] > 0
     assert all(1 <= len(r["itl"]) <= 7 for r in result["requests"])  # one per text chunk
     assert png.stat().st_size > 1000
+    assert "HTTP Request:" not in proc.stderr + proc.stdout  # no log line per request
