@@ -59,7 +59,7 @@ def main() -> None:
     engine = llm.engine
     vocab = engine.runner.model.spec.vocab_size
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True, detokenize=False)
     for i in range(a.num_seqs):
         engine.add_request(f"d{i}", rng.integers(0, vocab, a.input_len).tolist(), params)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) or (
