@@ -103,7 +103,7 @@ class AsyncLLM:
     def __init__(self, proc: Any, inp: zmq.Socket, out: zmq.Socket, info: EngineInfo, tmp: str):
         self.proc = proc
         self.info = info
-        self.tokenizer: Tokenizer | None = load_tokenizer(info.model)
+        self.tokenizer: Tokenizer | None = load_tokenizer(info.model_dir)
         self.outputs = OutputProcessor(self.tokenizer)
         self._tmp = tmp
         self._sync = (inp, out)

@@ -29,6 +29,7 @@ from kvserve.model.attention import (
     TorchPagedAttention,
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.gguf import resolve_model
 from kvserve.model.linear import prepack_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
@@ -50,7 +51,8 @@ _CPU_DEFAULT_KV_SEQS = 32  # …and no more than this many sequences of max_mode
 
 # what an engine takes over from its builder (attribute names on both)
 PARTS = (
-    "model_config", "cache_config", "scheduler_config", "device", "rng", "spec", "tokenizer",
+    "model_config", "cache_config", "scheduler_config", "device", "rng", "model_dir", "spec",
+    "tokenizer",
     "eos_token_ids", "dtype", "max_model_len", "window", "attention_sinks", "model",
     "kv_format", "kv_spec", "model_fingerprint", "kv", "runner", "cost_model", "swap",
     "offloader", "prewarmer", "replicator", "replication_url", "scheduler", "peak_usage",
@@ -70,8 +72,10 @@ class EngineBuilder:
             tune_malloc()
         torch.manual_seed(self.model_config.seed)
         self.rng = random.Random(self.model_config.seed)
-        self.spec: ModelSpec = load_model_spec(self.model_config.model)
-        self.tokenizer: Tokenizer | None = load_tokenizer(self.model_config.model)
+        # an HF directory as given; a GGUF file's converted directory (model/gguf.py)
+        self.model_dir: str = resolve_model(self.model_config.model)
+        self.spec: ModelSpec = load_model_spec(self.model_dir)
+        self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
         self.dtype = resolve_dtype(self.model_config.dtype, self.spec, self.device)
         self.max_model_len = self.model_config.max_model_len or self.spec.max_position_embeddings
@@ -88,7 +92,7 @@ class EngineBuilder:
         self.attention_sinks = sinks if self.window is not None else 0
         backend, ops = self._kernels()
         self.model: LlamaForCausalLM = load_model(
-            self.model_config.model,
+            self.model_dir,
             self.spec,
             self.dtype,
             self.device,
@@ -107,7 +111,7 @@ class EngineBuilder:
             self.cache_config.block_size,
         )
         num_blocks = self._num_blocks()
-        self.model_fingerprint = model_fingerprint(self.model_config.model)
+        self.model_fingerprint = model_fingerprint(self.model_dir)
         self.kv = KVCacheManager(
             num_blocks,
             self.cache_config.block_size,
@@ -244,7 +248,7 @@ class EngineBuilder:
         """Per-layer caches; fp8 caches get the checkpoint's scales or calibrate."""
         caches = self.kv_spec.allocate(num_blocks, self.device, self.kv_format)
         if self.kv_format.scale == "head":
-            scales = load_kv_scales(self.model_config.model, self.spec.num_layers)
+            scales = load_kv_scales(self.model_dir, self.spec.num_layers)
             for i, cache in enumerate(caches):
                 if scales is not None:
                     k, v = scales[i]

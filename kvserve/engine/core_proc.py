@@ -247,6 +247,7 @@ def engine_info(engine: Any) -> EngineInfo:
     return EngineInfo(
         protocol_version=PROTOCOL_VERSION,
         model=engine.model_config.model,
+        model_dir=engine.model_dir,
         max_model_len=engine.max_model_len,
         num_blocks=engine.kv.num_blocks,
         block_size=engine.kv.block_size,

@@ -20,7 +20,7 @@ from kvserve.ha.record import SessionRecord
 from kvserve.kv.tenant_ledger import Budget
 from kvserve.sampling import Logprob, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # finish reasons (vLLM's names): RequestStatus.value of the finished states
 FINISH_STOP, FINISH_ABORT = "stop", "abort"
@@ -164,7 +164,8 @@ class EngineInfo(msgspec.Struct, tag=True):
     A client refuses a core whose ``protocol_version`` is not its own."""
 
     protocol_version: int
-    model: str
+    model: str  # --model as given (the served name derives from it)
+    model_dir: str  # the HF directory loaded (a GGUF file's converted one)
     max_model_len: int
     num_blocks: int
     block_size: int

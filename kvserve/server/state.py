@@ -20,7 +20,8 @@ DEFAULT_MODEL_ID = "kvserve-default"
 def served_model_id(model: str, served_model_name: str | None) -> str:
     """The model id of the API: ``--served-model-name`` when given; ``kvserve-default``
     for the bundled model; otherwise the last component of the ``--model`` path (the
-    directory's or file's name), so no filesystem path leaks into the API."""
+    directory's name, a GGUF file's name without ``.gguf``), so no filesystem path leaks
+    into the API."""
     if served_model_name:
         return served_model_name
     from kvserve.default_model import DEFAULT_MODEL_DIR
@@ -31,7 +32,8 @@ def served_model_id(model: str, served_model_name: str | None) -> str:
             return DEFAULT_MODEL_ID
     except OSError:
         pass
-    return path.name or model
+    name = path.name or model
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
 class ServerState:

@@ -59,7 +59,7 @@ def test_served_model_id_is_short_and_leaks_no_path(tmp_path):
     assert served_model_id(str(DEFAULT_MODEL_DIR) + "/", None) == "kvserve-default"
     assert served_model_id(str(tmp_path / "Llama-3.2-1B"), None) == "Llama-3.2-1B"
     assert served_model_id(str(tmp_path / "Llama-3.2-1B") + "/", None) == "Llama-3.2-1B"
-    assert served_model_id(str(tmp_path / "m.gguf"), None) == "m.gguf"
+    assert served_model_id(str(tmp_path / "m.Q4_1.gguf"), None) == "m.Q4_1"
     assert served_model_id(str(DEFAULT_MODEL_DIR), "mine") == "mine"
 
 
