@@ -17,7 +17,7 @@ from kvserve.kv.quant import kv_format
 from kvserve.model.spec import load_model_spec
 from kvserve.planner.hardware import find_accelerator
 from kvserve.planner.presets import PRESETS, ModelShape
-from kvserve.utils import cdiv, parse_dtype, parse_size
+from kvserve.utils import cdiv, format_size, parse_dtype, parse_size
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class Plan:
     kv_bytes_per_gpu_available: int
     max_concurrency_per_replica: int
     gpus_needed: int | None  # None: the model does not fit on the GPUs of one replica
+    gpu: str = ""  # the assumed GPU and its memory
+    concurrency: int = 1
+    fit_note: str | None = None  # with gpus_needed None: why, and the --tp that would fit
 
 
 def resolve_shape(model: str) -> ModelShape:
@@ -111,6 +114,17 @@ def plan(p: PlanInput, label: str = "") -> Plan:
     per_gpu = int(gpu_mem * p.gpu_memory_utilization) - weight_bytes // p.tp - p.overhead
     max_conc = max(0, per_gpu * p.tp // per_request)
     gpus = cdiv(p.concurrency, max_conc) * p.tp if max_conc > 0 else None
+    note = None
+    if gpus is None:
+        usable = int(gpu_mem * p.gpu_memory_utilization) - p.overhead
+        note = (
+            f"per GPU, weights {format_size(weight_bytes // p.tp)} + one request's KV "
+            f"{format_size(per_request // p.tp)} exceed the usable "
+            f"{format_size(max(usable, 0))}"
+        )
+        fit = _smallest_tp(weight_bytes, per_request, usable, p.tp)
+        note += f"; try --tp {fit}" if fit else "; no tensor-parallel size up to 64 fits"
+    gpu_name = p.gpu if p.gpu_memory is None else "custom"
     return Plan(
         label=label or p.model,
         model=shape.name,
@@ -122,7 +136,21 @@ def plan(p: PlanInput, label: str = "") -> Plan:
         kv_bytes_per_gpu_available=max(per_gpu, 0),
         max_concurrency_per_replica=max_conc,
         gpus_needed=gpus,
+        gpu=f"{gpu_name} ({format_size(gpu_mem)} x {p.gpu_memory_utilization:g})",
+        concurrency=p.concurrency,
+        fit_note=note,
     )
+
+
+def _smallest_tp(weights: int, per_request: int, usable: int, tp: int) -> int | None:
+    """The smallest power-of-two tensor-parallel size above ``tp`` whose GPUs hold the
+    weights' shards and one request's KV, or None up to 64."""
+    n = tp * 2
+    while n <= 64:
+        if (usable - weights // n) * n >= per_request:
+            return n
+        n *= 2
+    return None
 
 
 def variant(base: PlanInput, spec: str) -> PlanInput:

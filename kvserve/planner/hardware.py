@@ -29,9 +29,15 @@ ACCELERATORS = {a.name.lower(): a for a in _TABLE}
 
 
 def find_accelerator(name: str) -> Accelerator:
-    """Look a GPU up by name, case-insensitively (``h100-80gb``); ValueError lists choices."""
-    try:
-        return ACCELERATORS[name.lower()]
-    except KeyError:
-        choices = ", ".join(a.name for a in _TABLE)
-        raise ValueError(f"unknown GPU {name!r}; known: {choices} (or pass --gpu-memory)") from None
+    """Look a GPU up by name, case-insensitively: the full name (``h100-80gb``) or, when
+    only one size exists, the model alone (``L40S``, ``H100``). ValueError lists choices
+    (an ambiguous model, ``A100``, names its sizes)."""
+    key = name.lower()
+    if key in ACCELERATORS:
+        return ACCELERATORS[key]
+    sizes = [a for a in _TABLE if a.name.lower().split("-")[0] == key]
+    if len(sizes) == 1:
+        return sizes[0]
+    choices = ", ".join(a.name for a in (sizes or _TABLE))
+    what = "ambiguous GPU" if sizes else "unknown GPU"
+    raise ValueError(f"{what} {name!r}; choose one of: {choices} (or pass --gpu-memory)")

@@ -18,9 +18,11 @@ def print_plans(plans: list[Plan], console: Console | None = None) -> None:
         table.add_column(p.label, justify="right")
     rows = [
         ("model", lambda p: p.model),
+        ("GPU (memory x utilization)", lambda p: p.gpu),
+        ("concurrency", lambda p: f"{p.concurrency:,}"),
         ("weights", lambda p: format_size(p.weight_bytes)),
         ("KV bytes / token", lambda p: f"{p.kv_bytes_per_token:,}"),
-        ("tokens / request (blocks)", lambda p: f"{p.tokens_per_request:,}"),
+        ("context + output tokens / request (blocks)", lambda p: f"{p.tokens_per_request:,}"),
         ("KV / request", lambda p: format_size(p.kv_bytes_per_request)),
         (
             "KV total",
@@ -32,7 +34,11 @@ def print_plans(plans: list[Plan], console: Console | None = None) -> None:
     ]
     for name, fmt in rows:
         table.add_row(name, *(fmt(p) for p in plans))
-    (console or Console()).print(table)
+    console = console or Console()
+    console.print(table)
+    for p in plans:
+        if p.fit_note:
+            console.print(f"{p.label}: does not fit: {p.fit_note}")
 
 
 def print_usage(r: UsageReport, console: Console | None = None) -> None:

@@ -91,3 +91,27 @@ def test_cli_json_and_table():
     assert table.returncode == 0 and "819,200" in table.stdout
     bad = subprocess.run([*cmd[:5], "nope"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "neither a preset" in bad.stderr
+
+
+def test_gpu_names_take_the_model_alone_when_it_has_one_size():
+    from kvserve.planner.hardware import find_accelerator
+
+    assert find_accelerator("L40S").name == "L40S-48GB"  # as the README lists it
+    assert find_accelerator("h100").name == "H100-80GB"
+    with pytest.raises(ValueError, match=r"ambiguous GPU 'A100'.*A100-40GB, A100-80GB"):
+        find_accelerator("A100")
+    with pytest.raises(ValueError, match="unknown GPU"):
+        find_accelerator("TPU")
+
+
+def test_does_not_fit_says_why_and_which_tp_would():
+    p = plan(PlanInput(model="llama-3-70b", gpu="L40S", concurrency=8))
+    assert p.gpus_needed is None
+    assert "exceed the usable" in p.fit_note and "try --tp 4" in p.fit_note
+    assert plan(PlanInput(model="llama-3-70b", gpu="L40S", tp=4, concurrency=8)).gpus_needed
+    assert p.gpu.startswith("L40S (48.00 GiB x 0.9)") and p.concurrency == 8
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "plan", "--model", "llama-3-70b", "--gpu", "L40S"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0 and "try --tp 4" in out.stdout and "L40S" in out.stdout
