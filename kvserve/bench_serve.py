@@ -200,16 +200,23 @@ def plot(result: dict[str, Any], path: str) -> None:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", default=None, help="default: the server's first model")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--api-key", default=None, help="Bearer key for the server")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     p.add_argument("--dataset", default="synthetic", help="synthetic or a JSONL file")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=256, help="synthetic prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--vocab", type=int, default=8192, help="synthetic token ids < vocab")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", type=float, default=float("inf"))
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second"
+    )
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at end-of-sequence (default: exactly --output-len tokens)",
+    )
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
 

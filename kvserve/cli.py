@@ -22,13 +22,13 @@ def _default_model() -> str:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the top k (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below p x the top one")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     EngineArgs.add_cli_args(sv, model_default=None, serve=True)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=int, default=8000, help="listen port")
     sv.add_argument("--served-model-name", default=None, help="model id in the API")
     sv.add_argument(
         "--api-key", action="append", help="accepted Bearer key (repeatable; none = open)"
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt = sub.add_parser("router", help="OpenAI-compatible front of a cluster (failover)")
     rt.add_argument("--cluster", required=True, help="coordinator Redis URL (as the workers')")
     rt.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    rt.add_argument("--port", type=int, default=8080)
+    rt.add_argument("--port", type=int, default=8080, help="listen port")
     rt.add_argument(
         "--cluster-secret", default=None, help="as the workers' (or env KVSERVE_CLUSTER_SECRET)"
     )
@@ -283,7 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds to keep routing to workers while the registry cannot be read",
     )
-    rt.add_argument("--graceful-timeout", type=float, default=30.0)
+    rt.add_argument(
+        "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
+    )
     rt.set_defaults(func=_router)
 
     bn = sub.add_parser("bench", help="benchmarks against a running server")
@@ -301,9 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     hk.set_defaults(func=_hash_key)
     ck = tn_sub.add_parser("check", help="validate a tenants file against a KV pool size")
     ck.add_argument("file")
-    ck.add_argument("--pool-blocks", type=int, required=True)
-    ck.add_argument("--block-size", type=int, default=16)
-    ck.add_argument("--bytes-per-block", type=int, required=True)
+    ck.add_argument("--pool-blocks", type=int, required=True, help="KV blocks of the pool")
+    ck.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    ck.add_argument(
+        "--bytes-per-block", type=int, required=True, help="bytes of one block (all layers)"
+    )
     ck.set_defaults(func=_check_tenants)
 
     ev = sub.add_parser("eval", help="quality measurements through the serving path")
@@ -318,8 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="text files to score (default: the default model's held-out standard-library files)",
     )
     ppl.add_argument("--context", type=int, default=512, help="tokens per scored window")
-    ppl.add_argument("--max-tokens-per-file", type=int, default=None)
-    ppl.add_argument("--json", action="store_true")
+    ppl.add_argument(
+        "--max-tokens-per-file", type=int, default=None, help="score at most this many per file"
+    )
+    ppl.add_argument("--json", action="store_true", help="print the result as JSON")
     ppl.set_defaults(func=_eval_perplexity)
 
     pl = sub.add_parser("plan", help="KV and weight memory, concurrency per GPU, GPUs needed")
@@ -337,18 +343,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--headroom", type=float, default=0.15, help="with --usage: P99 × (1+h)")
     pl.add_argument("--plot", help="with --usage: write a PNG of distribution and time series")
     pl.add_argument("--dtype", default="bfloat16", help="weight dtype")
-    pl.add_argument("--kv-cache-dtype", default="auto")
-    pl.add_argument("--concurrency", type=int, default=1)
+    pl.add_argument("--kv-cache-dtype", default="auto", help="as the engine flag")
+    pl.add_argument("--concurrency", type=int, default=1, help="requests held at once")
     pl.add_argument("--context", type=int, default=4096, help="prompt tokens per request")
-    pl.add_argument("--output-len", type=int, default=0)
-    pl.add_argument("--gpu", default="H100-80GB")
+    pl.add_argument("--output-len", type=int, default=0, help="output tokens per request")
+    pl.add_argument("--gpu", default="H100-80GB", help="GPU preset (e.g. H100, A100-40GB, L40S)")
     pl.add_argument("--gpu-memory", default=None, help="e.g. 48GiB, overrides --gpu")
-    pl.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    pl.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory used"
+    )
     pl.add_argument("--overhead", default="1GiB", help="per GPU: activations, CUDA context")
     pl.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
-    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     pl.add_argument("--compare", action="append", help="key=value[,key=value] variant")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--json", action="store_true", help="print the plans as JSON")
     pl.set_defaults(func=_plan)
     # ``--log-level`` also after the subcommand (``kvserve serve --log-level debug``)
     for action in parser._subparsers._group_actions if parser._subparsers else ():

@@ -232,7 +232,7 @@ class EngineArgs:
     """
 
     model: str = dataclasses.field(
-        metadata={"help": "model directory (HF format: config.json + safetensors)"}
+        metadata={"help": "HF model directory (config.json + safetensors) or a .gguf file"}
     )
     dtype: str = _arg(
         "auto", "weights and activations; auto takes the checkpoint's", ("auto", *DTYPE_NAMES)

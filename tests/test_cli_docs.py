@@ -1,10 +1,12 @@
-"""The CLI and the README agree (issue 17): every engine flag has a row in the README's
-flag table whose default is the parser's; each subcommand's own flags appear in its
-README synopsis; engine flags have help texts; subcommands take only their own flags."""
+"""The CLI and its docs agree (issue 17): docs/configuration.md is what the parsers
+generate; every engine flag has a row in docs/serving.md's flag table whose default is the
+parser's; each subcommand's own flags appear in its synopsis; every flag has a help text;
+subcommands take only their own flags."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 from pathlib import Path
 
@@ -13,7 +15,9 @@ import pytest
 from kvserve.cli import build_parser
 from kvserve.config import EngineArgs
 
-README = (Path(__file__).parents[1] / "README.md").read_text()
+ROOT = Path(__file__).parents[1]
+SERVING = (ROOT / "docs" / "serving.md").read_text()
+SYNOPSES = SERVING + (ROOT / "docs" / "high-availability.md").read_text()
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -22,9 +26,9 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def _table() -> dict[str, str]:
-    """README flag-table rows: ``--flag`` → the default cell."""
+    """docs/serving.md flag-table rows: ``--flag`` → the default cell."""
     rows = {}
-    for line in README.splitlines():
+    for line in SERVING.splitlines():
         m = re.match(r"\| `--(\[no-\])?([a-z0-9-]+)[^`]*` \| ([^|]*) \|", line)
         if m:
             rows["--" + m.group(2)] = m.group(3).strip()
@@ -32,8 +36,8 @@ def _table() -> dict[str, str]:
 
 
 def _synopsis(command: str) -> str:
-    m = re.search(rf"```\nkvserve {command} (.*?)```", README, re.S)
-    assert m, f"README has no synopsis block for kvserve {command}"
+    m = re.search(rf"```\nkvserve {command} (.*?)```", SYNOPSES, re.S)
+    assert m, f"the docs have no synopsis block for kvserve {command}"
     return m.group(1)
 
 
@@ -46,7 +50,7 @@ def _engine_flags() -> dict[str, argparse.Action]:
 def test_every_engine_flag_has_a_readme_row_with_its_default():
     rows = _table()
     for flag, action in _engine_flags().items():
-        assert flag in rows, f"README's flag table has no row for {flag}"
+        assert flag in rows, f"docs/serving.md's flag table has no row for {flag}"
         cell, default = rows[flag].replace("`", ""), action.default
         if isinstance(default, bool):
             assert cell == ("on" if default else "off"), flag
@@ -70,7 +74,7 @@ def test_a_subcommands_own_flags_are_in_its_synopsis(command):
             continue  # "[engine flags]": the table
         for opt in action.option_strings:
             if opt.startswith("--") and opt not in ("--help", "--log-level"):
-                assert opt in text, f"kvserve {command} {opt} is missing from the README synopsis"
+                assert opt in text, f"kvserve {command} {opt} is missing from its synopsis"
 
 
 def test_cluster_flags_belong_to_serve_only():
@@ -91,3 +95,46 @@ def test_log_level_is_taken_before_or_after_the_subcommand():
     assert parser.parse_args(["--log-level", "debug", "plan"]).log_level == "debug"
     assert parser.parse_args(["plan", "--log-level", "warning"]).log_level == "warning"
     assert parser.parse_args(["plan"]).log_level == "INFO"
+
+
+def test_configuration_reference_is_generated_from_the_parsers():
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "scripts" / "gen_config_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (ROOT / "docs" / "configuration.md").read_text() == gen.render(), (
+        "docs/configuration.md is stale: python scripts/gen_config_docs.py"
+    )
+
+
+def test_every_flag_of_every_subcommand_has_help():
+    def walk(parser: argparse.ArgumentParser, name: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    yield from walk(sub, f"{name} {sub_name}")
+            elif action.option_strings and action.dest != "help":
+                yield name, action
+
+    for name, action in walk(build_parser(), "kvserve"):
+        assert action.help, f"{name} {action.option_strings[0]} has no help text"
+
+
+def test_the_readmes_generate_example_writes_code_not_a_loop():
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"`kvserve generate (--prompt \"[^\"]+\"[^`]*)`", readme)
+    assert m, "the README shows no kvserve generate example"
+    args = re.findall(r'"[^"]*"|\S+', m.group(1))
+    args = [a.strip('"') for a in args]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "generate", *args, "--kv-cache-memory", "16MiB"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    words = out.stdout.split()
+    assert len(words) > 10
+    grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
+    most = max(grams.count(g) for g in grams)
+    assert most <= 3, f"the example loops: {out.stdout[:500]!r}"
