@@ -1,0 +1,58 @@
+"""Decode-size GEMMs of 30 SmolLM2-135M layers: ``F.linear`` vs oneDNN-prepacked weights
+(what kvserve does since issue #16) and, when run with vLLM's Python, vLLM-CPU's own
+``onednn_mm``.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python benchmarks/gemm_prepack.py
+    LD_PRELOAD=... /work/venvs/vllm/bin/python benchmarks/gemm_prepack.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+LAYERS = 30
+
+
+def bench(fn, n: int) -> float:
+    for _ in range(3):
+        fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    try:
+        from vllm import _custom_ops as vllm_ops
+    except ImportError:
+        vllm_ops = None
+    for m in (1, 8, 32, 64, 256):
+        totals: dict[str, float] = {}
+        for n_out, k in SHAPES.values():
+            ws = [torch.randn(n_out, k, dtype=torch.bfloat16) for _ in range(LAYERS)]
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws]
+            reps = 10 if m >= 256 else 20
+            runs = {
+                "F.linear": lambda x=x, ws=ws: [F.linear(x, w) for w in ws],
+                "prepacked": lambda x=x, ps=packed: [
+                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ps
+                ],
+            }
+            if vllm_ops is not None:
+                handles = [vllm_ops.create_onednn_mm(w.t(), 32) for w in ws]
+                runs["vllm onednn_mm"] = lambda x=x, hs=handles: [
+                    vllm_ops.onednn_mm(h, x, None) for h in hs
+                ]
+            for name, fn in runs.items():
+                totals[name] = totals.get(name, 0.0) + bench(fn, reps)
+        print(f"M={m:4d} " + "  ".join(f"{k}: {v * 1e3:7.2f} ms" for k, v in totals.items()))
+
+
+if __name__ == "__main__":
+    main()
