@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,8 +57,6 @@ def load_cpu_kernels() -> bool:
     (call it from one thread; processes are safe).
     """
     try:
-        from torch.utils.cpp_extension import load
-
         name = build_name()
         built = (_build_dir(name) / f"{name}.so").is_file()
         if not built:
@@ -67,18 +66,35 @@ def load_cpu_kernels() -> bool:
                 _build_dir(name),
             )
         start = time.monotonic()
-        load(
-            name=name,
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=list(_CFLAGS),  # copies: torch appends its own flags to these
-            extra_ldflags=list(_LDFLAGS),
-            extra_include_paths=[str(CSRC)],
-            is_python_module=False,
-            verbose=os.environ.get("KVSERVE_VERBOSE_BUILD") == "1",
-        )
+        done = threading.Event()
+        if not built:  # progress: a line every 10 s while the compiler runs
+            threading.Thread(target=_report, args=(done, start), daemon=True).start()
+        try:
+            _load(name)
+        finally:
+            done.set()
         if not built:
             logger.warning("built the CPU kernels in %.0f s", time.monotonic() - start)
         return all(hasattr(torch.ops.kvserve, op) for op in _OPS)
     except Exception as e:
         logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
         return False
+
+
+def _report(done: threading.Event, start: float) -> None:
+    while not done.wait(10.0):
+        logger.warning("still building the CPU kernels (%.0f s)", time.monotonic() - start)
+
+
+def _load(name: str) -> None:
+    from torch.utils.cpp_extension import load
+
+    load(
+        name=name,
+        sources=[str(s) for s in _SOURCES],
+        extra_cflags=list(_CFLAGS),  # copies: torch appends its own flags to these
+        extra_ldflags=list(_LDFLAGS),
+        extra_include_paths=[str(CSRC)],
+        is_python_module=False,
+        verbose=os.environ.get("KVSERVE_VERBOSE_BUILD") == "1",
+    )
