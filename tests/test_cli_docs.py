@@ -138,3 +138,18 @@ def test_the_readmes_generate_example_writes_code_not_a_loop():
     grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
     most = max(grams.count(g) for g in grams)
     assert most <= 3, f"the example loops: {out.stdout[:500]!r}"
+
+
+def test_the_readmes_gguf_command_finds_the_file():
+    """The README's real-model command: its ``$(python -c …)`` prints the GGUF path (the
+    package itself cannot be imported without its llama.cpp dependencies)."""
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"kvserve serve --model \"\$\(python -c '([^']+)'\)\"", readme)
+    assert m, "the README shows no GGUF serve command"
+    out = subprocess.run([sys.executable, "-c", m.group(1)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    path = Path(out.stdout.strip())
+    assert path.suffix == ".gguf" and path.is_file()
