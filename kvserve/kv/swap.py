@@ -81,6 +81,14 @@ class SwapSpace:
         self.used_blocks -= n
         return SwapIn(request_id, blocks, skip)
 
+    def restore(self, request_id: str, live: list[bool]) -> None:
+        """Undo a ``release`` of this step whose ``SwapIn`` the worker never ran: the host
+        copy (``live`` entries) is held again."""
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already swapped out")
+        self._live[request_id] = list(live)
+        self.used_blocks += sum(live)
+
     def discard(self, request_id: str) -> bool:
         """Forget a swapped request (finished or aborted); True if it had a host copy."""
         live = self._live.pop(request_id, None)

@@ -15,8 +15,9 @@ Each step:
    they come back first). A tenant at its limit or at its ``max_concurrent_requests`` is
    skipped for the step; a pool shortage stops admission, except that a tenant below its
    reservation preempts requests of tenants above theirs to get its blocks. In a step
-   that preempted, only tenants below their reservation are admitted, and never a
-   request preempted in that same step.
+   that preempted, only tenants below their reservation are admitted. A swapped request
+   brought back and preempted again in the same step stays swapped: its swap-in is
+   cancelled (its host copy is still there), so one step never swaps a request out twice.
 
 New requests start after the longest prefix the KV manager already holds (prefix caching);
 swapped requests get fresh blocks and their K/V copied back. The scheduler decides only:
@@ -100,6 +101,7 @@ class Scheduler:
         )
         self.offloader = offloader
         self._dropped: list[str] = []  # swapped requests finished since the last step
+        self._returning: dict[str, list[bool]] = {}  # swapped in this step: live entries
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loading: list[Request] = []  # admitted, their prefix loading from the store
@@ -126,6 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(swap_drop=self._dropped)
         self._dropped = []
+        self._returning = {}
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
         if self.loading:
@@ -157,9 +160,7 @@ class Scheduler:
     ) -> None:
         ledger = self.kv.ledger
         skip: set[str] = set()  # tenants that admit nothing more this step
-        # requests passed over this step; this step's victims stay out until the next one
-        # (a swap-in of a request swapped out in the same step would copy stale blocks)
-        passed: set[str] = {r.request_id for r in out.preempted}
+        passed: set[str] = set()  # requests passed over this step
         only_reserved = bool(out.preempted)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting(skip, passed)
@@ -190,7 +191,6 @@ class Scheduler:
                     break
                 victim = max(victims, key=self.policy.victim_key)
                 budget += self._preempt(victim, RESERVATION, out, scheduled)
-                passed.add(victim.request_id)
                 n = self._try_admit(req, budget, out)
             if n is None:
                 if below:  # too big for what the reservation covers now; smaller may fit
@@ -233,6 +233,7 @@ class Scheduler:
                 return None
             copied = sum(live) - len(shared)
             out.swap_in.append(self.swap.release(req.request_id, fresh[:copied], len(shared)))
+            self._returning[req.request_id] = live  # until the step ends (see _preempt)
             return n
         cached = self.kv.find_cached_prefix(req)
         if req.restore_limit is not None:
@@ -303,11 +304,17 @@ class Scheduler:
         table = self.kv.block_table(req.request_id)
         null = self.kv.pool.null_block
         copy = None
-        if mode == "swap" and self.swap is not None:
+        back = next((s for s in out.swap_in if s.request_id == req.request_id), None)
+        if back is not None:  # swapped in earlier in this step: cancel that instead
+            assert self.swap is not None
+            out.swap_in.remove(back)
+            self.swap.restore(req.request_id, self._returning.pop(req.request_id))
+            mode = "swap"
+        elif mode == "swap" and self.swap is not None:
             copy = self.swap.reserve(req.request_id, table, null)
-        if copy is None:
+        if mode == "swap" and back is None and copy is None:
             mode = "recompute"
-        else:
+        elif copy is not None:
             out.swap_out.append(copy)
         self.kv.free(req)
         if mode == "swap":

@@ -139,7 +139,10 @@ def test_a_victim_is_not_swapped_back_in_within_the_step_that_swapped_it_out():
     """Found by the property test: a reserved tenant's admission preempted r1, r1 came
     back, was preempted and came back again in one step — two swap-outs and two swap-ins
     of one request in one SchedulerOutput, which the worker cannot order (it copied stale
-    blocks, then failed). This step's victims now wait for the next step."""
+    blocks, then failed). A request swapped in and preempted again in one step now has
+    its swap-in cancelled and stays swapped. (Keeping this step's victims out of
+    admission instead broke the reservation rule: CI's run found a reserved tenant's
+    victim left waiting while tenants above theirs ran.)"""
     flat = [2] * 15
     _run(
         dict(
