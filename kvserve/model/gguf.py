@@ -77,10 +77,8 @@ def resolve_model(model: str) -> str:
 
 
 def _reader(path: Path):
-    try:
-        import gguf
-    except ImportError:
-        raise GGUFError(f"{path}: loading GGUF needs the gguf package (pip install gguf)") from None
+    import gguf  # a dependency; imported only when a GGUF file is served
+
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # truncated, corrupt, not GGUF at all

@@ -111,12 +111,12 @@ def plan(p: PlanInput, label: str = "") -> Plan:
     per_request = tokens * spec.bytes_per_token
     weight_bytes = shape.num_params * torch.empty((), dtype=parse_dtype(p.dtype)).element_size()
     gpu_mem = p.gpu_memory or find_accelerator(p.gpu).memory_bytes
-    per_gpu = int(gpu_mem * p.gpu_memory_utilization) - weight_bytes // p.tp - p.overhead
+    usable = int(gpu_mem * p.gpu_memory_utilization) - p.overhead  # weights + KV
+    per_gpu = usable - weight_bytes // p.tp
     max_conc = max(0, per_gpu * p.tp // per_request)
     gpus = cdiv(p.concurrency, max_conc) * p.tp if max_conc > 0 else None
     note = None
     if gpus is None:
-        usable = int(gpu_mem * p.gpu_memory_utilization) - p.overhead
         note = (
             f"per GPU, weights {format_size(weight_bytes // p.tp)} + one request's KV "
             f"{format_size(per_request // p.tp)} exceed the usable "
