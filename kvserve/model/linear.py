@@ -4,8 +4,8 @@ At decode sizes (M = the number of running sequences, 1–64) ``F.linear`` on a 
 tensor re-lays out the weight on every call; oneDNN's blocked layout, made once at load
 time, measured 1.3–1.8× faster at M ≤ 64 and ~5 % at prefill sizes on this project's
 benchmark machines (``benchmarks/step_profile.py``; vLLM-CPU prepacks the same way). Every
-row of the output is computed the same way whatever M is (tested), so prepacking keeps the
-batch invariance the sampler's determinism contract relies on.
+row of the output is computed the same way whatever M is (tested for random shapes, M up
+to 2048), which the engine's batch invariance (README, "Determinism") relies on.
 
 ``prepack_linears`` swaps each ``nn.Linear`` of a loaded model for a ``PackedLinear``; it
 applies only to bf16/fp16 weights on a CPU whose oneDNN has native kernels for that dtype,
@@ -64,6 +64,17 @@ class PackedLinear(nn.Module):
         return cls(lin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, in]`` → ``[M, out]``; row i's value does not depend on M.
+
+        oneDNN computes a single row (M = 1) with another kernel whose sum over K runs in
+        another order once K is large (measured from K = 1536); a lone row is therefore
+        computed as two copies of itself (measured as fast as M = 1).
+        """
+        if x.dim() == 2 and x.shape[0] == 1:
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.expand(2, -1).contiguous(), self.packed_weight, self.bias, "none", [], ""
+            )
+            return y[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
