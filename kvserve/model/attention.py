@@ -54,6 +54,10 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [num_decodes] context length incl. new token
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # every sequence of the step (decodes, then prefill chunks), for the paged kernel:
+    seq_block_tables: torch.Tensor | None = None  # [seqs, max_blocks], 0-padded
+    seq_lens: torch.Tensor | None = None  # [seqs] context length after this step
+    query_start: torch.Tensor | None = None  # [seqs + 1] first token row of each sequence
 
 
 class AttentionBackend(Protocol):
@@ -73,14 +77,27 @@ class AttentionBackend(Protocol):
 class TorchPagedAttention:
     """Portable backend (CPU and CUDA) built on ``scaled_dot_product_attention``.
 
+    Not batch-invariant: SDPA's reduction order depends on the shapes of the call.
+
     Decodes are batched: their context is gathered from the cache block by block
     (``index_select`` of whole blocks, several times faster on CPU than gathering
     tokens) into a padded tensor with a validity mask. Prefill chunks run one sequence at
     a time.
     """
 
+    dense_masks = True  # reads ``decode_mask`` and ``PrefillChunk.mask``
+
     def __init__(self, block_size: int):
         self.block_size = block_size
+
+    @staticmethod
+    def write(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
+        """Store the step's new K/V ``[tokens, kv_heads, dim]`` at ``meta.slot_mapping``."""
+        if isinstance(kv_cache, QuantizedKVCache):
+            kv_cache.write(meta.slot_mapping, k, v)
+        else:
+            kv_cache[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+            kv_cache[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
     def _context(
         self, kv_cache: KVCache, which: int, tables: torch.Tensor, dtype: torch.dtype
@@ -104,11 +121,7 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         quantized = isinstance(kv_cache, QuantizedKVCache)
-        if quantized:
-            kv_cache.write(meta.slot_mapping, k, v)
-        else:
-            kv_cache[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-            kv_cache[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        self.write(k, v, kv_cache, meta)
         if not meta.prefills:  # pure decode step: no output buffer to assemble
             return self.decode(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
@@ -152,24 +165,61 @@ class TorchPagedAttention:
         return o.squeeze(2)
 
 
-CPU_KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # instantiated in paged_decode.cpp
+CPU_KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # instantiated in paged_attention.cpp
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes through the C++ kernel that reads K/V in place from the blocks (no copy);
-    16/32-bit, int8 and fp8 caches (scales applied in registers).
+    """Every token of a step, decode or prefill, through one call of the C++ kernel that
+    reads K/V in place from the blocks (no gathered copy, no mask); 16/32-bit, int8 and
+    fp8 caches (scales applied in registers).
 
-    Prefill chunks use the inherited SDPA path. Construct only after
+    Batch-invariant by construction: a row's output depends only on its query, its
+    context's K/V and its position, never on the other rows of the step, on how its prompt
+    was chunked or on whether its context came from the prefix cache (the kernel's
+    determinism rule, ``csrc/paged_attention.cpp``). Needs ``seq_block_tables``,
+    ``seq_lens`` and ``query_start`` in the metadata. Construct only after
     ``load_cpu_kernels()`` returned True, for a head dim in ``CPU_KERNEL_HEAD_DIMS``.
     """
+
+    dense_masks = False  # the model runner need not build masks for this backend
 
     def __init__(self, block_size: int, sliding_window: int | None, sinks: int = 0):
         super().__init__(block_size)
         self.window = sliding_window or 0
         self.sinks = sinks
 
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        self.write(k, v, kv_cache, meta)
+        assert meta.seq_block_tables is not None and meta.seq_lens is not None
+        assert meta.query_start is not None
+        return self._attend(
+            q, kv_cache, meta.seq_block_tables, meta.seq_lens, meta.query_start, scale
+        )
+
     def decode(
         self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """One query row per sequence (the decode fields of ``meta``), ``[B, Hq, D]``."""
+        assert meta.decode_block_tables is not None and meta.decode_lens is not None
+        starts = torch.arange(q.shape[0] + 1, dtype=torch.long)
+        return self._attend(q, kv_cache, meta.decode_block_tables, meta.decode_lens, starts, scale)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        query_start: torch.Tensor,
+        scale: float,
     ) -> torch.Tensor:
         k_scale = v_scale = None
         if isinstance(kv_cache, QuantizedKVCache):
@@ -179,14 +229,13 @@ class CpuPagedAttention(TorchPagedAttention):
         else:
             data = kv_cache
         _, _, h, d = data.shape
-        k = data[0].view(-1, self.block_size, h, d)
-        v = data[1].view(-1, self.block_size, h, d)
-        return torch.ops.kvserve.paged_decode(
+        return torch.ops.kvserve.paged_attention(
             q,
-            k,
-            v,
-            meta.decode_block_tables,
-            meta.decode_lens,
+            data[0].view(-1, self.block_size, h, d),
+            data[1].view(-1, self.block_size, h, d),
+            tables,
+            lens,
+            query_start,
             scale,
             self.window,
             self.sinks,

@@ -69,6 +69,8 @@ class ModelRunner:
         self.sinks = attention_sinks if sliding_window is not None else 0
         self.host_swap: HostSwap | None = None  # with a swap space (the builder sets it)
         self.kv_transfer: KVTransfer | None = None  # with a KV store (the builder sets it)
+        # dense masks for the SDPA backend; the paged kernel reads the sequence fields only
+        self.dense_masks = getattr(model.layers[0].self_attn.backend, "dense_masks", True)
         self.keep_logits = False  # tests set this to inspect raw logits
         self.last_logits: dict[str, torch.Tensor] = {}
         self.prompt_logits: dict[str, list[torch.Tensor]] = {}  # with keep_logits
@@ -96,6 +98,9 @@ class ModelRunner:
         prefill_pos: list[torch.Tensor] = []
         prefill_slots: list[torch.Tensor] = []
         decode_tables: list[list[int]] = []
+        tables: list[list[int]] = []  # every sequence's, decodes first (the batch order)
+        seq_lens: list[int] = []
+        query_start = [0]
         prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
@@ -107,6 +112,9 @@ class ModelRunner:
             table_list = self.kv.block_table(req.request_id)
             tok_start = len(ids)
             ids.extend(req.token_slice(start, start + n))
+            tables.append(table_list)
+            seq_lens.append(start + n)
+            query_start.append(len(ids))
             if n == 1:
                 decode_pos.append(start)
                 decode_slots.append(table_list[start // bs] * bs + start % bs)
@@ -121,7 +129,7 @@ class ModelRunner:
                         tok_start + n,
                         start + n,
                         None if start == 0 else table.to(self.device),
-                        self._prefill_mask(start, n),
+                        self._prefill_mask(start, n) if self.dense_masks else None,
                     )
                 )
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
@@ -138,7 +146,11 @@ class ModelRunner:
             max_position=int(positions.max()),
             num_decodes=len(decode_pos),
         )
-        if decode_pos:
+        if not self.dense_masks:
+            meta.seq_block_tables = self._padded(tables)
+            meta.seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device)
+            meta.query_start = torch.tensor(query_start, dtype=torch.long, device=self.device)
+        elif decode_pos:
             decode_lens = [p + 1 for p in decode_pos]
             meta.decode_block_tables, meta.decode_mask = self._decode_meta(
                 decode_tables, decode_lens
@@ -154,14 +166,17 @@ class ModelRunner:
             prompt_rows,
         )
 
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
+        """``[len(tables), longest]`` int64 block tables, 0-padded, on the device."""
+        width = max(len(t) for t in tables)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
     def _decode_meta(
         self, tables: list[list[int]], lens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        max_blocks = max(len(t) for t in tables)
-        padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
-        for i, t in enumerate(tables):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        max_len = max_blocks * self.block_size
+        padded = self._padded(tables)
+        max_len = padded.shape[1] * self.block_size
         pos = torch.arange(max_len).unsqueeze(0)
         lens_t = torch.tensor(lens).unsqueeze(1)
         mask = pos < lens_t
@@ -169,7 +184,7 @@ class ModelRunner:
             mask &= (pos > (lens_t - 1 - self.window)) | (pos < self.sinks)
         need_mask = self.window is not None or any(n != max_len for n in lens)
         mask_t = mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
-        return padded.to(self.device), mask_t
+        return padded, mask_t
 
     @torch.inference_mode()
     def apply_copies(self, out: SchedulerOutput) -> None:

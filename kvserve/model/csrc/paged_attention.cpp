@@ -1,0 +1,355 @@
+// Paged attention for the CPU, one kernel for decode tokens and prefill chunks alike: each
+// query row attends to its sequence's K/V read in place from the block cache (no gathered
+// copy, no dense mask), float accumulation, GQA-aware (a KV head's rows are converted once
+// for every query head and query row that shares them). Registered as
+// torch.ops.kvserve.paged_attention.
+//
+// Determinism rule (README, "Determinism"): a row's result is a function of its query, its
+// context's K/V and its position only. Its keys are visited in fixed cells of CELL
+// positions (aligned to absolute positions and to block boundaries), cell by cell in
+// position order, each cell folded into an online softmax by one non-inlined routine
+// (`fold`), the same machine code for a decode token, a row of a prefill chunk, a row whose
+// context came from the prefix cache, and whatever else shares the call. Which thread
+// runs a row, which rows share its tile and how many rows the batch has change nothing.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CELL = 16;         // keys per cell (and per online-softmax update)
+constexpr float NEG_BIG = -1e30f;    // finite "minus infinity" (the build uses -ffast-math)
+constexpr int64_t TILE_FLOATS = 4096;  // query rows per work item: this many floats of q
+
+// Quantized caches: int8 has float16 scales per (slot, KV head); fp8 has float32 scales per
+// KV head. Null pointers for a plain cache.
+struct Scales {
+  const c10::Half* k = nullptr;  // per token (int8)
+  const c10::Half* v = nullptr;
+  const float* k_head = nullptr;  // per head (fp8)
+  const float* v_head = nullptr;
+};
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::Float8_e4m3fn* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::Float8_e5m2* p, int64_t i) { return static_cast<float>(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
+inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
+
+// Fold `nt` keys (rows of `kb`, values `vb`, already in float and scaled) into the online
+// softmax state of one query row's G heads: running max `m`, sum `l`, accumulator `acc`.
+// Never inlined: every caller runs exactly this code, so a row's arithmetic cannot depend
+// on the context it was called from.
+template <int D>
+__attribute__((noinline)) void fold(const float* q, int64_t G, const float (*kb)[D],
+                                    const float (*vb)[D], int64_t nt, float* m, float* l,
+                                    float* acc) {
+  float s[CELL];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    for (int64_t t = 0; t < nt; ++t) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * kb[t][d];
+      s[t] = dot;
+    }
+    float bm = m[g];
+    for (int64_t t = 0; t < nt; ++t) bm = std::max(bm, s[t]);
+    const float corr = std::exp(m[g] - bm);
+    float sum = l[g] * corr;
+    for (int64_t t = 0; t < nt; ++t) {
+      s[t] = std::exp(s[t] - bm);
+      sum += s[t];
+    }
+    l[g] = sum;
+    m[g] = bm;
+    float* ag = acc + g * D;
+    // 16 lanes at a time: one accumulator register, a dependency chain over t only
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      float a[16];
+#pragma omp simd
+      for (int64_t i = 0; i < 16; ++i) a[i] = ag[d0 + i] * corr;
+      for (int64_t t = 0; t < nt; ++t) {
+        const float p = s[t];
+#pragma omp simd
+        for (int64_t i = 0; i < 16; ++i) a[i] += p * vb[t][d0 + i];
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < 16; ++i) ag[d0 + i] = a[i];
+    }
+  }
+}
+
+struct Item {  // one sequence's query rows [r0, r1) against one KV head
+  int64_t seq, head, r0, r1, cost;
+};
+
+// A row's visible keys: [0, sink_end) and [start, len), in position order.
+struct Visible {
+  int64_t sink_end, start, len;
+};
+
+inline Visible visible(int64_t len, int64_t window, int64_t sinks) {
+  const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  return {std::min(sinks, start), start, len};
+}
+
+template <int D, typename qt, typename ct>
+void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& tables, const at::Tensor& lens,
+                      const at::Tensor& query_start, at::Tensor& out, double scale,
+                      int64_t window, int64_t sinks, Scales scales) {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  const int64_t S = lens.size(0), Hq = q.size(1);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, MB = tables.size(1);
+  const qt* qp = q.data_ptr<qt>();
+  const ct* kp = k_cache.data_ptr<ct>();
+  const ct* vp = v_cache.data_ptr<ct>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  qt* op = out.data_ptr<qt>();
+  const int64_t row = Hkv * D;  // elements per cache slot
+  const int64_t tile = std::max<int64_t>(1, TILE_FLOATS / (G * D));
+
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = qs[s + 1] - qs[s];
+    for (int64_t r0 = 0; r0 < n; r0 += tile) {
+      const int64_t r1 = std::min(n, r0 + tile);
+      const int64_t keys = std::min(lp[s] - n + r1, window > 0 ? window + sinks : lp[s]);
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, r0, r1, keys * (r1 - r0)});
+    }
+  }
+  // longest first, so the dynamic schedule ends with short items (results do not depend
+  // on the order: every item writes its own rows)
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> qf(tile * G * D), acc(tile * G * D), m(tile * G), l(tile * G);
+    std::vector<Visible> vis(tile);
+    alignas(64) float kb[CELL][D];
+    alignas(64) float vb[CELL][D];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < num_items; ++it) {
+      const Item item = items[it];
+      const int64_t s = item.seq, h = item.head, nr = item.r1 - item.r0;
+      const int64_t n = qs[s + 1] - qs[s], first_pos = lp[s] - n;
+      const float k_head_scale = scales.k_head ? scales.k_head[h] : 1.f;
+      const float v_head_scale = scales.v_head ? scales.v_head[h] : 1.f;
+      int64_t lo = INT64_MAX, hi = 0;
+      for (int64_t r = 0; r < nr; ++r) {
+        vis[r] = visible(first_pos + item.r0 + r + 1, window, sinks);
+        lo = std::min(lo, vis[r].sink_end > 0 ? 0 : vis[r].start);
+        hi = std::max(hi, vis[r].len);
+        const int64_t tok = qs[s] + item.r0 + r;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            qf[(r * G + g) * D + d] =
+                load(qp, (tok * Hq + h * G + g) * D + d) * static_cast<float>(scale);
+      }
+      std::fill(acc.begin(), acc.begin() + nr * G * D, 0.f);
+      std::fill(m.begin(), m.begin() + nr * G, NEG_BIG);
+      std::fill(l.begin(), l.begin() + nr * G, 0.f);
+      for (int64_t c = lo; c < hi;) {
+        // the cell holding position c: fixed boundaries every CELL positions and at blocks
+        const int64_t cell_lo = c - c % CELL;
+        const int64_t cell_hi = std::min(cell_lo + CELL, (c / BS + 1) * BS);
+        const int64_t cell_lo_b = std::max(cell_lo, c / BS * BS);
+        // the part of the cell some row of the tile sees: convert it once for all of them
+        int64_t a = cell_hi, b = cell_lo_b;
+        for (int64_t r = 0; r < nr; ++r) {
+          const Visible& v = vis[r];
+          const int64_t sa = std::max(cell_lo_b, int64_t{0}), sb = std::min(cell_hi, v.sink_end);
+          if (sa < sb) a = std::min(a, sa), b = std::max(b, sb);
+          const int64_t wa = std::max(cell_lo_b, v.start), wb = std::min(cell_hi, v.len);
+          if (wa < wb) a = std::min(a, wa), b = std::max(b, wb);
+        }
+        if (a < b) {
+          const int64_t slot0 = tp[s * MB + a / BS] * BS + a % BS;
+          for (int64_t t = 0; t < b - a; ++t) {
+            const int64_t slot = slot0 + t;
+            const float ks = scales.k ? static_cast<float>(scales.k[slot * Hkv + h]) : k_head_scale;
+            const float vs = scales.v ? static_cast<float>(scales.v[slot * Hkv + h]) : v_head_scale;
+            const ct* ksrc = kp + slot * row + h * D;
+            const ct* vsrc = vp + slot * row + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) kb[t][d] = load(ksrc, d) * ks;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) vb[t][d] = load(vsrc, d) * vs;
+          }
+          for (int64_t r = 0; r < nr; ++r) {
+            const Visible& v = vis[r];
+            float* qr = qf.data() + r * G * D;
+            float* ar = acc.data() + r * G * D;
+            const int64_t sb = std::min(cell_hi, v.sink_end);
+            if (cell_lo_b < sb)  // the sinks' part of the cell, then the window's
+              fold<D>(qr, G, kb + (cell_lo_b - a), vb + (cell_lo_b - a), sb - cell_lo_b,
+                      m.data() + r * G, l.data() + r * G, ar);
+            const int64_t wa = std::max(cell_lo_b, v.start), wb = std::min(cell_hi, v.len);
+            if (wa < wb)
+              fold<D>(qr, G, kb + (wa - a), vb + (wa - a), wb - wa, m.data() + r * G,
+                      l.data() + r * G, ar);
+          }
+        }
+        c = cell_hi;
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t tok = qs[s] + item.r0 + r;
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.f / l[r * G + g];
+          for (int64_t d = 0; d < D; ++d)
+            store(op, (tok * Hq + h * G + g) * D + d, acc[(r * G + g) * D + d] * inv);
+        }
+      }
+    }
+  }
+}
+
+#define KV_ARGS q, k, v, t, l, qs, o, s, w, sk, sc
+#define KV_PARAMS                                                                         \
+  const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &t,    \
+      const at::Tensor &l, const at::Tensor &qs, at::Tensor &o, double s, int64_t w,      \
+      int64_t sk, Scales sc
+
+template <typename qt, typename ct>
+void dispatch_dim(KV_PARAMS) {
+  switch (q.size(2)) {
+    case 16: return attention_kernel<16, qt, ct>(KV_ARGS);
+    case 32: return attention_kernel<32, qt, ct>(KV_ARGS);
+    case 64: return attention_kernel<64, qt, ct>(KV_ARGS);
+    case 80: return attention_kernel<80, qt, ct>(KV_ARGS);
+    case 96: return attention_kernel<96, qt, ct>(KV_ARGS);
+    case 128: return attention_kernel<128, qt, ct>(KV_ARGS);
+    case 256: return attention_kernel<256, qt, ct>(KV_ARGS);
+    default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", q.size(2));
+  }
+}
+
+template <typename qt>
+void dispatch_cache(KV_PARAMS) {
+  switch (k.scalar_type()) {
+    case at::kFloat: return dispatch_dim<qt, float>(KV_ARGS);
+    case at::kBFloat16: return dispatch_dim<qt, c10::BFloat16>(KV_ARGS);
+    case at::kHalf: return dispatch_dim<qt, c10::Half>(KV_ARGS);
+    case at::kChar: return dispatch_dim<qt, int8_t>(KV_ARGS);
+    case at::kFloat8_e4m3fn: return dispatch_dim<qt, c10::Float8_e4m3fn>(KV_ARGS);
+    case at::kFloat8_e5m2: return dispatch_dim<qt, c10::Float8_e5m2>(KV_ARGS);
+    default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", k.scalar_type());
+  }
+}
+
+// q [T, Hq, D]: the query rows of S sequences, sequence s owning rows
+// query_start[s] .. query_start[s+1]-1, which are the last of its lens[s] positions (a
+// decode token is a sequence with one row). Caches [num_blocks, block_size, Hkv, D];
+// tables [S, max_blocks] int64; lens [S] int64 (context length after this step, the rows'
+// own K/V already written); window <= 0 means no window; with a window, the first `sinks`
+// positions are attended as well. An int8 cache comes with float16 scales [slots, kv_heads]
+// per token and head (k_scale, v_scale), an fp8 cache with float32 scales [kv_heads].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& tables,
+                           const at::Tensor& lens, const at::Tensor& query_start, double scale,
+                           int64_t window, int64_t sinks, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "paged_attention: bad rank");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention: CPU only");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads not divisible");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  query_start.scalar_type() == at::kLong,
+              "paged_attention: tables/lens/query_start must be int64");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == lens.size(0) &&
+                  query_start.numel() == lens.size(0) + 1,
+              "paged_attention: tables [S, max_blocks], lens [S], query_start [S + 1]");
+  auto qc = q.contiguous();
+  auto kc = k_cache.contiguous();
+  auto vc = v_cache.contiguous();
+  auto tc = tables.contiguous();
+  auto lc = lens.contiguous();
+  auto qsc = query_start.contiguous();
+  {
+    const int64_t* qs = qsc.data_ptr<int64_t>();
+    const int64_t* lp = lc.data_ptr<int64_t>();
+    const int64_t S = lc.size(0), BS = kc.size(1);
+    TORCH_CHECK(qs[0] == 0 && qs[S] == qc.size(0), "paged_attention: query_start must span q");
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t n = qs[s + 1] - qs[s];
+      TORCH_CHECK(n >= 1 && n <= lp[s], "paged_attention: sequence ", s, " has ", n,
+                  " query rows for context length ", lp[s]);
+      TORCH_CHECK((lp[s] + BS - 1) / BS <= tc.size(1), "paged_attention: sequence ", s,
+                  " needs more blocks than its table has");
+    }
+  }
+  auto out = at::empty_like(qc);
+  Scales scales;
+  at::Tensor ksc, vsc;  // keep contiguous copies alive for the call
+  if (kc.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(),
+                "paged_attention: an int8 cache needs k_scale and v_scale");
+    ksc = k_scale->contiguous();
+    vsc = v_scale->contiguous();
+    TORCH_CHECK(ksc.scalar_type() == at::kHalf && vsc.scalar_type() == at::kHalf,
+                "paged_attention: scales must be float16 [slots, kv_heads]");
+    TORCH_CHECK(ksc.numel() == kc.size(0) * kc.size(1) * kc.size(2) &&
+                vsc.numel() == ksc.numel(), "paged_attention: scale shape mismatch");
+    scales.k = ksc.data_ptr<c10::Half>();
+    scales.v = vsc.data_ptr<c10::Half>();
+  } else if (kc.scalar_type() == at::kFloat8_e4m3fn || kc.scalar_type() == at::kFloat8_e5m2) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(),
+                "paged_attention: an fp8 cache needs k_scale and v_scale");
+    ksc = k_scale->contiguous();
+    vsc = v_scale->contiguous();
+    TORCH_CHECK(ksc.scalar_type() == at::kFloat && vsc.scalar_type() == at::kFloat &&
+                ksc.numel() == kc.size(2) && vsc.numel() == kc.size(2),
+                "paged_attention: fp8 scales must be float32 [kv_heads]");
+    scales.k_head = ksc.data_ptr<float>();
+    scales.v_head = vsc.data_ptr<float>();
+  }
+  switch (qc.scalar_type()) {
+    case at::kFloat:
+      dispatch_cache<float>(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks, scales);
+      break;
+    case at::kBFloat16:
+      dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks, scales);
+      break;
+    case at::kHalf:
+      dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks, scales);
+      break;
+    default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", qc.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
+        "Tensor lens, Tensor query_start, float scale, int window, int sinks=0, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+}

@@ -1,0 +1,170 @@
+"""The paged attention kernel (decode and prefill rows in one call): correct against a
+float32 reference, and batch-invariant bit for bit — a row's output is the same computed
+alone as a decode token, inside a prefill chunk of any split, or beside other sequences."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.model.cpu_kernels import load_cpu_kernels
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _attend(q, k, v, tables, lens, starts, window, sinks, scale, scales=(None, None)):
+    return torch.ops.kvserve.paged_attention(
+        q, k, v, tables, lens, starts, scale, window, sinks, *scales
+    )
+
+
+def _reference(q, k, v, table, ctx, n, bs, window, sinks, scale):
+    """float32 softmax attention of the last ``n`` of ``ctx`` positions, from a block table."""
+    hkv, d = k.shape[2], k.shape[3]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
+    kk = k.reshape(-1, hkv, d)[slots].float()
+    vv = v.reshape(-1, hkv, d)[slots].float()
+    g = q.shape[1] // hkv
+    kk, vv = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)
+    out = torch.empty(n, q.shape[1], d)
+    for j in range(n):
+        p = ctx - n + j
+        keys = torch.arange(ctx)
+        ok = keys <= p
+        if window:
+            ok &= (keys > p - window) | (keys < sinks)
+        s = torch.einsum("hd,thd->ht", q[j].float(), kk) * scale
+        s = s.masked_fill(~ok, -math.inf).softmax(-1)
+        out[j] = torch.einsum("ht,thd->hd", s, vv)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(DTYPES)),
+    bs=st.sampled_from([8, 16, 32]),
+    heads=st.sampled_from([(4, 4), (6, 2), (9, 3), (3, 1)]),
+    d=st.sampled_from([32, 64]),
+    window=st.sampled_from([(0, 0), (7, 0), (20, 4), (33, 17)]),
+    seqs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 89)), min_size=1, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_are_invariant_and_correct(dtype, bs, heads, d, window, seqs, seed):
+    assert load_cpu_kernels()
+    dt = DTYPES[dtype]
+    hq, hkv = heads
+    win, sinks = window
+    g = torch.Generator().manual_seed(seed)
+    # (context length, rows): the rows are the last ones of the context
+    seqs = [(ctx, 1 + r % ctx) for ctx, r in seqs]
+    max_blocks = -(-max(c for c, _ in seqs) // bs)
+    num_blocks = max_blocks * len(seqs) + 3
+    k = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dt)
+    v = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dt)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = perm[: max_blocks * len(seqs)].view(len(seqs), max_blocks).contiguous()
+    lens = torch.tensor([c for c, _ in seqs])
+    starts = torch.tensor([0, *torch.tensor([n for _, n in seqs]).cumsum(0).tolist()])
+    q = torch.randn(int(starts[-1]), hq, d, generator=g).to(dt)
+    scale = d**-0.5
+    out = _attend(q, k, v, tables, lens, starts, win, sinks, scale)
+    tol = 2e-5 if dt == torch.float32 else 3e-2
+    for s, (ctx, n) in enumerate(seqs):
+        rows = out[starts[s] : starts[s + 1]]
+        ref = _reference(
+            q[starts[s] : starts[s + 1]], k, v, tables[s].tolist(), ctx, n, bs, win, sinks, scale
+        )
+        assert (rows.float() - ref).abs().max().item() < tol
+        table = tables[s : s + 1]
+        for j in {0, n // 2, n - 1}:  # the row alone, as a decode token
+            alone = _attend(
+                q[starts[s] + j : starts[s] + j + 1],
+                k,
+                v,
+                table,
+                torch.tensor([ctx - n + j + 1]),
+                torch.tensor([0, 1]),
+                win,
+                sinks,
+                scale,
+            )
+            assert torch.equal(alone[0], rows[j]), (s, j)
+        if n > 1:  # the same rows as two chunks of a chunked prefill
+            cut = n // 2
+            first = _attend(
+                q[starts[s] : starts[s] + cut],
+                k,
+                v,
+                table,
+                torch.tensor([ctx - n + cut]),
+                torch.tensor([0, cut]),
+                win,
+                sinks,
+                scale,
+            )
+            second = _attend(
+                q[starts[s] + cut : starts[s + 1]],
+                k,
+                v,
+                table,
+                torch.tensor([ctx]),
+                torch.tensor([0, n - cut]),
+                win,
+                sinks,
+                scale,
+            )
+            assert torch.equal(torch.cat([first, second]), rows)
+
+
+@settings(max_examples=8, deadline=None)
+@given(fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2"]), seed=st.integers(0, 2**16))
+def test_quantized_cache_rows_are_invariant_and_match_dequantized(fmt, seed):
+    """8-bit K/V read in place (scales in registers) equal the dequantized cache's result
+    and stay invariant."""
+    assert load_cpu_kernels()
+    from kvserve.kv.quant import QuantizedKVCache, kv_format
+
+    g = torch.Generator().manual_seed(seed)
+    bs, nb, hq, hkv, d = 16, 12, 6, 2, 64
+    cache = QuantizedKVCache(kv_format(fmt, torch.float32), nb * bs, hkv, d, torch.device("cpu"))
+    if fmt != "int8":
+        cache.set_head_scales(torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.5]))
+    slots = torch.arange(nb * bs)
+    cache.write(
+        slots,
+        torch.randn(len(slots), hkv, d, generator=g) * 3,
+        torch.randn(len(slots), hkv, d, generator=g),
+    )
+    kq = cache.data[0].view(nb, bs, hkv, d)
+    vq = cache.data[1].view(nb, bs, hkv, d)
+    scales = (cache.scale[0], cache.scale[1])
+    kf = cache.read_slots(0, slots, torch.float32).view(nb, bs, hkv, d)
+    vf = cache.read_slots(1, slots, torch.float32).view(nb, bs, hkv, d)
+    tables = torch.randperm(nb, generator=g)[:12].view(2, 6).contiguous()
+    lens, starts = torch.tensor([70, 41]), torch.tensor([0, 30, 31])
+    q = torch.randn(31, hq, d, generator=g)
+    got = _attend(q, kq, vq, tables, lens, starts, 0, 0, 0.125, scales)
+    want = _attend(q, kf, vf, tables, lens, starts, 0, 0, 0.125)
+    assert (got - want).abs().max().item() < 1e-4
+    alone = _attend(
+        q[29:30], kq, vq, tables[:1], torch.tensor([70]), torch.tensor([0, 1]), 0, 0, 0.125, scales
+    )
+    assert torch.equal(alone[0], got[29])
+
+
+def test_bad_metadata_is_refused():
+    assert load_cpu_kernels()
+    k = torch.zeros(2, 16, 1, 32)
+    q = torch.zeros(3, 1, 32)
+    tables = torch.zeros(1, 2, dtype=torch.long)
+    import pytest
+
+    with pytest.raises(RuntimeError, match="query rows"):  # 3 rows for a context of 2
+        _attend(q, k, k, tables, torch.tensor([2]), torch.tensor([0, 3]), 0, 0, 1.0)
+    with pytest.raises(RuntimeError, match="more blocks"):
+        _attend(q, k, k, tables, torch.tensor([40]), torch.tensor([0, 3]), 0, 0, 1.0)
+    with pytest.raises(RuntimeError, match="span"):
+        _attend(q, k, k, tables, torch.tensor([20]), torch.tensor([0, 2]), 0, 0, 1.0)
