@@ -68,6 +68,7 @@ def cluster(
         args = (
             "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--cluster", url,
             "--kv-store", url, "--cluster-secret", SECRET, "--replicate-every", "16",
+            "--dtype", "bfloat16",  # the serving default: exactness must hold in bf16
             *worker_args,
         )  # fmt: skip
         try:

@@ -32,6 +32,7 @@ def cluster(llama_dir, tmp_path):
         args = (
             "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--cluster", url,
             "--kv-store", url, "--cluster-secret", SECRET, "--replicate-every", "16",
+            "--dtype", "bfloat16",  # the serving default: exactness must hold in bf16
         )  # fmt: skip
         workers = {
             n: ServerProcess(llama_dir, *args, "--node-id", n, log=tmp / f"{n}.log")
