@@ -160,9 +160,14 @@ def run_vllm(a: argparse.Namespace) -> dict:
 def run_worker(name: str, a: argparse.Namespace) -> dict:
     if name == "vllm":
         return run_vllm(a)
+    env = dict(os.environ)
+    if name == "baseline":  # kvserve from another checkout (a git worktree of an older commit)
+        if not a.baseline:
+            raise SystemExit("engine 'baseline' needs --baseline PATH")
+        env["PYTHONPATH"] = str(Path(a.baseline).resolve())
+        name = "kvserve"
     cmd = [sys.executable, __file__, "--worker", name, "--model-dir", str(a.model_dir)]
     cmd += [*_workload_flags(a), "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-    env = dict(os.environ)
     tcmalloc = None if a.no_tcmalloc else find_tcmalloc()
     if tcmalloc:  # the same allocator vLLM's runs get (peer_vllm.py preloads it)
         env["LD_PRELOAD"] = f"{tcmalloc} {env.get('LD_PRELOAD', '')}".strip()
@@ -221,7 +226,12 @@ def _cpu_name() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--worker", choices=["kvserve", "hf"])
-    p.add_argument("--engines", default="kvserve,vllm,hf")
+    p.add_argument("--engines", default="kvserve,vllm,hf", help="of kvserve, baseline, vllm, hf")
+    p.add_argument(
+        "--baseline",
+        help="a kvserve checkout (e.g. `git worktree add /tmp/old REF`) run as engine "
+        "'baseline', interleaved with this tree's",
+    )
     p.add_argument("--model-dir", type=Path, default=HERE / ".models" / "smol-bench")
     p.add_argument(
         "--real",
@@ -295,6 +305,11 @@ def main() -> None:
     if "kvserve" in summary and "vllm" in summary:
         ratio = summary["kvserve"]["median_output_tok_s"] / summary["vllm"]["median_output_tok_s"]
         print(f"kvserve / vLLM-CPU = {ratio:.2f}x")
+    if "kvserve" in summary and "baseline" in summary:
+        ratio = (
+            summary["kvserve"]["median_output_tok_s"] / summary["baseline"]["median_output_tok_s"]
+        )
+        print(f"kvserve / baseline ({a.baseline}) = {ratio:.2f}x")
     print(json.dumps(roof, indent=2))
 
 

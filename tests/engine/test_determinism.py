@@ -1,8 +1,9 @@
 """Deterministic by construction in bfloat16 (the serving default): 32 seeded sampled
 requests give identical tokens whether they run one by one, 4 or 32 at a time, with a
 64-token step budget (chunked prefill) or the default 2048, with the prefix cache cold or
-warm, and when forced through recompute and swap preemption. Both the bundled model and the
-real SmolLM2-135M-Instruct checkpoint; the reference is always the one-by-one run."""
+warm, with prefixes restored from the KV store, and when forced through recompute and swap
+preemption. Both the bundled model and the real SmolLM2-135M-Instruct checkpoint; the
+reference is always the one-by-one run."""
 
 from __future__ import annotations
 
@@ -100,4 +101,17 @@ def test_preemption_does_not_change_the_text(model, reference, mode):
     got = _generate(engine, _prompts(model), N)
     assert engine.scheduler.num_preemptions > 0
     assert {m for (m, _, _) in engine.scheduler.preemptions} == {mode}
+    assert _differ(got, reference) == []
+
+
+def test_prefixes_restored_from_the_kv_store_do_not_change_the_text(model, reference, tmp_path):
+    """A restarted engine takes the shared prefixes from the file tier, not its own pool."""
+    store = (f"file://{tmp_path}?capacity=256MiB",)
+    first = _engine(model, kv_store=store)
+    _generate(first, _prompts(model), N)
+    first.close()
+    second = _engine(model, kv_store=store)
+    got = _generate(second, _prompts(model), N)
+    second.close()
+    assert second.offloader.num_loaded_blocks >= 4 * 3
     assert _differ(got, reference) == []

@@ -148,14 +148,20 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t num_items = static_cast<int64_t>(items.size());
+  // A thread takes all KV heads of a (sequence, tile) together when there are enough of
+  // them: the heads share cache lines (slot rows are [Hkv, D]), so splitting a sequence's
+  // heads over cores makes every core fetch every line (measured: decode ~5 % slower
+  // from DRAM). The sort keeps each group's Hkv items adjacent and aligned.
+  const int threads = at::get_num_threads();
+  const int chunk = num_items / Hkv >= threads ? static_cast<int>(Hkv) : 1;
 
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(threads)
   {
     std::vector<float> qf(tile * G * D), acc(tile * G * D), m(tile * G), l(tile * G);
     std::vector<Visible> vis(tile);
     alignas(64) float kb[CELL][D];
     alignas(64) float vb[CELL][D];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item item = items[it];
       const int64_t s = item.seq, h = item.head, nr = item.r1 - item.r0;
