@@ -1,17 +1,19 @@
 """Deterministic by construction in bfloat16 (the serving default): 32 seeded sampled
 requests give identical tokens whether they run one by one, 4 or 32 at a time, with a
 64-token step budget (chunked prefill) or the default 2048, with the prefix cache cold or
-warm, with prefixes restored from the KV store, and when forced through recompute and swap
-preemption. Both the bundled model and the real SmolLM2-135M-Instruct checkpoint; the
-reference is always the one-by-one run."""
+warm, with prefixes restored from the KV store (file tier, Redis), and when forced through
+recompute and swap preemption. Both the bundled model and the real SmolLM2-135M-Instruct
+checkpoint; the reference is always the one-by-one run."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import make_engine, run_to_end
+from redis_proc import redis_server
 
 from kvserve.default_model import DEFAULT_MODEL_DIR
 from kvserve.model.gguf import convert
@@ -104,14 +106,23 @@ def test_preemption_does_not_change_the_text(model, reference, mode):
     assert _differ(got, reference) == []
 
 
-def test_prefixes_restored_from_the_kv_store_do_not_change_the_text(model, reference, tmp_path):
-    """A restarted engine takes the shared prefixes from the file tier, not its own pool."""
-    store = (f"file://{tmp_path}?capacity=256MiB",)
-    first = _engine(model, kv_store=store)
-    _generate(first, _prompts(model), N)
-    first.close()
-    second = _engine(model, kv_store=store)
-    got = _generate(second, _prompts(model), N)
-    second.close()
+@pytest.mark.parametrize("tier", ["file", "redis"])
+def test_prefixes_restored_from_the_kv_store_do_not_change_the_text(
+    model, reference, tmp_path, tier
+):
+    """A restarted engine takes the shared prefixes from the store (a file tier, a real
+    ``redis-server``), not from its own pool."""
+    with contextlib.ExitStack() as stack:
+        if tier == "file":
+            url = f"file://{tmp_path}?capacity=256MiB"
+        else:
+            server = stack.enter_context(redis_server(tmp_path))
+            url = f"redis://127.0.0.1:{server.port}/0"
+        first = _engine(model, kv_store=(url,))
+        _generate(first, _prompts(model), N)
+        first.close()
+        second = _engine(model, kv_store=(url,))
+        got = _generate(second, _prompts(model), N)
+        second.close()
     assert second.offloader.num_loaded_blocks >= 4 * 3
     assert _differ(got, reference) == []
