@@ -53,7 +53,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], 0-padded
     decode_lens: torch.Tensor | None = None  # [num_decodes] context length incl. new token
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)  # SDPA backend only
     # every sequence of the step (decodes, then prefill chunks), for the paged kernel:
     seq_block_tables: torch.Tensor | None = None  # [seqs, max_blocks], 0-padded
     seq_lens: torch.Tensor | None = None  # [seqs] context length after this step

@@ -97,7 +97,6 @@ class ModelRunner:
         decode_slots: list[int] = []
         prefill_pos: list[torch.Tensor] = []
         prefill_slots: list[torch.Tensor] = []
-        decode_tables: list[list[int]] = []
         tables: list[list[int]] = []  # every sequence's, decodes first (the batch order)
         seq_lens: list[int] = []
         query_start = [0]
@@ -118,20 +117,20 @@ class ModelRunner:
             if n == 1:
                 decode_pos.append(start)
                 decode_slots.append(table_list[start // bs] * bs + start % bs)
-                decode_tables.append(table_list)
             else:
                 table = torch.tensor(table_list, dtype=torch.long)
                 prefill_pos.append(torch.arange(start, start + n))
                 prefill_slots.append(self._slots(table, start, start + n))
-                prefills.append(
-                    PrefillChunk(
-                        tok_start,
-                        tok_start + n,
-                        start + n,
-                        None if start == 0 else table.to(self.device),
-                        self._prefill_mask(start, n) if self.dense_masks else None,
+                if self.dense_masks:  # the SDPA backend's per-chunk description
+                    prefills.append(
+                        PrefillChunk(
+                            tok_start,
+                            tok_start + n,
+                            start + n,
+                            None if start == 0 else table.to(self.device),
+                            self._prefill_mask(start, n),
+                        )
                     )
-                )
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 last = min(start + n, req.num_prompt_tokens - 1)
                 prompt_rows.append((req, tok_start, req.prompt_token_ids[start + 1 : last + 1]))
@@ -153,7 +152,7 @@ class ModelRunner:
         elif decode_pos:
             decode_lens = [p + 1 for p in decode_pos]
             meta.decode_block_tables, meta.decode_mask = self._decode_meta(
-                decode_tables, decode_lens
+                tables[: len(decode_pos)], decode_lens
             )
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
         meta.prefills = prefills
