@@ -191,8 +191,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         int64_t a = cell_hi, b = cell_lo_b;
         for (int64_t r = 0; r < nr; ++r) {
           const Visible& v = vis[r];
-          const int64_t sa = std::max(cell_lo_b, int64_t{0}), sb = std::min(cell_hi, v.sink_end);
-          if (sa < sb) a = std::min(a, sa), b = std::max(b, sb);
+          const int64_t sb = std::min(cell_hi, v.sink_end);
+          if (cell_lo_b < sb) a = std::min(a, cell_lo_b), b = std::max(b, sb);
           const int64_t wa = std::max(cell_lo_b, v.start), wb = std::min(cell_hi, v.len);
           if (wa < wb) a = std::min(a, wa), b = std::max(b, wb);
         }
