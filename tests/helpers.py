@@ -82,3 +82,21 @@ def run_counting(engine: LLMEngine, prompt: list[int], rid: str = "r", max_token
     engine.scheduler.schedule = schedule
     engine.check_integrity()
     return done[rid], req.num_cached_tokens, computed[0]
+
+
+def filled_quantized_cache(fmt: str, num_slots: int, g: torch.Generator):
+    """A ``QuantizedKVCache`` (2 KV heads, head dim 64) of format ``fmt`` with every slot
+    written from random K (×3) and V; fp8 formats get per-head scales first."""
+    from kvserve.kv.quant import QuantizedKVCache, kv_format
+
+    hkv, d = 2, 64
+    cache = QuantizedKVCache(kv_format(fmt, torch.float32), num_slots, hkv, d, torch.device("cpu"))
+    if fmt != "int8":
+        cache.set_head_scales(torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.5]))
+    slots = torch.arange(num_slots)
+    cache.write(
+        slots,
+        torch.randn(num_slots, hkv, d, generator=g) * 3,
+        torch.randn(num_slots, hkv, d, generator=g),
+    )
+    return cache

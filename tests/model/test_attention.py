@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import filled_quantized_cache
 
 from kvserve.model.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from kvserve.model.cpu_kernels import load_cpu_kernels
@@ -97,21 +98,9 @@ def test_decode_kernel_reads_quantized_cache_like_the_dequantizing_path(fmt, win
     """int8 (per-token scales) and fp8 (per-head scales) K/V: the kernel, applying the
     scales in registers, matches gather + dequantize + SDPA."""
     assert load_cpu_kernels()
-    from kvserve.kv.quant import QuantizedKVCache, kv_format
-
     g = torch.Generator().manual_seed(1)
-    num_blocks, hq, hkv, d = 16, 6, 2, 64
-    cache = QuantizedKVCache(
-        kv_format(fmt, torch.float32), num_blocks * BS, hkv, d, torch.device("cpu")
-    )
-    if fmt != "int8":
-        cache.set_head_scales(torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.5]))
-    slots = torch.arange(num_blocks * BS)
-    cache.write(
-        slots,
-        torch.randn(len(slots), hkv, d, generator=g) * 3,
-        torch.randn(len(slots), hkv, d, generator=g),
-    )
+    num_blocks, hq, d = 16, 6, 64
+    cache = filled_quantized_cache(fmt, num_blocks * BS, g)
     lens = [1, 17, 40, 64]
     tables = torch.randperm(num_blocks, generator=g)[:16].view(4, 4)
     q = torch.randn(len(lens), hq, d, generator=g)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+from helpers import filled_quantized_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,19 +126,10 @@ def test_quantized_cache_rows_are_invariant_and_match_dequantized(fmt, seed):
     """8-bit K/V read in place (scales in registers) equal the dequantized cache's result
     and stay invariant."""
     assert load_cpu_kernels()
-    from kvserve.kv.quant import QuantizedKVCache, kv_format
-
     g = torch.Generator().manual_seed(seed)
     bs, nb, hq, hkv, d = 16, 12, 6, 2, 64
-    cache = QuantizedKVCache(kv_format(fmt, torch.float32), nb * bs, hkv, d, torch.device("cpu"))
-    if fmt != "int8":
-        cache.set_head_scales(torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.5]))
+    cache = filled_quantized_cache(fmt, nb * bs, g)
     slots = torch.arange(nb * bs)
-    cache.write(
-        slots,
-        torch.randn(len(slots), hkv, d, generator=g) * 3,
-        torch.randn(len(slots), hkv, d, generator=g),
-    )
     kq = cache.data[0].view(nb, bs, hkv, d)
     vq = cache.data[1].view(nb, bs, hkv, d)
     scales = (cache.scale[0], cache.scale[1])
