@@ -196,9 +196,9 @@ def worker_crossover(a: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             out = swap.reserve(req.request_id, table, null)
             assert out is not None
-            engine.runner.apply_copies(SchedulerOutput(swap_out=[out]))
+            engine.runner.step(SchedulerOutput(swap_out=[out]))
             back = swap.release(req.request_id, out.blocks, 0)
-            engine.runner.apply_copies(SchedulerOutput(swap_in=[back]))
+            engine.runner.step(SchedulerOutput(swap_in=[back]))
             times.append(time.perf_counter() - t0)
         engine.abort_request(req.request_id)
         if i >= 2:

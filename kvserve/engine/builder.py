@@ -40,6 +40,7 @@ from kvserve.planner.usage import UsageRecorder
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
 from kvserve.utils import cdiv, format_size, resolve_device
+from kvserve.worker.inputs import InputBuilder
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
 from kvserve.worker.swap import HostSwap
@@ -124,13 +125,12 @@ class EngineBuilder:
                 f"the KV cache holds {self.kv.capacity_tokens} tokens, fewer than max_model_len "
                 f"{self.max_model_len}; raise kv_cache_memory or lower max_model_len"
             )
+        dense = getattr(backend, "dense_masks", True)
         self.runner = ModelRunner(
             self.model,
             self._allocate_kv(num_blocks),
-            self.kv,
             self.device,
-            self.window,
-            self.attention_sinks,
+            InputBuilder(self.kv, self.device, self.window, self.attention_sinks, dense),
         )
         self.cost_model = PreemptionCostModel(self.kv_spec.bytes_per_token)
         self.cost_model.calibrate_copy(self.device)

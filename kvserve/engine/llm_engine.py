@@ -171,12 +171,12 @@ class LLMEngine:
         outputs = self._drop_fenced()
         sched = self.scheduler.schedule()
         self._observe_usage()
-        if sched.has_copies:  # swaps, loads first: the batch may reuse a victim's blocks
-            self.runner.apply_copies(sched)
-        if not sched.is_empty:
+        if sched.has_copies or not sched.is_empty:  # copies first, then the batch
             t1 = time.perf_counter()
-            result = self.runner.run(sched.scheduled)
+            result = self.runner.step(sched)
             self.forward_seconds += (dt := time.perf_counter() - t1)
+        if not sched.is_empty:
+            assert result is not None
             chunks = [(s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
             self.cost_model.observe_step(sched.num_tokens, attention_pairs(chunks), dt)
             outputs += self._update(sched.scheduled, result)
@@ -279,7 +279,7 @@ class LLMEngine:
         self.kv.check_integrity()
         if self.swap is not None:
             self.swap.check_integrity()
-            held = self.runner.host_swap.held() - set(self.scheduler.pending_drops)
+            held = self.runner.swap_held() - set(self.scheduler.pending_drops)
             if held != self.swap.held():  # right after a step the worker holds the same
                 raise AssertionError(f"host copies {held} != swapped {self.swap.held()}")
         live = {r.request_id for r in self.scheduler.running + self.scheduler.loading}

@@ -178,7 +178,7 @@ def test_swap_in_shares_a_prefix_still_in_the_pool_instead_of_copying_it(llama_d
     assert engine.kv.block_table("r1")[:4] == engine.kv.block_table("r0")[:4]
     out = SchedulerOutput()
     engine.scheduler._preempt(b, "pool", out, {})
-    engine.runner.apply_copies(out)  # what the step that preempted B would have done
+    engine.runner.step(out)  # what the step that preempted B would have done
     assert b.status is RequestStatus.SWAPPED and engine.swap.used_blocks == 6
     used_before = engine.kv.pool.num_used
     engine.step()  # B comes back

@@ -1,0 +1,241 @@
+"""One step's model inputs as plain data, built on the engine's side of the worker door.
+
+``InputBuilder.build`` turns a scheduled batch (requests and their KV block tables) into a
+``StepInputs``: token ids, positions, attention metadata and which hidden rows need
+logits, with every per-request detail the sampler needs as plain values (request ids,
+``SampleRow``s, prompt-logprob targets). Nothing in it refers to a ``Request``, so it can
+be pickled to tensor-parallel ranks in other processes; ``WorkerStep`` is what a rank
+executes in one step (its swap lists, then the forward pass).
+
+Batch token order: every request with exactly one new token (decodes) first, then the
+prefill chunks. A request is sampled when its chunk reaches the end of its known tokens;
+a partial prefill chunk samples nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.offload import KVLoad
+from kvserve.kv.swap import SwapIn, SwapOut
+from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.request import Request
+from kvserve.sampling import SampleRow
+from kvserve.sched.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class PromptRows:
+    """Prompt logprobs of one request: logits rows ``offset`` … ``offset+len(targets)-1``
+    of the step's ``logit_rows`` score ``targets``, with the top ``num_logprobs``."""
+
+    request_id: str
+    offset: int
+    targets: list[int]
+    num_logprobs: int
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs for one forward pass and its sampling."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # hidden rows that need logits: prompt rows, then sampled rows
+    prompt: list[PromptRows]
+    sampled: list[str]  # request ids of the last len(sampled) logit rows
+    rows: list[SampleRow]  # the sampler's view of each of them
+
+    def to(self, device: torch.device) -> StepInputs:
+        """A copy with every tensor on ``device`` (itself when already there)."""
+        if self.input_ids.device == device:
+            return self
+        meta = self.meta
+        moved = {
+            f.name: getattr(meta, f.name).to(device)
+            for f in dataclasses.fields(meta)
+            if isinstance(getattr(meta, f.name), torch.Tensor)
+        }
+        prefills = [
+            dataclasses.replace(
+                p,
+                block_table=None if p.block_table is None else p.block_table.to(device),
+                mask=None if p.mask is None else p.mask.to(device),
+            )
+            for p in meta.prefills
+        ]
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            positions=self.positions.to(device),
+            meta=dataclasses.replace(meta, prefills=prefills, **moved),
+        )
+
+
+@dataclass
+class WorkerStep:
+    """One step for a worker: drop, swap out, swap in, load from the store (the field
+    names of ``SchedulerOutput``'s copy lists), then run ``inputs`` when not None."""
+
+    swap_out: list[SwapOut] = field(default_factory=list)
+    swap_in: list[SwapIn] = field(default_factory=list)
+    swap_drop: list[str] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    inputs: StepInputs | None = None
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.swap_drop or self.kv_loads)
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, inputs: StepInputs | None) -> WorkerStep:
+        return cls(out.swap_out, out.swap_in, out.swap_drop, out.kv_loads, inputs)
+
+
+class InputBuilder:
+    """Builds ``StepInputs`` from the KV manager's block tables (engine side)."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        device: torch.device,
+        sliding_window: int | None,
+        attention_sinks: int,
+        dense_masks: bool,
+    ):
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        self.window = sliding_window
+        self.sinks = attention_sinks if sliding_window is not None else 0
+        # dense masks for the SDPA backend; the paged kernel reads the sequence fields only
+        self.dense_masks = dense_masks
+
+    def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prefill_mask(self, computed: int, n: int) -> torch.Tensor | None:
+        if computed == 0 and self.window is None:
+            return None
+        q_pos = torch.arange(computed, computed + n).unsqueeze(1)
+        k_pos = torch.arange(computed + n).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if self.window is not None:
+            mask &= (k_pos > q_pos - self.window) | (k_pos < self.sinks)
+        return mask.view(1, 1, n, computed + n).to(self.device)
+
+    def build(self, batch: list[ScheduledRequest]) -> StepInputs:
+        """Inputs for ``batch`` (any order; decodes are put first)."""
+        batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)
+        ids: list[int] = []
+        decode_pos: list[int] = []
+        decode_slots: list[int] = []
+        prefill_pos: list[torch.Tensor] = []
+        prefill_slots: list[torch.Tensor] = []
+        tables: list[list[int]] = []  # every sequence's, decodes first (the batch order)
+        seq_lens: list[int] = []
+        query_start = [0]
+        prefills: list[PrefillChunk] = []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        prompt_rows: list[int] = []
+        prompt: list[PromptRows] = []
+        bs = self.block_size
+        for s in batch:
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            table_list = self.kv.block_table(req.request_id)
+            tok_start = len(ids)
+            ids.extend(req.token_slice(start, start + n))
+            tables.append(table_list)
+            seq_lens.append(start + n)
+            query_start.append(len(ids))
+            if n == 1:
+                decode_pos.append(start)
+                decode_slots.append(table_list[start // bs] * bs + start % bs)
+            else:
+                table = torch.tensor(table_list, dtype=torch.long)
+                prefill_pos.append(torch.arange(start, start + n))
+                prefill_slots.append(self._slots(table, start, start + n))
+                if self.dense_masks:  # the SDPA backend's per-chunk description
+                    prefills.append(
+                        PrefillChunk(
+                            tok_start,
+                            tok_start + n,
+                            start + n,
+                            None if start == 0 else table.to(self.device),
+                            self._prefill_mask(start, n),
+                        )
+                    )
+            k = req.params.prompt_logprobs
+            if k is not None and start < req.num_prompt_tokens - 1:
+                last = min(start + n, req.num_prompt_tokens - 1)
+                targets = req.prompt_token_ids[start + 1 : last + 1]
+                prompt.append(PromptRows(req.request_id, len(prompt_rows), targets, k))
+                prompt_rows.extend(range(tok_start, tok_start + len(targets)))
+            if start + n == req.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(req)
+        positions = torch.cat([torch.tensor(decode_pos, dtype=torch.long), *prefill_pos])
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(
+                [torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]
+            ).to(self.device),
+            max_position=int(positions.max()),
+            num_decodes=len(decode_pos),
+        )
+        if not self.dense_masks:
+            meta.seq_block_tables = self._padded(tables)
+            meta.seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device)
+            meta.query_start = torch.tensor(query_start, dtype=torch.long, device=self.device)
+        elif decode_pos:
+            decode_lens = [p + 1 for p in decode_pos]
+            meta.decode_block_tables, meta.decode_mask = self._decode_meta(
+                tables[: len(decode_pos)], decode_lens
+            )
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        meta.prefills = prefills
+        return StepInputs(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions.to(self.device),
+            meta,
+            torch.tensor(prompt_rows + sample_rows, dtype=torch.long, device=self.device),
+            prompt,
+            [r.request_id for r in sampled],
+            [self._row(r) for r in sampled],
+        )
+
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
+        """``[len(tables), longest]`` int64 block tables, 0-padded, on the device."""
+        width = max(len(t) for t in tables)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _decode_meta(
+        self, tables: list[list[int]], lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        padded = self._padded(tables)
+        max_len = padded.shape[1] * self.block_size
+        pos = torch.arange(max_len).unsqueeze(0)
+        lens_t = torch.tensor(lens).unsqueeze(1)
+        mask = pos < lens_t
+        if self.window is not None:
+            mask &= (pos > (lens_t - 1 - self.window)) | (pos < self.sinks)
+        need_mask = self.window is not None or any(n != max_len for n in lens)
+        mask_t = mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
+        return padded, mask_t
+
+    @staticmethod
+    def _row(req: Request) -> SampleRow:
+        params = req.params
+        suppress: tuple[int, ...] = ()
+        if len(req.output_token_ids) < params.min_tokens:
+            eos = () if params.ignore_eos else req.eos_token_ids
+            suppress = tuple(set(eos) | set(params.stop_token_ids or ()))
+        return SampleRow(params, req.seed, req.num_tokens, suppress)
