@@ -3,6 +3,11 @@
 Differences between the families are flags on ``ModelSpec``: QKV bias (Qwen2), q/k RMSNorm
 per head (Qwen3), sliding window (Mistral, handled by the attention metadata), tied
 embeddings. Q/K/V and gate/up projections are fused at load time.
+
+Under tensor parallelism (a ``TPGroup``, ``worker.parallel``) each rank builds the modules
+of its ``ShardPlan``'s sizes: its heads, its intermediate slice, its vocabulary rows; the
+O and down projections' partial sums and the embedding are all-reduced, the logits
+gathered on rank 0 (``compute_logits`` returns None on the other ranks).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.ops import TorchOps
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.model.spec import ModelSpec
+from kvserve.worker.parallel import ShardPlan, TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +41,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps):
+    def __init__(
+        self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps, tp: TPGroup | None
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
@@ -53,6 +61,7 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.backend = backend
         self.ops = ops
+        self.tp = tp
 
     def forward(
         self,
@@ -71,30 +80,35 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rope(positions, q, k, *rope)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps):
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
         super().__init__()
         self.inter = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
         self.ops = ops
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; carries the residual stream separately so adds fuse into norms."""
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps):
+    def __init__(
+        self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps, tp: TPGroup | None
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.self_attn = Attention(spec, backend, ops)
+        self.self_attn = Attention(spec, backend, ops, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.mlp = MLP(spec, ops)
+        self.mlp = MLP(spec, ops, tp)
 
     def forward(
         self,
@@ -127,21 +141,35 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder stack plus LM head. ``forward`` returns final hidden states ``[T, H]``."""
+    """The decoder stack plus LM head. ``forward`` returns final hidden states ``[T, H]``.
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps | None = None):
+    ``spec`` is the whole model's; with ``tp`` the modules have the sizes of
+    ``tp.plan`` (``plan.local_spec``) and the checkpoint is read through ``plan.read``.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        ops: TorchOps | None = None,
+        tp: TPGroup | None = None,
+    ):
         super().__init__()
         ops = ops or TorchOps()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.tp = tp
+        self.plan = tp.plan if tp is not None else ShardPlan.single(spec)
+        local = self.plan.local_spec(spec)
+        self.local_spec = local
+        self.embed_tokens = nn.Embedding(self.plan.vocab_shard, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, backend, ops) for _ in range(spec.num_layers)
+            DecoderLayer(local, backend, ops, tp) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.lm_head = (
             None
             if spec.tie_word_embeddings
-            else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            else nn.Linear(spec.hidden_size, self.plan.vocab_shard, bias=False)
         )
         self.rope: RotaryEmbedding | None = None
         # a packed copy of the tied embeddings for the LM head (``model.linear``)
@@ -158,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         assert self.rope is not None, "init_rope() must be called before forward()"
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         tables = self.rope.tables(x.dtype, meta.max_position)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
@@ -166,12 +194,29 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None
         return self.norm.add_forward(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(ids)
+        start, n = self.plan.vocab_start, self.plan.vocab_shard
+        local = ids - start
+        mine = (local >= 0) & (local < n)
+        x = self.embed_tokens(local.clamp(0, n - 1))
+        x.mul_(mine.unsqueeze(-1).to(x.dtype))  # other ranks' rows are zero here
+        return self.tp.all_reduce(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 ``[rows, vocab]``; under tensor parallelism every rank must call it with
+        the same rows (a collective), and only rank 0 gets the logits (others: None)."""
         if self.lm_head_packed is not None:
-            return self.lm_head_packed(hidden).float()
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head_packed(hidden)
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        if self.tp is not None:
+            gathered = self.tp.gather_vocab(logits)
+            return None if gathered is None else gathered.float()
+        return logits.float()
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """HF checkpoint tensor names this model needs, with their shapes."""
@@ -239,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def _fused_sizes(self, ours: str) -> list[int]:
-        s = self.spec
+        s = self.local_spec
         if ours == "self_attn.qkv_proj":
             kv = s.num_kv_heads * s.head_dim
             return [s.num_heads * s.head_dim, kv, kv]

@@ -15,6 +15,7 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import TorchOps
 from kvserve.model.spec import ModelConfigError, ModelSpec
 from kvserve.utils import parse_dtype
+from kvserve.worker.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +71,17 @@ def load_model(
     backend: AttentionBackend,
     ops: TorchOps,
     max_positions: int,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint.
+    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint (with
+    ``tp``, only this rank's shard, reading just its slices of each tensor).
 
     Raises ``WeightLoadError`` naming the file and tensor when a tensor is missing, has the
     wrong shape, or is not part of the architecture.
     """
     model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, backend, ops)
+        model = LlamaForCausalLM(spec, backend, ops, tp)
     model = model.to_empty(device=device).to(dtype)
     expected = model.expected_weights()
     files = checkpoint_files(model_dir)
@@ -135,7 +138,7 @@ def _load_one(model, expected, path: Path, name: str, tslice, dtype: torch.dtype
             f"{path}: tensor {name!r} has shape {list(shape)}, config implies "
             f"{list(expected[name])}"
         )
-    tensor = tslice[:]
+    tensor = model.plan.read(name, tslice)  # only this rank's part under tensor parallelism
     if not model.load_weight(name, tensor.to(dtype)):
         raise WeightLoadError(
             f"{path}: tensor {name!r} is not part of {model.spec.architecture} "

@@ -1,0 +1,208 @@
+"""Tensor parallelism: which slice of the model a rank holds, and its collectives.
+
+``ShardPlan`` is pure arithmetic over a ``ModelSpec``: rank r of N holds
+
+- a contiguous group of KV heads and the query heads that attend to them (the unit of the
+  split is a KV-head group, so grouped-query attention stays local to a rank). With more
+  KV heads than ranks the groups are as even as they can be (3 KV heads over 2 ranks:
+  2 and 1); with fewer (MQA/GQA, ``N % num_kv_heads == 0``) each KV head is replicated on
+  ``N / num_kv_heads`` ranks and their query heads split evenly, as vLLM does;
+- a contiguous slice of the MLP's intermediate dimension (column-parallel gate/up,
+  row-parallel down) and of the attention output (row-parallel O);
+- ``ceil(vocab / N)`` rows of the embedding and LM head (the last rank's padded with zero
+  rows), the logits gathered on rank 0 for sampling.
+
+Norms are replicated; a row-parallel bias lives on rank 0 only, so the all-reduce adds it
+once. ``ShardPlan.for_rank`` raises ``ShardingError`` with the numbers for a shape that
+cannot be split (more ranks than query heads, KV heads neither a multiple nor a divisor
+of N).
+
+``TPGroup`` wraps the ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA)
+whose timeout bounds every collective: a dead peer is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kvserve.model.spec import ModelSpec
+
+
+class ShardingError(ValueError):
+    """The model cannot be split over this many ranks; the message has the numbers."""
+
+
+def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, count)`` of part ``index`` when ``n`` items are split into ``parts``
+    contiguous parts as evenly as possible (the first ``n % parts`` get one more)."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, base + (1 if index < extra else 0)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank ``rank`` of ``size`` holds (in units of heads, rows and columns)."""
+
+    rank: int
+    size: int
+    head_dim: int
+    q_head_start: int
+    num_heads: int
+    kv_head_start: int
+    num_kv_heads: int
+    inter_start: int
+    intermediate_size: int
+    vocab_size: int  # the whole vocabulary
+    vocab_shard: int  # embedding / LM head rows per rank (padded)
+
+    @classmethod
+    def single(cls, spec: ModelSpec) -> ShardPlan:
+        return cls.for_rank(spec, 0, 1)
+
+    @classmethod
+    def for_rank(cls, spec: ModelSpec, rank: int, size: int) -> ShardPlan:
+        """Rank ``rank``'s share; raises ``ShardingError`` naming the numbers."""
+        check_shardable(spec, size)
+        hq, hkv = spec.num_heads, spec.num_kv_heads
+        group = hq // hkv
+        if hkv >= size:
+            kv_start, kv_n = split_range(hkv, size, rank)
+            q_start, q_n = kv_start * group, kv_n * group
+        else:
+            q_n = hq // size
+            q_start, kv_start, kv_n = rank * q_n, rank // (size // hkv), 1
+        inter_start, inter_n = split_range(spec.intermediate_size, size, rank)
+        return cls(
+            rank,
+            size,
+            spec.head_dim,
+            q_start,
+            q_n,
+            kv_start,
+            kv_n,
+            inter_start,
+            inter_n,
+            spec.vocab_size,
+            -(-spec.vocab_size // size),
+        )
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_shard
+
+    def local_spec(self, spec: ModelSpec) -> ModelSpec:
+        """``spec`` with this rank's head counts and intermediate size (module shapes)."""
+        return dataclasses.replace(
+            spec,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+        )
+
+    def read(self, name: str, tslice) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` from a safetensors slice, reading
+        only that part (``tslice[a:b]`` or ``tslice[:, a:b]``)."""
+        if self.size == 1:
+            return tslice[:]
+        d = self.head_dim
+        leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        is_bias = name.endswith(".bias")
+        if leaf == "q_proj":
+            return tslice[self.q_head_start * d : (self.q_head_start + self.num_heads) * d]
+        if leaf in ("k_proj", "v_proj"):
+            a = self.kv_head_start * d
+            return tslice[a : a + self.num_kv_heads * d]
+        if leaf in ("gate_proj", "up_proj"):
+            return tslice[self.inter_start : self.inter_start + self.intermediate_size]
+        if leaf in ("o_proj", "down_proj"):
+            if is_bias:  # added once, by rank 0, before the all-reduce
+                full = tslice[:]
+                return full if self.rank == 0 else torch.zeros_like(full)
+            a, n = (
+                (self.q_head_start * d, self.num_heads * d)
+                if leaf == "o_proj"
+                else (self.inter_start, self.intermediate_size)
+            )
+            return tslice[:, a : a + n]
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            end = min(self.vocab_start + self.vocab_shard, self.vocab_size)
+            rows = tslice[self.vocab_start : end]
+            if rows.shape[0] < self.vocab_shard:
+                pad = rows.new_zeros(self.vocab_shard - rows.shape[0], *rows.shape[1:])
+                rows = torch.cat([rows, pad])
+            return rows
+        return tslice[:]
+
+    def shape(self, name: str, full: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape ``read`` returns for a tensor whose checkpoint shape is ``full``."""
+        if self.size == 1:
+            return full
+        d = self.head_dim
+        leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if leaf == "q_proj":
+            return (self.num_heads * d, *full[1:])
+        if leaf in ("k_proj", "v_proj"):
+            return (self.num_kv_heads * d, *full[1:])
+        if leaf in ("gate_proj", "up_proj"):
+            return (self.intermediate_size, *full[1:])
+        if leaf in ("o_proj", "down_proj") and not name.endswith(".bias"):
+            n = self.num_heads * d if leaf == "o_proj" else self.intermediate_size
+            return (full[0], n)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return (self.vocab_shard, *full[1:])
+        return full
+
+
+def check_shardable(spec: ModelSpec, size: int) -> None:
+    """Raise ``ShardingError`` (with the numbers) when ``spec`` cannot be split over
+    ``size`` ranks; see the module docstring for what can."""
+    hq, hkv = spec.num_heads, spec.num_kv_heads
+    if size < 1:
+        raise ShardingError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if hkv < size and (size % hkv or hq % size):
+        raise ShardingError(
+            f"tensor_parallel_size {size} does not split this model: it has {hkv} KV heads "
+            f"and {hq} query heads; with fewer KV heads than ranks, the ranks must be a "
+            f"multiple of the KV heads and divide the query heads "
+            f"(try {', '.join(str(n) for n in _sizes_that_fit(spec, size))})"
+        )
+    if spec.intermediate_size < size:
+        raise ShardingError(
+            f"tensor_parallel_size {size} exceeds the intermediate size {spec.intermediate_size}"
+        )
+
+
+def _sizes_that_fit(spec: ModelSpec, up_to: int) -> list[int]:
+    hq, hkv = spec.num_heads, spec.num_kv_heads
+    return [n for n in range(1, up_to + 1) if n <= hkv or (n % hkv == 0 and hq % n == 0)]
+
+
+class TPGroup:
+    """This rank's view of the tensor-parallel group (``torch.distributed`` initialized)."""
+
+    def __init__(self, plan: ShardPlan, group: dist.ProcessGroup | None = None):
+        self.plan = plan
+        self.rank, self.size = plan.rank, plan.size
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``[rows, vocab_shard]`` logits → ``[rows, vocab]`` on rank 0; None
+        on the other ranks."""
+        if self.rank == 0:
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            dist.gather(local.contiguous(), parts, dst=0, group=self.group)
+            return torch.cat(parts, dim=-1)[..., : self.plan.vocab_size]
+        dist.gather(local.contiguous(), None, dst=0, group=self.group)
+        return None
