@@ -75,6 +75,13 @@ def _serve(ns: argparse.Namespace) -> int:
 
     if ns.model is None:
         ns.model = _default_model()
+    engine_args = EngineArgs.from_cli(ns)
+    parallel = engine_args.parallel_config()
+    if parallel.node_rank > 0:  # another node's ranks only: no engine core, no server
+        from kvserve.worker.executor import run_headless
+
+        logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(message)s")
+        return run_headless(parallel)
     config = ServerConfig(
         host=ns.host,
         port=ns.port,
@@ -87,7 +94,7 @@ def _serve(ns: argparse.Namespace) -> int:
         cluster_secret=ns.cluster_secret or os.environ.get("KVSERVE_CLUSTER_SECRET"),
         advertise_url=ns.advertise_url,
     )
-    run_server(EngineArgs.from_cli(ns), config, ns.log_level)
+    run_server(engine_args, config, ns.log_level)
     return 0
 
 

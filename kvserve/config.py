@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +209,69 @@ class ReplicationConfig:
             raise ValueError("checkpoint_interval must be >= 0")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` ranks (worker processes) hold one
+    shard each; with ``nnodes`` > 1 they span machines, ``tensor_parallel_size / nnodes``
+    per node, this one being ``node_rank`` (node 0 runs the engine core and the API
+    server; the others only workers). ``distributed_init_method`` (``tcp://HOST:PORT``) is
+    where node 0 listens for the ranks' rendezvous; default (one node): a free local port,
+    or ``MASTER_ADDR``/``MASTER_PORT`` when set (torchrun's variables; ``NODE_RANK`` /
+    ``GROUP_RANK`` and ``NNODES`` too). Every collective gives up after
+    ``distributed_timeout`` seconds."""
+
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    distributed_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        n = self.tensor_parallel_size
+        if n < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is not in 0..nnodes-1 ({self.nnodes})")
+        if n % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {n} is not a multiple of nnodes {self.nnodes} "
+                "(every node runs the same number of ranks)"
+            )
+        if self.nnodes > 1 and self.distributed_init_method is None:
+            raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT")
+        if self.distributed_init_method is not None:
+            host_port(self.distributed_init_method)  # validates
+        if self.distributed_timeout <= 0:
+            raise ValueError("distributed_timeout must be positive")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+def host_port(init_method: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` → ``(HOST, PORT)``; raises ValueError naming the flag."""
+    rest = init_method.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    if not init_method.startswith("tcp://") or not host or not port.isdigit():
+        raise ValueError(f"--distributed-init-method {init_method!r}: expected tcp://HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _torchrun_env() -> dict[str, Any]:
+    """ParallelConfig fields from torchrun-style environment variables, when set."""
+    env = os.environ
+    out: dict[str, Any] = {}
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        out["distributed_init_method"] = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    rank = env.get("NODE_RANK") or env.get("GROUP_RANK")
+    if rank is not None and rank.isdigit():
+        out["node_rank"] = int(rank)
+    if env.get("NNODES", "").isdigit():
+        out["nnodes"] = int(env["NNODES"])
+    return out
+
+
 STORE_WRITE_POLICIES = ("write-through", "write-back")
 
 
@@ -220,7 +284,7 @@ def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None, serve:
 
 _SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
 _LIST_FIELDS = {"kv_store", "replicate_to"}
-_STR_FIELDS = {"kv_usage_log", "cluster", "node_id"}
+_STR_FIELDS = {"kv_usage_log", "cluster", "node_id", "distributed_init_method"}
 _ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}  # extra flag that sets False
 
 
@@ -293,6 +357,17 @@ class EngineArgs:
         (), "extra replication targets: standby, s3 (store is always on); repeat", serve=True
     )
     checkpoint_interval: float = _arg(30.0, "seconds between S3 checkpoints", serve=True)
+    tensor_parallel_size: int = _arg(1, "ranks (worker processes) that each hold a shard")
+    distributed_init_method: str | None = _arg(
+        None,
+        "tcp://HOST:PORT of node 0 for the ranks' rendezvous (default: a local port)",
+        serve=True,
+    )
+    nnodes: int = _arg(1, "machines the tensor-parallel ranks span", serve=True)
+    node_rank: int = _arg(
+        0, "this machine's index (0 runs the engine and API server)", serve=True
+    )
+    distributed_timeout: float = _arg(120.0, "seconds before a collective gives up")
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -343,6 +418,21 @@ class EngineArgs:
         targets = tuple(dict.fromkeys(("store", *self.replicate_to)))
         return ReplicationConfig(
             self.cluster, self.node_id, self.replicate_every, targets, self.checkpoint_interval
+        )
+
+    def parallel_config(self) -> ParallelConfig:
+        """Flags win over torchrun-style environment variables where both are given."""
+        values: dict[str, Any] = _torchrun_env()
+        given = {
+            "distributed_init_method": self.distributed_init_method,
+            "nnodes": self.nnodes if self.nnodes != 1 else None,
+            "node_rank": self.node_rank if self.node_rank != 0 else None,
+        }
+        values.update({k: v for k, v in given.items() if v is not None})
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_timeout=self.distributed_timeout,
+            **values,
         )
 
     def observability_config(self) -> ObservabilityConfig:

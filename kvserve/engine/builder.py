@@ -15,40 +15,29 @@ from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine import kv_metrics
 from kvserve.engine.cpu_env import tune_malloc
 from kvserve.engine.errors import EngineError
-from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import KVOffloader
-from kvserve.kv.quant import kv_format
 from kvserve.kv.swap import SwapSpace
-from kvserve.model.attention import (
-    CPU_KERNEL_HEAD_DIMS,
-    AttentionMetadata,
-    CpuPagedAttention,
-    PrefillChunk,
-    TorchPagedAttention,
-)
-from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.gguf import resolve_model
-from kvserve.model.linear import prepack_linears
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import load_kv_scales, load_model, resolve_dtype
-from kvserve.model.ops import CpuKernelOps, TorchOps
+from kvserve.model.loader import resolve_dtype
 from kvserve.model.spec import ModelSpec, load_model_spec
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
-from kvserve.utils import cdiv, format_size, resolve_device
+from kvserve.utils import format_size, resolve_device
+from kvserve.worker.executor import MultiprocExecutor
 from kvserve.worker.inputs import InputBuilder
+from kvserve.worker.loading import ShardBuilder, ShardInputs
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
+from kvserve.worker.parallel import ShardingError, check_shardable
 from kvserve.worker.swap import HostSwap
 
 logger = logging.getLogger("kvserve")
 
-_CPU_DEFAULT_KV_MEMORY = 4 * 1024**3  # at most, without --kv-cache-memory
-_CPU_DEFAULT_KV_SEQS = 32  # …and no more than this many sequences of max_model_len need
 
 # what an engine takes over from its builder (attribute names on both)
 PARTS = (
@@ -91,27 +80,48 @@ class EngineBuilder:
         if sinks is None:
             sinks = 4 if self.cache_config.sliding_window else 0
         self.attention_sinks = sinks if self.window is not None else 0
-        backend, ops = self._kernels()
-        self.model: LlamaForCausalLM = load_model(
+        self.parallel = args.parallel_config()
+        shard_inputs = ShardInputs(
+            self.model_config,
+            self.cache_config,
             self.model_dir,
             self.spec,
             self.dtype,
-            self.device,
-            backend,
-            ops,
             self.max_model_len,
+            self.scheduler_config.max_num_batched_tokens,
+            self.window,
+            self.attention_sinks,
         )
-        if self.model_config.attention_backend != "torch":
-            prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
-        self.kv_format = kv_format(self.cache_config.kv_cache_dtype, self.dtype)
-        self.kv_spec = KVCacheSpec.for_format(
-            self.spec.num_layers,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-            self.kv_format,
-            self.cache_config.block_size,
-        )
-        num_blocks = self._num_blocks()
+        shard: ShardBuilder | None = None
+        executor: MultiprocExecutor | None = None
+        if self.parallel.tensor_parallel_size == 1:
+            shard = ShardBuilder(shard_inputs, self.device)
+            self.model: LlamaForCausalLM | None = shard.model
+            self.kv_format, self.kv_spec = shard.kv_format, shard.kv_spec
+            num_blocks = shard.num_blocks()
+            dense = bool(getattr(shard.backend, "dense_masks", True))
+        else:  # the ranks load their shards in worker processes
+            self._check_parallel(args)
+            self.model = None
+            executor = MultiprocExecutor(shard_inputs, self.parallel)
+            self.kv_format, self.kv_spec = executor.kv_format, executor.kv_spec
+            num_blocks, dense = executor.num_blocks, executor.dense_masks
+        try:
+            self._assemble(args, shard, executor, num_blocks, dense)
+        except BaseException:
+            if executor is not None:  # no worker processes left behind
+                executor.close()
+            raise
+
+    def _assemble(
+        self,
+        args: EngineArgs,
+        shard: ShardBuilder | None,
+        executor: MultiprocExecutor | None,
+        num_blocks: int,
+        dense: bool,
+    ) -> None:
+        """Everything after the model: KV manager, runner, swap, store, scheduler."""
         self.model_fingerprint = model_fingerprint(self.model_dir)
         self.kv = KVCacheManager(
             num_blocks,
@@ -125,18 +135,23 @@ class EngineBuilder:
                 f"the KV cache holds {self.kv.capacity_tokens} tokens, fewer than max_model_len "
                 f"{self.max_model_len}; raise kv_cache_memory or lower max_model_len"
             )
-        dense = getattr(backend, "dense_masks", True)
-        self.runner = ModelRunner(
-            self.model,
-            self._allocate_kv(num_blocks),
-            self.device,
-            InputBuilder(self.kv, self.device, self.window, self.attention_sinks, dense),
+        swap_on = bool(
+            self.cache_config.swap_space and self.scheduler_config.preemption_mode != "recompute"
         )
+        inputs_device = self.device if executor is None else torch.device("cpu")
+        inputs = InputBuilder(self.kv, inputs_device, self.window, self.attention_sinks, dense)
+        if executor is not None:
+            executor.start_cache(num_blocks, swap_on, inputs)
+            self.runner: ModelRunner | MultiprocExecutor = executor
+        else:
+            assert shard is not None and self.model is not None
+            self.runner = ModelRunner(self.model, shard.allocate(num_blocks), self.device, inputs)
         self.cost_model = PreemptionCostModel(self.kv_spec.bytes_per_token)
         self.cost_model.calibrate_copy(self.device)
         self.swap = None
-        if self.cache_config.swap_space and self.scheduler_config.preemption_mode != "recompute":
+        if swap_on:
             self.swap = SwapSpace(self.kv_spec.bytes_per_block, self.cache_config.swap_space)
+        if swap_on and isinstance(self.runner, ModelRunner):  # workers make their own
             self.runner.host_swap = HostSwap(
                 self.runner.kv_caches,
                 self.kv.block_size,
@@ -218,90 +233,19 @@ class EngineBuilder:
             coord, node, config.replicate_every, self.kv.block_size, pusher, checkpointer
         )
 
-    def _kernels(self) -> tuple[TorchPagedAttention, TorchOps]:
-        """Attention backend and element-wise ops for ``attention_backend`` on this device.
-
-        ``cpu`` (and ``auto`` on a CPU device) uses the C++ kernels: paged decode attention
-        (for head dims it is built for) and the fused RMSNorm/RoPE/SiLU ops.
-        """
-        choice = self.model_config.attention_backend
-        block_size = self.cache_config.block_size
-        if choice == "torch" or (choice == "auto" and self.device.type != "cpu"):
-            return TorchPagedAttention(block_size), TorchOps()
-        if self.device.type != "cpu":
-            raise EngineError("attention_backend 'cpu' needs device cpu")
-        if not load_cpu_kernels():
-            if choice == "cpu":
-                raise EngineError("attention_backend 'cpu': the C++ kernels failed to build")
-            return TorchPagedAttention(block_size), TorchOps()
-        if self.spec.head_dim in CPU_KERNEL_HEAD_DIMS:
-            return CpuPagedAttention(block_size, self.window, self.attention_sinks), CpuKernelOps()
-        if choice == "cpu":
+    def _check_parallel(self, args: EngineArgs) -> None:
+        """Refuse, at start, what tensor parallelism does not support yet."""
+        try:
+            check_shardable(self.spec, self.parallel.tensor_parallel_size)
+        except ShardingError as e:
+            raise EngineError(str(e)) from None
+        if args.store_config().urls or args.cluster:
             raise EngineError(
-                f"attention_backend 'cpu' supports head_dim {CPU_KERNEL_HEAD_DIMS}, "
-                f"the model has {self.spec.head_dim}"
+                "--tensor-parallel-size > 1 with --kv-store or --cluster is not supported yet "
+                "(each rank holds a shard of every block; stored blocks are whole)"
             )
-        return TorchPagedAttention(block_size), CpuKernelOps()
 
     # ---- capacity -------------------------------------------------------------------
-    def _allocate_kv(self, num_blocks: int) -> list:
-        """Per-layer caches; fp8 caches get the checkpoint's scales or calibrate."""
-        caches = self.kv_spec.allocate(num_blocks, self.device, self.kv_format)
-        if self.kv_format.scale == "head":
-            scales = load_kv_scales(self.model_dir, self.spec.num_layers)
-            for i, cache in enumerate(caches):
-                if scales is not None:
-                    k, v = scales[i]
-                    cache.set_head_scales(torch.tensor(k), torch.tensor(v))
-                cache.calibrating = self.cache_config.calculate_kv_scales
-            logger.info(
-                "fp8 KV scales: %s",
-                "calibrated on the first forward pass"
-                if self.cache_config.calculate_kv_scales
-                else ("from the checkpoint" if scales is not None else "1.0"),
-            )
-        return caches
-
-    def _num_blocks(self) -> int:
-        mem = self.cache_config.kv_cache_memory
-        if mem is None:
-            mem = self._profile_cuda_memory() if self.device.type == "cuda" else None
-        if mem is None:  # CPU: a small model gets a small cache, not 4 GiB of zeroed pages
-            need = _CPU_DEFAULT_KV_SEQS * self.max_model_len * self.kv_spec.bytes_per_token
-            mem = min(_CPU_DEFAULT_KV_MEMORY, need + self.kv_spec.bytes_per_block)
-        blocks = self.kv_spec.num_blocks_for(mem)
-        if blocks <= 0:
-            raise EngineError(
-                f"kv_cache_memory {format_size(mem)} is smaller than one KV block "
-                f"({format_size(self.kv_spec.bytes_per_block)})"
-            )
-        return blocks
-
-    def _profile_cuda_memory(self) -> int:
-        """Bytes left for KV after a max-size forward pass, under gpu_memory_utilization."""
-        n = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        caches = self.kv_spec.allocate(
-            cdiv(n, self.kv_spec.block_size), self.device, self.kv_format
-        )
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=pos.clone(),
-            max_position=n - 1,
-            prefills=[PrefillChunk(0, n, n, None, None)],
-        )
-        with torch.inference_mode():
-            hidden = self.model(ids, pos, caches, meta)
-            self.model.compute_logits(hidden[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.cache_config.gpu_memory_utilization) - peak
-
     def _log_capacity(self) -> None:
         tokens = self.kv.capacity_tokens
         logger.info(

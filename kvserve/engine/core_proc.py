@@ -9,7 +9,8 @@ Contract of the loop (``CoreLoop.run``), one iteration:
 2. If requests are unfinished, run one ``LLMEngine.step()`` and send its deltas with the
    engine's stats (``Outputs``); else send the stats once after anything changed.
 3. Exit when the parent (the API server) is gone: no orphans. The kernel's parent-death
-   signal covers a SIGKILLed parent too.
+   signal covers a SIGKILLed parent too. While idle, check the tensor-parallel ranks
+   (``check_health``): a dead rank is a failure (exit 1) even with no request running.
 
 Nothing else in this process does Python work the loop waits for during a forward pass:
 there is no asyncio loop, no HTTP, no tokenizer here. A request the engine refuses gets
@@ -128,6 +129,8 @@ class CoreLoop:
             if os.getppid() != self.parent_pid:
                 logger.error("engine core: the API server is gone; exiting")
                 return
+            if not busy:
+                engine.runner.check_health()  # a dead rank fails the core while idle too
             if self._stop:
                 break
             if engine.has_unfinished_requests():

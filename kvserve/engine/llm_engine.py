@@ -54,8 +54,8 @@ class LLMEngine:
         self.forward_seconds = 0.0  # inside the model runner (forward + sampling)
 
     def close(self) -> None:
-        """Flush and close the KV store and replication (if any); the engine is done."""
-        for part in (self.replicator, self.prewarmer, self.offloader):
+        """Flush the KV store and replication (if any), stop the workers; the end."""
+        for part in (self.replicator, self.prewarmer, self.offloader, self.runner):
             if part is not None:
                 part.close()
 

@@ -18,6 +18,7 @@ from kvserve.model.spec import load_model_spec
 from kvserve.planner.hardware import find_accelerator
 from kvserve.planner.presets import PRESETS, ModelShape
 from kvserve.utils import cdiv, format_size, parse_dtype, parse_size
+from kvserve.worker.parallel import kv_heads_per_rank
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,13 @@ def resolve_shape(model: str) -> ModelShape:
     )
 
 
-def kv_spec_for(shape: ModelShape, p: PlanInput) -> KVCacheSpec:
-    """The engine's KV spec for this shape and ``--kv-cache-dtype`` (int8 scales included)."""
+def kv_spec_for(shape: ModelShape, p: PlanInput, per_rank: bool = False) -> KVCacheSpec:
+    """The engine's KV spec for this shape and ``--kv-cache-dtype`` (int8 scales included);
+    with ``per_rank``, of the fullest tensor-parallel rank's KV heads (replicated ones
+    counted on every rank holding them), which is what the engine sizes its pool by."""
     fmt = kv_format(p.kv_cache_dtype, parse_dtype(p.dtype))
-    return KVCacheSpec.for_format(
-        shape.num_layers, shape.num_kv_heads, shape.head_dim, fmt, p.block_size
-    )
+    heads = kv_heads_per_rank(shape.num_kv_heads, p.tp) if per_rank else shape.num_kv_heads
+    return KVCacheSpec.for_format(shape.num_layers, heads, shape.head_dim, fmt, p.block_size)
 
 
 def plan(p: PlanInput, label: str = "") -> Plan:
@@ -113,13 +115,14 @@ def plan(p: PlanInput, label: str = "") -> Plan:
     gpu_mem = p.gpu_memory or find_accelerator(p.gpu).memory_bytes
     usable = int(gpu_mem * p.gpu_memory_utilization) - p.overhead  # weights + KV
     per_gpu = usable - weight_bytes // p.tp
-    max_conc = max(0, per_gpu * p.tp // per_request)
+    per_request_gpu = tokens * kv_spec_for(shape, p, per_rank=True).bytes_per_token
+    max_conc = max(0, per_gpu // per_request_gpu)
     gpus = cdiv(p.concurrency, max_conc) * p.tp if max_conc > 0 else None
     note = None
     if gpus is None:
         note = (
             f"per GPU, weights {format_size(weight_bytes // p.tp)} + one request's KV "
-            f"{format_size(per_request // p.tp)} exceed the usable "
+            f"{format_size(per_request_gpu)} exceed the usable "
             f"{format_size(max(usable, 0))}"
         )
         fit = _smallest_tp(weight_bytes, per_request, usable, p.tp)

@@ -70,6 +70,9 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to release in-process (the executor's counterpart stops processes)."""
 
+    def check_health(self) -> None:
+        """Nothing can fail between steps in-process (the executor checks its ranks)."""
+
     # ---- the worker side --------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: WorkerStep) -> StepResult | None:

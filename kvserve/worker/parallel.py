@@ -158,6 +158,11 @@ class ShardPlan:
         return full
 
 
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """KV heads the fullest rank holds (what sizes every rank's share of a block)."""
+    return -(-num_kv_heads // size) if num_kv_heads >= size else 1
+
+
 def check_shardable(spec: ModelSpec, size: int) -> None:
     """Raise ``ShardingError`` (with the numbers) when ``spec`` cannot be split over
     ``size`` ranks; see the module docstring for what can."""

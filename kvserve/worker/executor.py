@@ -1,0 +1,246 @@
+"""The engine core's side of tensor parallelism: N worker processes, one step message.
+
+``MultiprocExecutor`` serves the rendezvous store (``torch.distributed.TCPStore``) at
+``--distributed-init-method`` (default: a free port on 127.0.0.1), publishes the
+``ShardInputs`` there, starts this node's ranks as processes (``worker.worker_proc``;
+other nodes start theirs with ``kvserve serve --node-rank R``, ``run_headless``) and
+waits until every rank has loaded its shard. The KV pool is one (the engine core's
+block manager) and holds as many blocks as the fullest rank can (``num_blocks``, the
+minimum over the ranks).
+
+``step`` has the in-process ``ModelRunner.step`` contract: it builds the step's
+``StepInputs``, publishes one ``WorkerStep`` to all ranks and returns rank 0's result.
+Failure is fast and bounded: a rank that reports ``WorkerFailed``, a local rank process
+that exits, or no answer within ``distributed_timeout`` (+ a margin) raises
+``EngineError``; the engine core then exits non-zero and the server reports unhealthy.
+``close`` stops the workers (``Shutdown``, then SIGKILL for any left after 10 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import zmq
+
+from kvserve.config import ParallelConfig, host_port
+from kvserve.engine.errors import EngineError
+from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.quant import kv_format
+from kvserve.sched.scheduler import SchedulerOutput
+from kvserve.utils import format_size
+from kvserve.worker.inputs import InputBuilder, WorkerStep
+from kvserve.worker.loading import ShardInputs
+from kvserve.worker.model_runner import StepResult
+from kvserve.worker.parallel import ShardPlan
+from kvserve.worker.protocol import (
+    STORE_PREFIX,
+    CacheReady,
+    InitCache,
+    Shutdown,
+    StepDone,
+    WorkerFailed,
+    WorkerReady,
+)
+
+logger = logging.getLogger("kvserve")
+
+STARTUP_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes a while
+_MARGIN_S = 30.0  # beyond the collective timeout, for a step's answer
+
+
+def start_ranks(config: ParallelConfig, host: str, port: int) -> list[subprocess.Popen]:
+    """Start this node's ranks (``node_rank * ranks_per_node`` …) as processes
+    (``python -m kvserve.worker.worker_proc``; they die with this process)."""
+    local = config.ranks_per_node
+    procs = []
+    for i in range(local):
+        rank = config.node_rank * local + i
+        argv = [host, port, rank, config.tensor_parallel_size, i, local, config.distributed_timeout]
+        cmd = [sys.executable, "-m", "kvserve.worker.worker_proc", *map(str, argv)]
+        procs.append(subprocess.Popen(cmd))
+    return procs
+
+
+class MultiprocExecutor:
+    """Drives ``tensor_parallel_size`` ranks; see the module docstring."""
+
+    def __init__(self, inp: ShardInputs, config: ParallelConfig):
+        self.config = config
+        self.size = config.tensor_parallel_size
+        self.builder: InputBuilder | None = None  # set by start_cache
+        self.procs: list[subprocess.Popen] = []
+        self._held: set[str] = set()
+        self._closed = False
+        # rank 0 has the most KV heads (uneven splits give the first ranks one more)
+        plan = ShardPlan.for_rank(inp.spec, 0, self.size)
+        self.kv_format = kv_format(inp.cache_config.kv_cache_dtype, inp.dtype)
+        self.kv_spec = KVCacheSpec.for_format(
+            inp.spec.num_layers, plan.num_kv_heads, inp.spec.head_dim, self.kv_format,
+            inp.cache_config.block_size,
+        )  # fmt: skip
+        if config.distributed_init_method is None:
+            host, port = "127.0.0.1", 0
+        else:
+            host, port = host_port(config.distributed_init_method)
+        self._timeout = config.distributed_timeout
+        self.store = dist.TCPStore(
+            host if config.nnodes > 1 else "127.0.0.1",
+            port,
+            is_master=True,
+            timeout=timedelta(seconds=self._timeout),
+            wait_for_workers=False,
+        )
+        bind = "0.0.0.0" if config.nnodes > 1 else "127.0.0.1"
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per rank
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pull = self._ctx.socket(zmq.PULL)
+        reach = host if config.nnodes > 1 else "127.0.0.1"
+        steps = self._bind(self._pub, bind, reach)
+        results = self._bind(self._pull, bind, reach)
+        self.store.set(STORE_PREFIX + "shard_inputs", pickle.dumps(inp))
+        self.store.set(STORE_PREFIX + "results", results)
+        self.store.set(STORE_PREFIX + "steps", steps)
+        try:
+            local_host = "127.0.0.1" if config.nnodes == 1 else host
+            self.procs = start_ranks(config, local_host, self.store.port)
+            self.ready = self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.num_blocks = min(r.num_blocks for r in self.ready)
+        self.dense_masks = self.ready[0].dense_masks
+        self.weight_bytes = [r.weight_bytes for r in self.ready]
+        self.pids = [r.pid for r in self.ready]
+        logger.info(
+            "tensor parallel: %d ranks on %d node(s); weights per rank %s",
+            self.size,
+            config.nnodes,
+            ", ".join(format_size(b) for b in self.weight_bytes),
+        )
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, bind: str, reach: str) -> str:
+        port = sock.bind_to_random_port(f"tcp://{bind}")
+        return f"tcp://{reach}:{port}"
+
+    # ---- start-up ---------------------------------------------------------------------
+    def _wait_ready(self) -> list[WorkerReady]:
+        ready: dict[int, WorkerReady] = {}
+        subscribed = 0
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < self.size or subscribed < self.size:
+            if self._pub.poll(0):
+                if self._pub.recv()[:1] == b"\x01":
+                    subscribed += 1
+                continue
+            msg = self._recv(deadline, "loading their shards")
+            if isinstance(msg, WorkerReady):
+                ready[msg.rank] = msg
+        return [ready[r] for r in range(self.size)]
+
+    def start_cache(self, num_blocks: int, swap: bool, builder: InputBuilder) -> None:
+        """Every rank allocates ``num_blocks`` KV blocks (and a host swap when ``swap``);
+        returns when all have."""
+        self.builder = builder
+        self._send(InitCache(num_blocks, swap))
+        done: set[int] = set()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(done) < self.size:
+            msg = self._recv(deadline, "allocating their KV caches")
+            if isinstance(msg, CacheReady):
+                done.add(msg.rank)
+
+    # ---- steps ------------------------------------------------------------------------
+    def step(self, out: SchedulerOutput) -> StepResult | None:
+        """Execute ``out``'s copies and batch on every rank; rank 0's result (None when
+        it schedules no tokens). Raises ``EngineError`` when a rank failed."""
+        assert self.builder is not None, "start_cache() first"
+        inputs = self.builder.build(out.scheduled) if out.scheduled else None
+        self._send(WorkerStep.of(out, inputs))
+        deadline = time.monotonic() + self._timeout + _MARGIN_S
+        while True:
+            msg = self._recv(deadline, "answering a step")
+            if isinstance(msg, StepDone):
+                self._held = msg.swap_held
+                return msg.result
+
+    def swap_held(self) -> set[str]:
+        """Request ids whose KV rank 0 held host copies of after the last step."""
+        return set(self._held)
+
+    def check_health(self) -> None:
+        """Raise ``EngineError`` when a local rank's process has exited or a rank reported
+        a failure (cheap: called by the engine core while idle)."""
+        self._check_procs()
+        while self._pull.poll(0):
+            self._handle(pickle.loads(self._pull.recv()))
+
+    def _send(self, msg: Any) -> None:
+        self._pub.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _recv(self, deadline: float, what: str) -> Any:
+        """The next answer from any rank; raises ``EngineError`` for a failure, a dead
+        local rank or the deadline."""
+        while True:
+            if self._pull.poll(200):
+                return self._handle(pickle.loads(self._pull.recv()))
+            self._check_procs()
+            if time.monotonic() > deadline:
+                raise EngineError(f"tensor-parallel ranks did not finish {what} in time")
+
+    @staticmethod
+    def _handle(msg: Any) -> Any:
+        if isinstance(msg, WorkerFailed):
+            raise EngineError(f"tensor-parallel rank {msg.rank} failed:\n{msg.error}")
+        return msg
+
+    def _check_procs(self) -> None:
+        first = self.config.node_rank * self.config.ranks_per_node
+        for i, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise EngineError(
+                    f"tensor-parallel rank {first + i} (pid {proc.pid}) exited with code "
+                    f"{proc.returncode}"
+                )
+
+    def close(self) -> None:
+        """Stop the ranks (idempotent); SIGKILL for any still running after 10 s."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._send(Shutdown())
+        deadline = time.monotonic() + 10.0
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5.0)
+        self._pub.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+
+
+def run_headless(config: ParallelConfig) -> int:
+    """A node other than 0: run its ranks until they exit; the worst exit code."""
+    assert config.distributed_init_method is not None  # ParallelConfig checks it
+    host, port = host_port(config.distributed_init_method)
+    procs = start_ranks(config, host, port)
+    logger.info("node %d: started %d ranks", config.node_rank, len(procs))
+    try:
+        return max(proc.wait() for proc in procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()

@@ -1,0 +1,178 @@
+"""A rank's model and KV tensors: kernels, weights (its shard), KV format and capacity.
+
+``ShardBuilder`` is what the engine builds in-process without tensor parallelism and what
+each tensor-parallel worker builds for itself (with its ``TPGroup``): the choice of
+attention backend and element-wise ops, the model (prepacked for oneDNN where that has
+native kernels), the KV spec of this rank's KV heads, how many blocks fit
+(``num_blocks``: ``kv_cache_memory``, or on CUDA a profiling pass, or the CPU default) and
+the cache tensors themselves (``allocate``). Raises ``EngineError`` naming the flag to
+change for what cannot run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import CacheConfig, ModelConfig
+from kvserve.engine.errors import EngineError
+from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.quant import kv_format
+from kvserve.model.attention import (
+    CPU_KERNEL_HEAD_DIMS,
+    AttentionMetadata,
+    CpuPagedAttention,
+    PrefillChunk,
+    TorchPagedAttention,
+)
+from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.linear import prepack_linears
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import load_kv_scales, load_model
+from kvserve.model.ops import CpuKernelOps, TorchOps
+from kvserve.model.spec import ModelSpec
+from kvserve.utils import cdiv, format_size
+from kvserve.worker.parallel import ShardPlan, TPGroup
+
+logger = logging.getLogger("kvserve")
+
+_CPU_DEFAULT_KV_MEMORY = 4 * 1024**3  # at most, without --kv-cache-memory
+_CPU_DEFAULT_KV_SEQS = 32  # …and no more than this many sequences of max_model_len need
+
+
+@dataclass(frozen=True)
+class ShardInputs:
+    """What a rank needs to know to build its part (plain data: sent to worker processes)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    model_dir: str
+    spec: ModelSpec
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+    window: int | None
+    attention_sinks: int
+
+
+def select_kernels(
+    choice: str, device: torch.device, spec: ModelSpec, block_size: int, window, sinks: int
+) -> tuple[TorchPagedAttention, TorchOps]:
+    """Attention backend and element-wise ops for ``attention_backend`` ``choice``.
+
+    ``cpu`` (and ``auto`` on a CPU device) uses the C++ kernels: paged attention (for head
+    dims it is built for) and the fused RMSNorm/RoPE/SiLU ops.
+    """
+    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
+        return TorchPagedAttention(block_size), TorchOps()
+    if device.type != "cpu":
+        raise EngineError("attention_backend 'cpu' needs device cpu")
+    if not load_cpu_kernels():
+        if choice == "cpu":
+            raise EngineError("attention_backend 'cpu': the C++ kernels failed to build")
+        return TorchPagedAttention(block_size), TorchOps()
+    if spec.head_dim in CPU_KERNEL_HEAD_DIMS:
+        return CpuPagedAttention(block_size, window, sinks), CpuKernelOps()
+    if choice == "cpu":
+        raise EngineError(
+            f"attention_backend 'cpu' supports head_dim {CPU_KERNEL_HEAD_DIMS}, "
+            f"the model has {spec.head_dim}"
+        )
+    return TorchPagedAttention(block_size), CpuKernelOps()
+
+
+class ShardBuilder:
+    """Loads this rank's model on ``device``; ``num_blocks`` and ``allocate`` size and make
+    its KV cache (call ``allocate`` once, with the engine's block count)."""
+
+    def __init__(self, inp: ShardInputs, device: torch.device, tp: TPGroup | None = None):
+        self.inp = inp
+        self.device = device
+        plan = tp.plan if tp is not None else ShardPlan.single(inp.spec)
+        cache = inp.cache_config
+        self.backend, ops = select_kernels(
+            inp.model_config.attention_backend,
+            device,
+            inp.spec,
+            cache.block_size,
+            inp.window,
+            inp.attention_sinks,
+        )
+        self.model: LlamaForCausalLM = load_model(
+            inp.model_dir, inp.spec, inp.dtype, device, self.backend, ops, inp.max_model_len, tp
+        )
+        if inp.model_config.attention_backend != "torch":
+            prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
+        self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype)
+        self.kv_spec = KVCacheSpec.for_format(
+            inp.spec.num_layers, plan.num_kv_heads, inp.spec.head_dim, self.kv_format,
+            cache.block_size,
+        )  # fmt: skip
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters and buffers (packed copies included)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+
+    def num_blocks(self) -> int:
+        """How many KV blocks this rank can hold."""
+        mem = self.inp.cache_config.kv_cache_memory
+        if mem is None:
+            mem = self._profile_cuda_memory() if self.device.type == "cuda" else None
+        if mem is None:  # CPU: a small model gets a small cache, not 4 GiB of zeroed pages
+            need = _CPU_DEFAULT_KV_SEQS * self.inp.max_model_len * self.kv_spec.bytes_per_token
+            mem = min(_CPU_DEFAULT_KV_MEMORY, need + self.kv_spec.bytes_per_block)
+        blocks = self.kv_spec.num_blocks_for(mem)
+        if blocks <= 0:
+            raise EngineError(
+                f"kv_cache_memory {format_size(mem)} is smaller than one KV block "
+                f"({format_size(self.kv_spec.bytes_per_block)})"
+            )
+        return blocks
+
+    def allocate(self, num_blocks: int) -> list:
+        """Per-layer caches; fp8 caches get the checkpoint's scales or calibrate."""
+        caches = self.kv_spec.allocate(num_blocks, self.device, self.kv_format)
+        if self.kv_format.scale == "head":
+            scales = load_kv_scales(self.inp.model_dir, self.inp.spec.num_layers)
+            calibrate = self.inp.cache_config.calculate_kv_scales
+            for i, cache in enumerate(caches):
+                if scales is not None:
+                    k, v = scales[i]
+                    cache.set_head_scales(torch.tensor(k), torch.tensor(v))
+                cache.calibrating = calibrate
+            logger.info(
+                "fp8 KV scales: %s",
+                "calibrated on the first forward pass"
+                if calibrate
+                else ("from the checkpoint" if scales is not None else "1.0"),
+            )
+        return caches
+
+    def _profile_cuda_memory(self) -> int:
+        """Bytes left for KV after a max-size forward pass, under gpu_memory_utilization."""
+        n = min(self.inp.max_num_batched_tokens, self.inp.max_model_len)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        caches = self.kv_spec.allocate(
+            cdiv(n, self.kv_spec.block_size), self.device, self.kv_format
+        )
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=pos.clone(),
+            max_position=n - 1,
+            prefills=[PrefillChunk(0, n, n, None, None)],
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, caches, meta)
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.inp.cache_config.gpu_memory_utilization) - peak

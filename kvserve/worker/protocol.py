@@ -1,0 +1,88 @@
+"""Messages between the engine core and its tensor-parallel worker processes.
+
+The engine publishes one message per step to every rank (``WorkerStep``, on a ZeroMQ
+XPUB socket; pickled, since steps carry tensors); ranks answer on one PULL socket: rank 0
+with the step's ``StepDone`` (sampled tokens), any rank with ``WorkerFailed`` before it
+exits. Start-up: every rank loads its shard and sends ``WorkerReady`` (its block capacity
+and weight bytes); the engine publishes ``InitCache`` with the smallest capacity, each
+rank allocates and answers ``CacheReady``. ``Shutdown`` ends the workers (exit 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.worker.model_runner import StepResult
+
+STORE_PREFIX = "kvserve/"  # keys the engine core sets in the rendezvous store
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """How one rank finds the others: the rendezvous store at ``host:port`` (the engine
+    core serves it), its global ``rank`` of ``world_size``, its ``local_rank`` of
+    ``local_world`` on this machine (which cores or GPU it takes)."""
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world: int
+    timeout: float
+    die_with_parent: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    rank: int
+    pid: int
+    hostname: str
+    num_blocks: int  # KV blocks this rank can hold
+    weight_bytes: int
+    kv_bytes_per_block: int
+    dense_masks: bool  # whether its attention backend reads dense masks
+
+
+@dataclass(frozen=True)
+class InitCache:
+    num_blocks: int
+    swap: bool  # keep host copies for swap preemption
+
+
+@dataclass(frozen=True)
+class CacheReady:
+    rank: int
+
+
+@dataclass
+class StepDone:
+    """Rank 0's answer to a ``WorkerStep``: its result (None without inputs) and the
+    requests whose KV it holds host copies of (for ``check_integrity``)."""
+
+    result: StepResult | None
+    swap_held: set[str]
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    rank: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+def loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def device_for(local_rank: int) -> torch.device:
+    """A rank's device: ``cuda:<local_rank>`` when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
