@@ -169,14 +169,14 @@ def test_shard_plans():
     assert [(p.kv_head_start, p.num_kv_heads, p.q_head_start) for p in plans] == [
         (0, 1, 0), (0, 1, 1), (0, 1, 2), (0, 1, 3)
     ]  # fmt: skip
-    with pytest.raises(ShardingError, match="3 KV heads and 9 query heads.*try 1, 2, 3"):
+    with pytest.raises(ShardingError, match=r"3 KV heads and 9 query heads.*try 1, 2, 3"):
         check_shardable(smol, 4)
 
 
 def test_unshardable_and_unsupported_configs_are_refused_at_start(model_dirs, tmp_path):
     with pytest.raises(EngineError, match="2 KV heads and 4 query heads"):
         make_engine(model_dirs["llama"], tensor_parallel_size=3)
-    with pytest.raises(EngineError, match="--kv-store.*not supported yet"):
+    with pytest.raises(EngineError, match=r"--kv-store.*not supported yet"):
         make_engine(
             model_dirs["llama"], tensor_parallel_size=2, kv_store=(f"file://{tmp_path}",)
         )
