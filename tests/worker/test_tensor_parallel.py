@@ -177,9 +177,7 @@ def test_unshardable_and_unsupported_configs_are_refused_at_start(model_dirs, tm
     with pytest.raises(EngineError, match="2 KV heads and 4 query heads"):
         make_engine(model_dirs["llama"], tensor_parallel_size=3)
     with pytest.raises(EngineError, match=r"--kv-store.*not supported yet"):
-        make_engine(
-            model_dirs["llama"], tensor_parallel_size=2, kv_store=(f"file://{tmp_path}",)
-        )
+        make_engine(model_dirs["llama"], tensor_parallel_size=2, kv_store=(f"file://{tmp_path}",))
     with pytest.raises(ValueError, match="not a multiple of nnodes"):
         make_engine(model_dirs["llama"], tensor_parallel_size=3, nnodes=2)
 

@@ -1,0 +1,113 @@
+"""``kvserve serve --tensor-parallel-size 2``: the official openai client gets the text one
+rank gives; a SIGKILLed rank fails the stream in flight, /health answers 503 and the
+server exits non-zero, all within bounded times (nothing hangs in a collective)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from server_proc import ServerProcess, wait_until
+
+from kvserve import LLM, SamplingParams
+
+FLAGS = ("--dtype", "float32", "--kv-cache-memory", "8MiB", "--max-model-len", "256")
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _ranks(server_pid: int) -> list[int]:
+    def is_rank(pid: int) -> bool:
+        try:
+            return b"kvserve.worker.worker_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    return [p for p in _children(server_pid) if is_rank(p)]
+
+
+def _alive(pid: int) -> bool:
+    """Running (not exited, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return -1  # the server is gone
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_serve_tp2_answers_and_fails_fast_on_a_dead_rank(llama_dir, tmp_path, victim):
+    messages = [{"role": "user", "content": "tell me about caches"}]
+    offline = LLM(str(llama_dir), dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    offline.close()
+    proc = ServerProcess(llama_dir, *FLAGS, "--tensor-parallel-size", "2", log=tmp_path / "s.log")
+    try:
+        proc.wait_ready(180)
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        got = client.chat.completions.create(
+            model=str(llama_dir), messages=messages, temperature=0, max_tokens=24
+        )
+        assert got.choices[0].message.content == want[0].outputs[0].text
+        ranks = _ranks(proc.proc.pid)
+        assert len(ranks) == 2, ranks
+        # a long stream in flight when the rank dies ends with an error, not a hang
+        outcome: dict[str, object] = {}
+        first = threading.Event()
+
+        def stream() -> None:
+            try:
+                s = client.chat.completions.create(
+                    model=str(llama_dir), messages=messages, max_tokens=240, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                for _ in s:
+                    first.set()
+                outcome["end"] = "finished"
+            except Exception as e:  # the server's error event or a closed connection
+                outcome["end"] = type(e).__name__
+            first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        os.kill(sorted(ranks)[victim], signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive() and outcome["end"] != "finished"
+        wait_until(lambda: _health(proc.url) != 200, 30, "unhealthy after a rank died")
+        assert proc.proc.wait(60) != 0
+        wait_until(lambda: not any(map(_alive, ranks)), 30, "no rank left behind")
+    finally:
+        proc.stop(timeout=10)
