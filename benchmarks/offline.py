@@ -72,6 +72,7 @@ def worker_kvserve(a: argparse.Namespace) -> dict:
         kv_cache_memory="2GiB",
         max_model_len=a.input_len + a.output_len,
         max_num_batched_tokens=a.max_num_batched_tokens,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
     ps = prompts(a.num_prompts, a.input_len, SMOL["vocab_size"], a.seed)
     llm.generate(ps[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -98,9 +99,17 @@ def worker_kvserve(a: argparse.Namespace) -> dict:
             decode_s += dt
             decode_steps += 1
     elapsed = time.perf_counter() - start
+    tp = a.tensor_parallel_size
+    model = engine.model  # None under tensor parallelism (the ranks hold it)
+    backend = "ranks" if model is None else type(model.layers[0].self_attn.backend).__name__
+    llm.close()
     return {
-        "engine": "kvserve",
-        "attention_backend": type(engine.runner.model.layers[0].self_attn.backend).__name__,
+        "engine": "kvserve" if tp == 1 else f"kvserve-tp{tp}",
+        "attention_backend": backend,
+        "tensor_parallel_size": tp,
+        # rank 0's seconds inside all-reduce/gather (waiting for the other rank included)
+        "collective_s": getattr(engine.runner, "comm_seconds", 0.0),
+        "forward_s": engine.forward_seconds,
         "elapsed_s": elapsed,
         "output_tokens": n_out,
         "output_tok_s": n_out / elapsed,
@@ -161,6 +170,9 @@ def run_worker(name: str, a: argparse.Namespace) -> dict:
     if name == "vllm":
         return run_vllm(a)
     env = dict(os.environ)
+    tp = 1
+    if name.startswith("kvserve-tp"):  # this tree's kvserve over N tensor-parallel ranks
+        tp, name = int(name.removeprefix("kvserve-tp")), "kvserve"
     if name == "baseline":  # kvserve from another checkout (a git worktree of an older commit)
         if not a.baseline:
             raise SystemExit("engine 'baseline' needs --baseline PATH")
@@ -168,6 +180,7 @@ def run_worker(name: str, a: argparse.Namespace) -> dict:
         name = "kvserve"
     cmd = [sys.executable, __file__, "--worker", name, "--model-dir", str(a.model_dir)]
     cmd += [*_workload_flags(a), "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+    cmd += ["--tensor-parallel-size", str(tp)]
     tcmalloc = None if a.no_tcmalloc else find_tcmalloc()
     if tcmalloc:  # the same allocator vLLM's runs get (peer_vllm.py preloads it)
         env["LD_PRELOAD"] = f"{tcmalloc} {env.get('LD_PRELOAD', '')}".strip()
@@ -226,7 +239,12 @@ def _cpu_name() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--worker", choices=["kvserve", "hf"])
-    p.add_argument("--engines", default="kvserve,vllm,hf", help="of kvserve, baseline, vllm, hf")
+    p.add_argument(
+        "--engines",
+        default="kvserve,vllm,hf",
+        help="of kvserve, kvserve-tpN (N ranks), baseline, vllm, hf",
+    )
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument(
         "--baseline",
         help="a kvserve checkout (e.g. `git worktree add /tmp/old REF`) run as engine "
@@ -310,6 +328,12 @@ def main() -> None:
             summary["kvserve"]["median_output_tok_s"] / summary["baseline"]["median_output_tok_s"]
         )
         print(f"kvserve / baseline ({a.baseline}) = {ratio:.2f}x")
+    for e, s in summary.items():
+        if e.startswith("kvserve-tp") and "kvserve" in summary:
+            r = s["runs"][len(s["runs"]) // 2]
+            ratio = s["median_output_tok_s"] / summary["kvserve"]["median_output_tok_s"]
+            share = r["collective_s"] / max(r["forward_s"], 1e-9)
+            print(f"{e} / kvserve = {ratio:.2f}x; collectives {share:.0%} of rank 0's step")
     print(json.dumps(roof, indent=2))
 
 

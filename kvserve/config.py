@@ -364,9 +364,7 @@ class EngineArgs:
         serve=True,
     )
     nnodes: int = _arg(1, "machines the tensor-parallel ranks span", serve=True)
-    node_rank: int = _arg(
-        0, "this machine's index (0 runs the engine and API server)", serve=True
-    )
+    node_rank: int = _arg(0, "this machine's index (0 runs the engine and API server)", serve=True)
     distributed_timeout: float = _arg(120.0, "seconds before a collective gives up")
 
     def model_config(self) -> ModelConfig:

@@ -1,7 +1,8 @@
 """C++ CPU kernels, compiled on first use with the local compiler and cached by torch.
 
 ``load_cpu_kernels()`` returns True when ``torch.ops.kvserve`` has the paged attention
-(decode and prefill rows) and the fused element-wise ops (RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE).
+(decode and prefill rows), the fused element-wise ops (RMSNorm, add+RMSNorm, SiLU-and-mul,
+RoPE) and the shared-memory collectives of local tensor-parallel ranks.
 A machine without a working compiler/ninja gets False (and a logged reason); callers then
 fall back to the portable PyTorch path.
 
@@ -27,10 +28,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [CSRC / n for n in ("paged_attention.cpp", "fused_ops.cpp")]
+_SOURCES = [CSRC / n for n in ("paged_attention.cpp", "fused_ops.cpp", "shm_comm.cpp")]
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
-_OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope")
+_OPS = (
+    "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
+    "shm_all_reduce", "shm_gather",
+)  # fmt: skip
 
 
 def build_name() -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -56,6 +57,12 @@ STARTUP_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes a while
 _MARGIN_S = 30.0  # beyond the collective timeout, for a step's answer
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def start_ranks(config: ParallelConfig, host: str, port: int) -> list[subprocess.Popen]:
     """Start this node's ranks (``node_rank * ranks_per_node`` …) as processes
     (``python -m kvserve.worker.worker_proc``; they die with this process)."""
@@ -78,6 +85,7 @@ class MultiprocExecutor:
         self.builder: InputBuilder | None = None  # set by start_cache
         self.procs: list[subprocess.Popen] = []
         self._held: set[str] = set()
+        self.comm_seconds = 0.0  # rank 0's time in collectives, after the last step
         self._closed = False
         # rank 0 has the most KV heads (uneven splits give the first ranks one more)
         plan = ShardPlan.for_rank(inp.spec, 0, self.size)
@@ -107,6 +115,13 @@ class MultiprocExecutor:
         reach = host if config.nnodes > 1 else "127.0.0.1"
         steps = self._bind(self._pub, bind, reach)
         results = self._bind(self._pull, bind, reach)
+        self._shm_path = None
+        if config.nnodes == 1 and inp.model_config.device in ("auto", "cpu") and not _cuda():
+            from kvserve.worker import shm
+
+            capacity = shm.capacity_for(inp.max_num_batched_tokens, inp.spec.hidden_size)
+            self._shm_path = shm.create(self.size, capacity)
+            self.store.set(STORE_PREFIX + "shm", f"{self._shm_path}|{capacity}")
         self.store.set(STORE_PREFIX + "shard_inputs", pickle.dumps(inp))
         self.store.set(STORE_PREFIX + "results", results)
         self.store.set(STORE_PREFIX + "steps", steps)
@@ -117,6 +132,7 @@ class MultiprocExecutor:
         except BaseException:
             self.close()
             raise
+        self._unlink_shm()  # every rank has mapped it
         self.num_blocks = min(r.num_blocks for r in self.ready)
         self.dense_masks = self.ready[0].dense_masks
         self.weight_bytes = [r.weight_bytes for r in self.ready]
@@ -127,6 +143,12 @@ class MultiprocExecutor:
             config.nnodes,
             ", ".join(format_size(b) for b in self.weight_bytes),
         )
+
+    def _unlink_shm(self) -> None:
+        if self._shm_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._shm_path)
+            self._shm_path = None
 
     @staticmethod
     def _bind(sock: zmq.Socket, bind: str, reach: str) -> str:
@@ -172,6 +194,7 @@ class MultiprocExecutor:
             msg = self._recv(deadline, "answering a step")
             if isinstance(msg, StepDone):
                 self._held = msg.swap_held
+                self.comm_seconds = msg.comm_seconds
                 return msg.result
 
     def swap_held(self) -> set[str]:
@@ -227,6 +250,7 @@ class MultiprocExecutor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5.0)
+        self._unlink_shm()
         self._pub.close(0)
         self._pull.close(0)
         self._ctx.term()

@@ -17,19 +17,23 @@ once. ``ShardPlan.for_rank`` raises ``ShardingError`` with the numbers for a sha
 cannot be split (more ranks than query heads, KV heads neither a multiple nor a divisor
 of N).
 
-``TPGroup`` wraps the ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA)
-whose timeout bounds every collective: a dead peer is an error, never a hang.
+``TPGroup`` runs the collectives: over a shared-memory segment for CPU ranks of one
+machine (``worker.shm``, ~100x faster than gloo over loopback), else over the
+``torch.distributed`` process group (gloo on CPU, NCCL on CUDA). Either way a timeout
+bounds every collective: a dead peer is an error, never a hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from kvserve.model.spec import ModelSpec
+from kvserve.worker.shm import ShmChannel
 
 
 class ShardingError(ValueError):
@@ -192,22 +196,40 @@ def _sizes_that_fit(spec: ModelSpec, up_to: int) -> list[int]:
 class TPGroup:
     """This rank's view of the tensor-parallel group (``torch.distributed`` initialized)."""
 
-    def __init__(self, plan: ShardPlan, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        plan: ShardPlan,
+        group: dist.ProcessGroup | None = None,
+        shm: ShmChannel | None = None,
+    ):
         self.plan = plan
         self.rank, self.size = plan.rank, plan.size
         self.group = group
+        self.shm = shm  # ranks of one machine on CPU: shared memory instead of gloo
+        self.comm_seconds = 0.0  # inside collectives (waiting for peers included)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
-        dist.all_reduce(x, group=self.group)
+        t = time.perf_counter()
+        if self.shm is not None:
+            self.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=self.group)
+        self.comm_seconds += time.perf_counter() - t
         return x
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``[rows, vocab_shard]`` logits → ``[rows, vocab]`` on rank 0; None
         on the other ranks."""
-        if self.rank == 0:
-            parts = [torch.empty_like(local) for _ in range(self.size)]
-            dist.gather(local.contiguous(), parts, dst=0, group=self.group)
-            return torch.cat(parts, dim=-1)[..., : self.plan.vocab_size]
-        dist.gather(local.contiguous(), None, dst=0, group=self.group)
-        return None
+        t = time.perf_counter()
+        local = local.contiguous()
+        if self.shm is not None:
+            stacked = self.shm.gather(local)
+            parts = None if stacked is None else list(stacked.unbind(0))
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+            dist.gather(local, parts, dst=0, group=self.group)
+        self.comm_seconds += time.perf_counter() - t
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=-1)[..., : self.plan.vocab_size]

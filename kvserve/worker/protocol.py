@@ -64,6 +64,7 @@ class StepDone:
 
     result: StepResult | None
     swap_held: set[str]
+    comm_seconds: float  # rank 0's time inside collectives so far
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.worker.loading import ShardBuilder, ShardInputs
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.parallel import ShardPlan, TPGroup
@@ -46,6 +47,7 @@ from kvserve.worker.protocol import (
     device_for,
     loopback,
 )
+from kvserve.worker.shm import ShmChannel
 from kvserve.worker.swap import HostSwap
 
 logger = logging.getLogger("kvserve")
@@ -100,7 +102,12 @@ def worker_main(wa: WorkerArgs) -> None:
             world_size=wa.world_size,
             timeout=timeout,
         )
-        tp = TPGroup(ShardPlan.for_rank(inp.spec, wa.rank, wa.world_size))
+        shm = None
+        # every rank of one machine decides alike: the same segment, the same kernels
+        if device.type == "cpu" and store.check([STORE_PREFIX + "shm"]) and load_cpu_kernels():
+            path, capacity = store.get(STORE_PREFIX + "shm").decode().rsplit("|", 1)
+            shm = ShmChannel.open(path, wa.rank, wa.world_size, int(capacity), wa.timeout)
+        tp = TPGroup(ShardPlan.for_rank(inp.spec, wa.rank, wa.world_size), shm=shm)
         torch.manual_seed(inp.model_config.seed)
         shard = ShardBuilder(inp, device, tp)
         ready = WorkerReady(
@@ -149,7 +156,8 @@ def _loop(wa: WorkerArgs, store, sub: zmq.Socket, push: zmq.Socket, shard: Shard
         assert runner is not None, "a step before InitCache"
         result = runner.execute(msg)
         if wa.rank == 0:
-            push.send(pickle.dumps(StepDone(result, runner.swap_held())))
+            comm = shard.model.tp.comm_seconds if shard.model.tp is not None else 0.0
+            push.send(pickle.dumps(StepDone(result, runner.swap_held(), comm)))
 
 
 def main(argv: list[str] | None = None) -> None:
