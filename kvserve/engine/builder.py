@@ -18,6 +18,7 @@ from kvserve.engine.errors import EngineError
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import KVOffloader
+from kvserve.kv.quant import kv_format
 from kvserve.kv.swap import SwapSpace
 from kvserve.model.gguf import resolve_model
 from kvserve.model.llama import LlamaForCausalLM
@@ -141,7 +142,7 @@ class EngineBuilder:
         inputs_device = self.device if executor is None else torch.device("cpu")
         inputs = InputBuilder(self.kv, inputs_device, self.window, self.attention_sinks, dense)
         if executor is not None:
-            executor.start_cache(num_blocks, swap_on, inputs)
+            executor.start_cache(num_blocks, swap_on, inputs, bool(args.store_config().urls))
             self.runner: ModelRunner | MultiprocExecutor = executor
         else:
             assert shard is not None and self.model is not None
@@ -187,15 +188,28 @@ class EngineBuilder:
             store_config.urls,
             write_policy=store_config.write_policy,
             queue_size=store_config.queue_size,
-            namespace=f"{self.model_fingerprint[:16]}-{self.kv_format.name}-bs{self.kv.block_size}",
+            namespace=self._namespace(),
         )
         logger.info("KV store tiers: %s", " → ".join(t.name for t in store.tiers))
-        self.runner.kv_transfer = KVTransfer(
-            self.runner.kv_caches, self.kv.block_size, self.model_fingerprint, self.kv_format.name
-        )
-        return KVOffloader(
-            store, self.kv, self.runner.kv_transfer.block_format, store_config.session_ttl
-        )
+        if isinstance(self.runner, MultiprocExecutor):  # the ranks' shards, concatenated
+            self.runner.enable_store(self.model_fingerprint, self.kv_format.name)
+            block_format = self.runner.block_format
+        else:
+            self.runner.kv_transfer = KVTransfer(
+                self.runner.kv_caches,
+                self.kv.block_size,
+                self.model_fingerprint,
+                self.kv_format.name,
+            )
+            block_format = self.runner.kv_transfer.block_format
+        return KVOffloader(store, self.kv, block_format, store_config.session_ttl)
+
+    def _namespace(self) -> str:
+        """The store's key prefix: model, KV format, block size (and TP size above 1:
+        a block stored at another tensor-parallel size is a miss, not a misread)."""
+        tp = self.parallel.tensor_parallel_size
+        base = f"{self.model_fingerprint[:16]}-{self.kv_format.name}-bs{self.kv.block_size}"
+        return base if tp == 1 else f"{base}-tp{tp}"
 
     def _replicator(self, args: EngineArgs):
         config = args.replication_config()
@@ -239,10 +253,11 @@ class EngineBuilder:
             check_shardable(self.spec, self.parallel.tensor_parallel_size)
         except ShardingError as e:
             raise EngineError(str(e)) from None
-        if args.store_config().urls or args.cluster:
+        fmt = kv_format(self.cache_config.kv_cache_dtype, self.dtype)
+        if args.store_config().urls and fmt.scale == "head":
             raise EngineError(
-                "--tensor-parallel-size > 1 with --kv-store or --cluster is not supported yet "
-                "(each rank holds a shard of every block; stored blocks are whole)"
+                "--tensor-parallel-size > 1 with an fp8 KV cache and --kv-store (or --cluster) "
+                "is not supported yet (per-head scales differ by rank); use int8 or bf16 KV"
             )
 
     # ---- capacity -------------------------------------------------------------------

@@ -28,14 +28,18 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import zmq
 
 from kvserve.config import ParallelConfig, host_port
 from kvserve.engine.errors import EngineError
 from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.offload import KVSave
 from kvserve.kv.quant import kv_format
 from kvserve.sched.scheduler import SchedulerOutput
+from kvserve.store import serde
+from kvserve.store.tiered import TieredStore
 from kvserve.utils import format_size
 from kvserve.worker.inputs import InputBuilder, WorkerStep
 from kvserve.worker.loading import ShardInputs
@@ -45,6 +49,8 @@ from kvserve.worker.protocol import (
     STORE_PREFIX,
     CacheReady,
     InitCache,
+    SaveBlocks,
+    SavedRows,
     Shutdown,
     StepDone,
     WorkerFailed,
@@ -58,8 +64,6 @@ _MARGIN_S = 30.0  # beyond the collective timeout, for a step's answer
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -85,6 +89,8 @@ class MultiprocExecutor:
         self.builder: InputBuilder | None = None  # set by start_cache
         self.procs: list[subprocess.Popen] = []
         self._held: set[str] = set()
+        self._parts: list[tuple] = []  # each rank's block parts (start_cache)
+        self._store_names = ("", "")  # enable_store
         self.comm_seconds = 0.0  # rank 0's time in collectives, after the last step
         self._closed = False
         # rank 0 has the most KV heads (uneven splits give the first ranks one more)
@@ -170,17 +176,58 @@ class MultiprocExecutor:
                 ready[msg.rank] = msg
         return [ready[r] for r in range(self.size)]
 
-    def start_cache(self, num_blocks: int, swap: bool, builder: InputBuilder) -> None:
-        """Every rank allocates ``num_blocks`` KV blocks (and a host swap when ``swap``);
-        returns when all have."""
+    def start_cache(
+        self, num_blocks: int, swap: bool, builder: InputBuilder, store: bool = False
+    ) -> None:
+        """Every rank allocates ``num_blocks`` KV blocks (and a host swap when ``swap``,
+        and moves blocks to and from a KV store when ``store``); returns when all have."""
         self.builder = builder
-        self._send(InitCache(num_blocks, swap))
-        done: set[int] = set()
+        self._send(InitCache(num_blocks, swap, store))
+        parts: dict[int, tuple] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(done) < self.size:
+        while len(parts) < self.size:
             msg = self._recv(deadline, "allocating their KV caches")
             if isinstance(msg, CacheReady):
-                done.add(msg.rank)
+                parts[msg.rank] = msg.parts
+        self._parts = [parts[r] for r in range(self.size)]
+
+    # ---- the KV store -----------------------------------------------------------------
+    def enable_store(self, model_fingerprint: str, kv_dtype: str) -> None:
+        """Name the stored blocks' model and KV dtype (``block_format``)."""
+        self._store_names = (model_fingerprint, kv_dtype)
+
+    def block_format(self) -> serde.BlockFormat:
+        """How a stored block looks under this tensor-parallel size: per layer the parts
+        of every rank (the payload is the ranks' shards in rank order); the KV dtype names
+        the size, so a block stored at another size is a clean miss."""
+        model_fingerprint, kv_dtype = self._store_names
+        parts = tuple(p for rank_parts in self._parts for p in rank_parts)
+        return serde.BlockFormat(
+            model_fingerprint,
+            f"{kv_dtype}/tp{self.size}",
+            self.kv_spec.block_size,
+            self.kv_spec.num_layers,
+            parts,
+        )
+
+    def save_blocks(self, saves: list[KVSave], store: TieredStore) -> int:
+        """Collect every rank's shard of ``saves``' blocks, serialize, store (one batch);
+        returns their count."""
+        if not saves:
+            return 0
+        self._send(SaveBlocks([s.block for s in saves]))
+        rows: dict[int, torch.Tensor] = {}
+        deadline = time.monotonic() + self._timeout + _MARGIN_S
+        while len(rows) < self.size:
+            msg = self._recv(deadline, "sending blocks to the KV store")
+            if isinstance(msg, SavedRows):
+                rows[msg.rank] = msg.rows
+        whole = torch.cat([rows[r] for r in range(self.size)], dim=1)
+        fmt = self.block_format()
+        store.put(
+            [(s.key, serde.encode(fmt, s.key, whole[j], s.tokens)) for j, s in enumerate(saves)]
+        )
+        return len(saves)
 
     # ---- steps ------------------------------------------------------------------------
     def step(self, out: SchedulerOutput) -> StepResult | None:

@@ -46,6 +46,7 @@ class KVTransfer:
             for v in self._views[:parts_per_layer]
         )
         self._base = (model_fingerprint, kv_dtype, block_size, len(caches), parts)
+        self.row_slice: tuple[int, int] | None = None  # (offset, bytes) under TP
 
     def block_format(self) -> serde.BlockFormat:
         digest = None
@@ -56,34 +57,44 @@ class KVTransfer:
             digest = h.hexdigest()
         return serde.BlockFormat(*self._base, scales_digest=digest)
 
-    def save(self, saves: list[KVSave], store: TieredStore) -> int:
-        """Serialize and store ``saves``; returns how many blocks were offered."""
-        if not saves:
-            return 0
-        fmt = self.block_format()
-        n = len(saves)
-        idx = torch.tensor([s.block for s in saves], device=self._views[0].device)
-        # one row of payload bytes per block: every layer's parts, layer-major (serde.pack)
-        rows = torch.cat(
+    @property
+    def parts(self) -> tuple:
+        """Per layer: (dtype name, shape) of each tensor part of one block."""
+        return self._base[4]
+
+    def rows(self, blocks: list[int]) -> torch.Tensor:
+        """One row of payload bytes per block ``[n, payload bytes]`` uint8 on the host:
+        every layer's parts, layer-major (``serde.pack``)."""
+        n = len(blocks)
+        idx = torch.tensor(blocks, device=self._views[0].device)
+        return torch.cat(
             [
                 v.index_select(1, idx).transpose(0, 1).contiguous().view(torch.uint8).reshape(n, -1)
                 for v in self._views
             ],
             dim=1,
         ).cpu()
+
+    def save(self, saves: list[KVSave], store: TieredStore) -> int:
+        """Serialize and store ``saves``; returns how many blocks were offered."""
+        if not saves:
+            return 0
+        fmt = self.block_format()
+        rows = self.rows([s.block for s in saves])
         store.put(
             [(s.key, serde.encode(fmt, s.key, rows[j], s.tokens)) for j, s in enumerate(saves)]
         )
-        return n
+        return len(saves)
 
     def load(self, loads: list[KVLoad]) -> None:
-        """Payload rows ([n, payload bytes]) of each load into its device blocks."""
+        """Payload rows ([n, payload bytes]) of each load into its device blocks; with
+        ``row_slice`` (a tensor-parallel rank) only those bytes of each row are its."""
         for ld in loads:
             n = ld.rows.shape[0]
             if not n:
                 continue
             idx = torch.tensor(ld.blocks[:n], device=self._views[0].device)
-            offset = 0
+            offset = self.row_slice[0] if self.row_slice is not None else 0
             for view in self._views:
                 shape = (n, 2, *view.shape[2:])
                 size = view[:, :1].numel() * view.element_size()  # bytes of one block

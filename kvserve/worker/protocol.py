@@ -5,7 +5,9 @@ XPUB socket; pickled, since steps carry tensors); ranks answer on one PULL socke
 with the step's ``StepDone`` (sampled tokens), any rank with ``WorkerFailed`` before it
 exits. Start-up: every rank loads its shard and sends ``WorkerReady`` (its block capacity
 and weight bytes); the engine publishes ``InitCache`` with the smallest capacity, each
-rank allocates and answers ``CacheReady``. ``Shutdown`` ends the workers (exit 0).
+rank allocates and answers ``CacheReady``. With a KV store, ``SaveBlocks`` (after a step)
+asks every rank for its shard of some blocks (``SavedRows``); a stored block is the
+ranks' shards concatenated in rank order. ``Shutdown`` ends the workers (exit 0).
 """
 
 from __future__ import annotations
@@ -50,11 +52,26 @@ class WorkerReady:
 class InitCache:
     num_blocks: int
     swap: bool  # keep host copies for swap preemption
+    store: bool  # blocks move to and from a KV store (SaveBlocks, WorkerStep.kv_loads)
 
 
 @dataclass(frozen=True)
 class CacheReady:
     rank: int
+    parts: tuple  # per layer, (dtype name, shape) of each part of one block (serde)
+
+
+@dataclass(frozen=True)
+class SaveBlocks:
+    """Every rank answers with ``SavedRows``: its shard of these blocks' bytes."""
+
+    blocks: list[int]
+
+
+@dataclass(frozen=True)
+class SavedRows:
+    rank: int
+    rows: torch.Tensor  # [len(blocks), this rank's payload bytes] uint8
 
 
 @dataclass

@@ -31,14 +31,18 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from kvserve.kv.cache import KVCacheSpec
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.worker.loading import ShardBuilder, ShardInputs
 from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.offload import KVTransfer
 from kvserve.worker.parallel import ShardPlan, TPGroup
 from kvserve.worker.protocol import (
     STORE_PREFIX,
     CacheReady,
     InitCache,
+    SaveBlocks,
+    SavedRows,
     Shutdown,
     StepDone,
     WorkerArgs,
@@ -147,13 +151,20 @@ def _loop(wa: WorkerArgs, store, sub: zmq.Socket, push: zmq.Socket, shard: Shard
             return
         if isinstance(msg, InitCache):
             runner = ModelRunner(shard.model, shard.allocate(msg.num_blocks), shard.device)
+            bs = shard.kv_spec.block_size
             if msg.swap:
-                runner.host_swap = HostSwap(
-                    runner.kv_caches, shard.kv_spec.block_size, shard.kv_spec.bytes_per_block
-                )
-            push.send(pickle.dumps(CacheReady(wa.rank)))
+                runner.host_swap = HostSwap(runner.kv_caches, bs, shard.kv_spec.bytes_per_block)
+            transfer = KVTransfer(runner.kv_caches, bs, "", "")
+            if msg.store:
+                transfer.row_slice = _row_slice(shard, wa.rank, wa.world_size)
+                runner.kv_transfer = transfer
+            push.send(pickle.dumps(CacheReady(wa.rank, transfer.parts)))
             continue
         assert runner is not None, "a step before InitCache"
+        if isinstance(msg, SaveBlocks):
+            assert runner.kv_transfer is not None
+            push.send(pickle.dumps(SavedRows(wa.rank, runner.kv_transfer.rows(msg.blocks))))
+            continue
         result = runner.execute(msg)
         if wa.rank == 0:
             comm = shard.model.tp.comm_seconds if shard.model.tp is not None else 0.0
@@ -165,6 +176,21 @@ def main(argv: list[str] | None = None) -> None:
     TIMEOUT``: how ``worker.executor.start_ranks`` starts a rank."""
     a = sys.argv[1:] if argv is None else argv
     worker_main(WorkerArgs(a[0], int(a[1]), *map(int, a[2:6]), float(a[6])))
+
+
+def _row_slice(shard: ShardBuilder, rank: int, world: int) -> tuple[int, int]:
+    """(offset, bytes) of this rank's shard in a stored block's payload row: the ranks'
+    shards in rank order, each ``bytes_per_block`` of its KV heads."""
+    spec, kv = shard.inp.spec, shard.kv_spec
+    sizes = [
+        KVCacheSpec.for_format(
+            spec.num_layers, ShardPlan.for_rank(spec, q, world).num_kv_heads, spec.head_dim,
+            shard.kv_format, kv.block_size,
+        ).bytes_per_block
+        for q in range(world)
+    ]  # fmt: skip
+    assert sizes[rank] == kv.bytes_per_block
+    return sum(sizes[:rank]), sizes[rank]
 
 
 if __name__ == "__main__":

@@ -91,9 +91,13 @@ def test_preemption_under_tp(model_dirs, mode):
     assert got == ref
 
 
-def test_int8_kv_under_tp(model_dirs):
-    ref, _ = _run(model_dirs["qwen2"], 1, kv_cache_dtype="int8", **F32)
-    got, _ = _run(model_dirs["qwen2"], 2, kv_cache_dtype="int8", **F32)
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_kv_under_tp(model_dirs, kv):
+    """int8 (per-token scales) and fp8 (per-head scales calibrated on the first batch):
+    each rank quantizes its own heads as one rank quantizes all."""
+    kw = dict(kv_cache_dtype=kv, calculate_kv_scales=kv == "fp8", **F32)
+    ref, _ = _run(model_dirs["qwen2"], 1, **kw)
+    got, _ = _run(model_dirs["qwen2"], 2, **kw)
     assert got == ref
 
 
@@ -173,11 +177,37 @@ def test_shard_plans():
         check_shardable(smol, 4)
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_kv_store_under_tp(model_dirs, tmp_path, kv):
+    """A restarted TP=2 engine restores the prefixes from the file tier (each stored block
+    holds both ranks' shards) with TP=1's tokens; a TP=1 engine on the same store finds
+    nothing (a block stored at another TP size is a miss, never misread)."""
+    model, url = model_dirs["llama"], f"file://{tmp_path}?capacity=64MiB"
+    kw = dict(kv_cache_dtype=kv, max_num_batched_tokens=32, kv_store=(url,), **F32)
+    ref, _ = _run(model, 1, kv_cache_dtype=kv, **F32)
+    loaded = []
+    for tp in (2, 2, 1):
+        engine = make_engine(model, tensor_parallel_size=tp, **kw)
+        try:
+            got, _ = _waves(engine)
+            engine.offloader.store.flush()
+            loaded.append(engine.offloader.num_loaded_blocks)
+        finally:
+            engine.close()
+        assert got == ref
+    assert loaded[0] == 0 and loaded[1] >= 6 and loaded[2] == 0
+
+
 def test_unshardable_and_unsupported_configs_are_refused_at_start(model_dirs, tmp_path):
     with pytest.raises(EngineError, match="2 KV heads and 4 query heads"):
         make_engine(model_dirs["llama"], tensor_parallel_size=3)
-    with pytest.raises(EngineError, match=r"--kv-store.*not supported yet"):
-        make_engine(model_dirs["llama"], tensor_parallel_size=2, kv_store=(f"file://{tmp_path}",))
+    with pytest.raises(EngineError, match=r"fp8 KV cache and --kv-store.*not supported yet"):
+        make_engine(
+            model_dirs["llama"],
+            tensor_parallel_size=2,
+            kv_cache_dtype="fp8",
+            kv_store=(f"file://{tmp_path}?capacity=1MiB",),
+        )
     with pytest.raises(ValueError, match="not a multiple of nnodes"):
         make_engine(model_dirs["llama"], tensor_parallel_size=3, nnodes=2)
 
