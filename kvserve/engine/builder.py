@@ -263,10 +263,12 @@ class EngineBuilder:
     # ---- capacity -------------------------------------------------------------------
     def _log_capacity(self) -> None:
         tokens = self.kv.capacity_tokens
+        tp = self.parallel.tensor_parallel_size
         logger.info(
-            "KV cache: %d bytes/token, %d blocks × %d tokens = %d tokens (%s, %s); "
+            "KV cache: %d bytes/token%s, %d blocks × %d tokens = %d tokens (%s, %s); "
             "max concurrency at max_model_len %d: %.2fx",
             self.kv_spec.bytes_per_token,
+            "" if tp == 1 else f" on each of {tp} ranks (the fullest rank's shard)",
             self.kv.num_blocks,
             self.kv.block_size,
             tokens,

@@ -231,3 +231,27 @@ def test_capacity_matches_the_planner(model_dirs):
             assert tokens // p.tokens_per_request == p.max_concurrency_per_replica > 0
         finally:
             engine.close()
+
+
+def test_tp_is_batch_invariant_in_bf16(model_dirs):
+    """The determinism rule holds under TP: sampled tokens of a request are the same alone
+    and among others (the shared-memory all-reduce sums elementwise in rank order)."""
+    from kvserve.sampling import SamplingParams
+
+    model = model_dirs["qwen2"]
+    prompts = random_prompts([30, 50, 12, 41, 25, 64], seed=9)
+    engine = make_engine(
+        model, tensor_parallel_size=2, dtype="bfloat16", enable_prefix_caching=False
+    )
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True)
+    try:
+        alone = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(f"s{i}", p, params, seed=i)
+            alone |= run_to_end(engine)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"t{i}", p, params, seed=i)
+        together = run_to_end(engine)
+    finally:
+        engine.close()
+    assert [alone[f"s{i}"] for i in range(6)] == [together[f"t{i}"] for i in range(6)]
