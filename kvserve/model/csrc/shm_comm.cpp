@@ -106,15 +106,21 @@ inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
   return c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
 }
 
+// out = the ranks' parts summed in rank order, in L1-sized tiles of float accumulators
+// (loops over contiguous elements, which the compiler vectorizes).
 template <typename T>
 void reduce_into(T* out, const Segment& s, int64_t parity, int64_t n) {
-  const T* first = reinterpret_cast<const T*>(s.buf(parity, 0));
-  for (int64_t i = 0; i < n; ++i) {
-    float acc = to_f(first[i]);
+  constexpr int64_t kTile = 1024;
+  alignas(64) float acc[kTile];
+  for (int64_t base = 0; base < n; base += kTile) {
+    const int64_t m = std::min(kTile, n - base);
+    const T* first = reinterpret_cast<const T*>(s.buf(parity, 0)) + base;
+    for (int64_t i = 0; i < m; ++i) acc[i] = to_f(first[i]);
     for (int64_t p = 1; p < s.world; ++p) {
-      acc += to_f(reinterpret_cast<const T*>(s.buf(parity, p))[i]);
+      const T* part = reinterpret_cast<const T*>(s.buf(parity, p)) + base;
+      for (int64_t i = 0; i < m; ++i) acc[i] += to_f(part[i]);
     }
-    out[i] = from_f<T>(acc);
+    for (int64_t i = 0; i < m; ++i) out[base + i] = from_f<T>(acc[i]);
   }
 }
 
