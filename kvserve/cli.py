@@ -212,6 +212,7 @@ def _plan(ns: argparse.Namespace) -> int:
         model=ns.model,
         dtype=ns.dtype,
         kv_cache_dtype=ns.kv_cache_dtype,
+        kv_cache_scales=ns.kv_cache_scales,
         concurrency=ns.concurrency,
         context=ns.context,
         output_len=ns.output_len,
@@ -351,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", help="with --usage: write a PNG of distribution and time series")
     pl.add_argument("--dtype", default="bfloat16", help="weight dtype")
     pl.add_argument("--kv-cache-dtype", default="auto", help="as the engine flag")
+    pl.add_argument(
+        "--kv-cache-scales",
+        default="auto",
+        choices=("auto", "token", "head"),
+        help="fp8 scales as the engine flag (auto: token, a model shape has no scales)",
+    )
     pl.add_argument("--concurrency", type=int, default=1, help="requests held at once")
     pl.add_argument("--context", type=int, default=4096, help="prompt tokens per request")
     pl.add_argument("--output-len", type=int, default=0, help="output tokens per request")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.kv.quant import KV_CACHE_DTYPES
+from kvserve.kv.quant import KV_CACHE_DTYPES, KV_CACHE_SCALES
+from kvserve.parallel_config import ParallelConfig, host_port, torchrun_env
 from kvserve.utils import DTYPE_NAMES, parse_size
+
+__all__ = ["ParallelConfig", "host_port"]  # re-exported: one import for every config
 
 PREFIX_CACHE_ISOLATION = ("none", "tenant")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -58,8 +60,11 @@ class CacheConfig:
     ``gpu_memory_utilization`` after a profiling forward pass, and on CPU room for 32
     sequences of ``max_model_len``, at most 4 GiB.
     ``kv_cache_dtype``: ``auto`` (the model dtype), a 16/32-bit float, ``int8`` (per-token
-    scales) or ``fp8``/``fp8_e4m3``/``fp8_e5m2`` (per-head scales; ``calculate_kv_scales``
-    sets them from the first forward pass instead of the checkpoint's or 1.0).
+    scales) or ``fp8``/``fp8_e4m3``/``fp8_e5m2``, whose scales ``kv_cache_scales`` chooses:
+    ``token`` (per token and KV head, as int8), ``head`` (per layer and KV head: the
+    checkpoint's, or 1.0, or with ``calculate_kv_scales`` from the first forward pass);
+    ``auto`` is ``head`` when the checkpoint has scales or they are calculated, else
+    ``token``.
     ``enable_prefix_caching`` shares full blocks between requests with the same prefix;
     ``prefix_cache_isolation`` ``tenant`` shares them only within a tenant.
     ``sliding_window`` (tokens) overrides the model's window, or applies one to any model;
@@ -79,8 +84,14 @@ class CacheConfig:
     sliding_window: int | None = None
     attention_sinks: int | None = None
     swap_space: int = 4 * 1024**3
+    kv_cache_scales: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ValueError(
+                f"kv_cache_scales {self.kv_cache_scales!r} is not one of "
+                f"{', '.join(KV_CACHE_SCALES)}"
+            )
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -107,6 +118,11 @@ class CacheConfig:
             raise ValueError(f"attention_sinks must be non-negative, got {self.attention_sinks}")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales applies to an fp8 kv_cache_dtype only")
+        if self.calculate_kv_scales and self.kv_cache_scales == "token":
+            raise ValueError(
+                "calculate_kv_scales calculates per-head scales: drop it or "
+                "use --kv-cache-scales head"
+            )
 
 
 @dataclass(frozen=True)
@@ -209,69 +225,6 @@ class ReplicationConfig:
             raise ValueError("checkpoint_interval must be >= 0")
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Tensor parallelism: ``tensor_parallel_size`` ranks (worker processes) hold one
-    shard each; with ``nnodes`` > 1 they span machines, ``tensor_parallel_size / nnodes``
-    per node, this one being ``node_rank`` (node 0 runs the engine core and the API
-    server; the others only workers). ``distributed_init_method`` (``tcp://HOST:PORT``) is
-    where node 0 listens for the ranks' rendezvous; default (one node): a free local port,
-    or ``MASTER_ADDR``/``MASTER_PORT`` when set (torchrun's variables; ``NODE_RANK`` /
-    ``GROUP_RANK`` and ``NNODES`` too). Every collective gives up after
-    ``distributed_timeout`` seconds."""
-
-    tensor_parallel_size: int = 1
-    distributed_init_method: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    distributed_timeout: float = 120.0
-
-    def __post_init__(self) -> None:
-        n = self.tensor_parallel_size
-        if n < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} is not in 0..nnodes-1 ({self.nnodes})")
-        if n % self.nnodes:
-            raise ValueError(
-                f"tensor_parallel_size {n} is not a multiple of nnodes {self.nnodes} "
-                "(every node runs the same number of ranks)"
-            )
-        if self.nnodes > 1 and self.distributed_init_method is None:
-            raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT")
-        if self.distributed_init_method is not None:
-            host_port(self.distributed_init_method)  # validates
-        if self.distributed_timeout <= 0:
-            raise ValueError("distributed_timeout must be positive")
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
-
-
-def host_port(init_method: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` → ``(HOST, PORT)``; raises ValueError naming the flag."""
-    rest = init_method.removeprefix("tcp://")
-    host, _, port = rest.rpartition(":")
-    if not init_method.startswith("tcp://") or not host or not port.isdigit():
-        raise ValueError(f"--distributed-init-method {init_method!r}: expected tcp://HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def _torchrun_env() -> dict[str, Any]:
-    """ParallelConfig fields from torchrun-style environment variables, when set."""
-    env = os.environ
-    out: dict[str, Any] = {}
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        out["distributed_init_method"] = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    rank = env.get("NODE_RANK") or env.get("GROUP_RANK")
-    if rank is not None and rank.isdigit():
-        out["node_rank"] = int(rank)
-    if env.get("NNODES", "").isdigit():
-        out["nnodes"] = int(env["NNODES"])
-    return out
-
-
 STORE_WRITE_POLICIES = ("write-through", "write-back")
 
 
@@ -320,6 +273,12 @@ class EngineArgs:
     )
     kv_cache_dtype: str = _arg("auto", "KV cache element type", KV_CACHE_DTYPES)
     calculate_kv_scales: bool = _arg(False, "fp8 KV: per-head scales from the first batch")
+    kv_cache_scales: str = _arg(
+        "auto",
+        "fp8 KV scales: token (per token and head), head (checkpoint / calculated / 1.0), "
+        "auto: head when the checkpoint has scales or --calculate-kv-scales, else token",
+        KV_CACHE_SCALES,
+    )
     enable_prefix_caching: bool = _arg(True, "share full KV blocks between equal prefixes")
     prefix_cache_isolation: str = _arg(
         "none", "tenant: share prefix blocks only within a tenant", PREFIX_CACHE_ISOLATION
@@ -390,6 +349,7 @@ class EngineArgs:
             self.sliding_window,
             self.attention_sinks,
             parse_size(self.swap_space),
+            self.kv_cache_scales,
         )
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -420,7 +380,7 @@ class EngineArgs:
 
     def parallel_config(self) -> ParallelConfig:
         """Flags win over torchrun-style environment variables where both are given."""
-        values: dict[str, Any] = _torchrun_env()
+        values: dict[str, Any] = torchrun_env()
         given = {
             "distributed_init_method": self.distributed_init_method,
             "nnodes": self.nnodes if self.nnodes != 1 else None,

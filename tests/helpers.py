@@ -85,13 +85,16 @@ def run_counting(engine: LLMEngine, prompt: list[int], rid: str = "r", max_token
 
 
 def filled_quantized_cache(fmt: str, num_slots: int, g: torch.Generator):
-    """A ``QuantizedKVCache`` (2 KV heads, head dim 64) of format ``fmt`` with every slot
-    written from random K (×3) and V; fp8 formats get per-head scales first."""
+    """A ``QuantizedKVCache`` (2 KV heads, head dim 64) of format ``fmt`` (a kv-cache
+    dtype; ``…@head`` for fp8 with per-head scales, which are set first) with every slot
+    written from random K (×3) and V."""
     from kvserve.kv.quant import QuantizedKVCache, kv_format
 
     hkv, d = 2, 64
-    cache = QuantizedKVCache(kv_format(fmt, torch.float32), num_slots, hkv, d, torch.device("cpu"))
-    if fmt != "int8":
+    name, _, scales = fmt.partition("@")
+    kv = kv_format(name, torch.float32, scales or "auto")
+    cache = QuantizedKVCache(kv, num_slots, hkv, d, torch.device("cpu"))
+    if kv.scale == "head":
         cache.set_head_scales(torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.5]))
     slots = torch.arange(num_slots)
     cache.write(

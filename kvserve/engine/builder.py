@@ -6,6 +6,7 @@ that cannot serve, before anything runs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -22,7 +23,7 @@ from kvserve.kv.quant import kv_format
 from kvserve.kv.swap import SwapSpace
 from kvserve.model.gguf import resolve_model
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import resolve_dtype
+from kvserve.model.loader import has_kv_scales, resolve_dtype
 from kvserve.model.spec import ModelSpec, load_model_spec
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
@@ -81,6 +82,7 @@ class EngineBuilder:
         if sinks is None:
             sinks = 4 if self.cache_config.sliding_window else 0
         self.attention_sinks = sinks if self.window is not None else 0
+        self.cache_config = self._resolve_kv_scales(self.cache_config)
         self.parallel = args.parallel_config()
         shard_inputs = ShardInputs(
             self.model_config,
@@ -247,17 +249,27 @@ class EngineBuilder:
             coord, node, config.replicate_every, self.kv.block_size, pusher, checkpointer
         )
 
+    def _resolve_kv_scales(self, cache: CacheConfig) -> CacheConfig:
+        """``kv_cache_scales`` ``auto`` → ``head`` for an fp8 cache whose checkpoint has
+        scales or that calculates them, else ``token``."""
+        if cache.kv_cache_scales != "auto" or not cache.kv_cache_dtype.startswith("fp8"):
+            return cache
+        head = cache.calculate_kv_scales or has_kv_scales(self.model_dir)
+        return dataclasses.replace(cache, kv_cache_scales="head" if head else "token")
+
     def _check_parallel(self, args: EngineArgs) -> None:
         """Refuse, at start, what tensor parallelism does not support yet."""
         try:
             check_shardable(self.spec, self.parallel.tensor_parallel_size)
         except ShardingError as e:
             raise EngineError(str(e)) from None
-        fmt = kv_format(self.cache_config.kv_cache_dtype, self.dtype)
+        cache = self.cache_config
+        fmt = kv_format(cache.kv_cache_dtype, self.dtype, cache.kv_cache_scales)
         if args.store_config().urls and fmt.scale == "head":
             raise EngineError(
                 "--tensor-parallel-size > 1 with an fp8 KV cache and --kv-store (or --cluster) "
-                "is not supported yet (per-head scales differ by rank); use int8 or bf16 KV"
+                "and per-head scales is not supported yet (they differ by rank); use "
+                "--kv-cache-scales token, int8 or bf16 KV"
             )
 
     # ---- capacity -------------------------------------------------------------------

@@ -1,9 +1,12 @@
-"""KV cache storage formats: 16/32-bit as is, int8 with per-token scales, fp8 with per-head
-scales. Quantize on write, dequantize on read; attention always computes in the model dtype.
+"""KV cache storage formats: 16/32-bit as is, int8 with per-token scales, fp8 with per-token
+or per-head scales. Quantize on write, dequantize on read; attention always computes in the
+model dtype.
 
 - ``int8``: symmetric, one float16 scale per (token, KV head) stored beside the block
   (``scale = max|x| / 127``); 2 extra bytes per 64-element head vector ≈ 3% overhead.
-- ``fp8_e4m3`` / ``fp8_e5m2``: one float32 scale per (layer, K|V, KV head), taken from the
+- ``fp8_e4m3`` / ``fp8_e5m2`` with token scales (``fp8_e4m3_token``, the default): one
+  float16 scale per (token, KV head) as for int8 (``scale = max|x| / fp8_max``).
+- with head scales: one float32 scale per (layer, K|V, KV head), taken from the
   checkpoint's ``k_scale``/``v_scale`` when present, else 1.0, or calibrated from the first
   forward pass (``calculate_kv_scales``: ``scale = max|x| / fp8_max``).
 """
@@ -32,16 +35,27 @@ class KVFormat:
         return self.scale != "none"
 
 
-def kv_format(name: str, model_dtype: torch.dtype) -> KVFormat:
-    """The format for ``--kv-cache-dtype name`` (``auto`` follows the model dtype).
-    Raises ValueError for an unknown name."""
+KV_CACHE_SCALES = ("auto", "token", "head")
+
+
+def kv_format(name: str, model_dtype: torch.dtype, fp8_scales: str = "auto") -> KVFormat:
+    """The format for ``--kv-cache-dtype name`` (``auto`` follows the model dtype); an
+    fp8 cache's scales per ``fp8_scales`` (``--kv-cache-scales``): ``token`` (one per
+    token and KV head, computed as K/V are written), ``head`` (one per layer and KV head:
+    the checkpoint's, calibrated, or 1.0); ``auto`` is ``token`` (the engine passes
+    ``head`` when the checkpoint carries scales or they are calibrated). Raises
+    ValueError for an unknown name."""
+    if fp8_scales not in KV_CACHE_SCALES:
+        raise ValueError(f"kv_cache_scales {fp8_scales!r} is not one of {KV_CACHE_SCALES}")
     if name == "auto":
         return KVFormat(str(model_dtype).removeprefix("torch."), model_dtype)
     if name in _PLAIN:
         return KVFormat(name, _PLAIN[name])
     if name in _FP8:
         canonical = "fp8_e4m3" if name == "fp8" else name
-        return KVFormat(canonical, _FP8[name], "head")
+        if fp8_scales == "head":
+            return KVFormat(canonical, _FP8[name], "head")
+        return KVFormat(f"{canonical}_token", _FP8[name], "token")
     if name == "int8":
         return KVFormat("int8", torch.int8, "token")
     raise ValueError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
@@ -60,12 +74,12 @@ class QuantizedKVCache:
     ):
         self.fmt = fmt
         self.data = torch.zeros(2, num_slots, num_heads, head_dim, dtype=fmt.storage, device=device)
+        fp8 = fmt.storage != torch.int8
+        self.qmax = float(torch.finfo(fmt.storage).max) if fp8 else 127.0
         if fmt.scale == "token":
             self.scale = torch.zeros(2, num_slots, num_heads, dtype=torch.float16, device=device)
-            self.qmax = 127.0
         else:
             self.scale = torch.ones(2, num_heads, dtype=torch.float32, device=device)
-            self.qmax = float(torch.finfo(fmt.storage).max)
         self.calibrating = False
 
     def set_head_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
@@ -80,8 +94,13 @@ class QuantizedKVCache:
         xf = x.float()
         if self.fmt.scale == "token":
             s = (xf.abs().amax(-1) / self.qmax).clamp_min(1e-8).half()
-            q = torch.round(xf / s.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-            return q, s
+            if self.fmt.storage == torch.int8:
+                scaled = (xf / s.float().unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
+                return torch.round(scaled).to(torch.int8), s
+            # fp8 keeps NaN: a scale that float16 rounds to 0 (an all-zero vector) must not be
+            s = s.clamp_min(torch.finfo(torch.float16).tiny)
+            scaled = (xf / s.float().unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
+            return scaled.to(self.fmt.storage), s
         s = self.scale[which].view(1, -1, 1)
         return (xf / s).clamp_(-self.qmax, self.qmax).to(self.fmt.storage), None
 

@@ -110,6 +110,11 @@ def _is_kv_scale(name: str) -> bool:
     return name.endswith((".self_attn.k_scale", ".self_attn.v_scale"))
 
 
+def has_kv_scales(model_dir: str | Path) -> bool:
+    """Whether the checkpoint carries fp8 KV scales (``…self_attn.k_scale`` tensors)."""
+    return any(_is_kv_scale(n) for n in checkpoint_files(Path(model_dir)))
+
+
 def load_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, float]] | None:
     """Per-layer ``(k_scale, v_scale)`` from ``model.layers.N.self_attn.{k,v}_scale`` tensors
     (the convention of fp8-KV checkpoints), or None when the checkpoint carries none.

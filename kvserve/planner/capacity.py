@@ -37,6 +37,7 @@ class PlanInput:
     overhead: int = 1024**3
     tp: int = 1
     block_size: int = 16
+    kv_cache_scales: str = "auto"  # fp8: as the engine's flag; auto = token for a shape
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def kv_spec_for(shape: ModelShape, p: PlanInput, per_rank: bool = False) -> KVCa
     """The engine's KV spec for this shape and ``--kv-cache-dtype`` (int8 scales included);
     with ``per_rank``, of the fullest tensor-parallel rank's KV heads (replicated ones
     counted on every rank holding them), which is what the engine sizes its pool by."""
-    fmt = kv_format(p.kv_cache_dtype, parse_dtype(p.dtype))
+    fmt = kv_format(p.kv_cache_dtype, parse_dtype(p.dtype), p.kv_cache_scales)
     heads = kv_heads_per_rank(shape.num_kv_heads, p.tp) if per_rank else shape.num_kv_heads
     return KVCacheSpec.for_format(shape.num_layers, heads, shape.head_dim, fmt, p.block_size)
 

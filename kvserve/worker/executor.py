@@ -95,7 +95,8 @@ class MultiprocExecutor:
         self._closed = False
         # rank 0 has the most KV heads (uneven splits give the first ranks one more)
         plan = ShardPlan.for_rank(inp.spec, 0, self.size)
-        self.kv_format = kv_format(inp.cache_config.kv_cache_dtype, inp.dtype)
+        cache = inp.cache_config
+        self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype, cache.kv_cache_scales)
         self.kv_spec = KVCacheSpec.for_format(
             inp.spec.num_layers, plan.num_kv_heads, inp.spec.head_dim, self.kv_format,
             inp.cache_config.block_size,

@@ -105,7 +105,7 @@ class ShardBuilder:
         )
         if inp.model_config.attention_backend != "torch":
             prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
-        self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype)
+        self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype, cache.kv_cache_scales)
         self.kv_spec = KVCacheSpec.for_format(
             inp.spec.num_layers, plan.num_kv_heads, inp.spec.head_dim, self.kv_format,
             cache.block_size,

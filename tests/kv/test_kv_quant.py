@@ -1,4 +1,5 @@
-"""Quantized KV cache (int8 per-token scales, fp8 per-head scales): error, capacity, quality.
+"""Quantized KV cache (int8 per-token scales, fp8 per-token or per-head scales): error,
+capacity, quality.
 
 Quality bounds (teacher-forced logits over a 400-token prompt vs. the unquantized cache):
 - random-weight reference models (all four architectures): mean KL(ref || quant) below
@@ -67,10 +68,15 @@ def test_dequantized_kv_relative_error_per_layer(model_dirs, arch):
 
 
 def test_8bit_cache_holds_about_twice_the_tokens(llama_dir):
-    for name, min_ratio in (("int8", 1.9), ("fp8_e4m3", 2.0), ("fp8_e5m2", 2.0)):
-        q = KVCacheSpec.for_format(32, 8, 128, kv_format(name, torch.bfloat16), 16)
+    for name, scales, min_ratio in (
+        ("int8", "auto", 1.9),
+        ("fp8_e4m3", "token", 1.95),  # 2 bytes of scale per 128-element head vector
+        ("fp8_e4m3", "head", 2.0),
+        ("fp8_e5m2", "head", 2.0),
+    ):
+        q = KVCacheSpec.for_format(32, 8, 128, kv_format(name, torch.bfloat16, scales), 16)
         b = KVCacheSpec.for_format(32, 8, 128, kv_format("bfloat16", torch.bfloat16), 16)
-        assert q.num_blocks_for(1 << 30) >= min_ratio * b.num_blocks_for(1 << 30), name
+        assert q.num_blocks_for(1 << 30) >= min_ratio * b.num_blocks_for(1 << 30), (name, scales)
     e16 = make_engine(llama_dir, kv_cache_dtype="float16")
     e8 = make_engine(llama_dir, kv_cache_dtype="int8")
     # head_dim 16 here: the per-token float16 scale is 2 of 18 bytes
@@ -140,3 +146,23 @@ def test_fp8_scales_from_checkpoint_and_calibration(llama_dir, copy_model):
     assert not scale.eq(1.0).any() and not calibrated.runner.kv_caches[0].calibrating
     with pytest.raises(ValueError, match="fp8"):
         make_engine(llama_dir, kv_cache_dtype="int8", calculate_kv_scales=True)
+    with pytest.raises(ValueError, match="per-head scales"):
+        make_engine(
+            llama_dir, kv_cache_dtype="fp8", calculate_kv_scales=True, kv_cache_scales="token"
+        )
+
+
+def test_fp8_defaults_to_token_scales_without_checkpoint_scales(llama_dir):
+    """``auto`` scales: a checkpoint without k/v scales gets per-token scales (float16 per
+    slot and KV head, as int8); ``head`` keeps one scale per head (1.0 here)."""
+    token = make_engine(llama_dir, kv_cache_dtype="fp8_e4m3")
+    assert token.kv_format.name == "fp8_e4m3_token" and token.kv_format.scale == "token"
+    cache = token.runner.kv_caches[0]
+    assert cache.scale.dtype == torch.float16 and cache.scale.shape[1] == cache.data.shape[1]
+    head = make_engine(llama_dir, kv_cache_dtype="fp8_e4m3", kv_cache_scales="head")
+    assert head.kv_format.scale == "head" and head.runner.kv_caches[0].scale.eq(1.0).all()
+    outs = []
+    for engine in (token, head):
+        engine.add_request("a", random_prompts([40], seed=2)[0], greedy(6))
+        outs.append(run_to_end(engine)["a"])
+    assert all(len(o) == 6 for o in outs)

@@ -121,7 +121,10 @@ def test_rows_are_invariant_and_correct(dtype, bs, heads, d, window, seqs, seed)
 
 
 @settings(max_examples=8, deadline=None)
-@given(fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2"]), seed=st.integers(0, 2**16))
+@given(
+    fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3@head", "fp8_e5m2@head"]),
+    seed=st.integers(0, 2**16),
+)
 def test_quantized_cache_rows_are_invariant_and_match_dequantized(fmt, seed):
     """8-bit K/V read in place (scales in registers) equal the dequantized cache's result
     and stay invariant."""

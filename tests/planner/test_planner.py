@@ -25,8 +25,11 @@ def test_13b_mha_example():
 
 def test_fp8_halves_and_gqa_quarters():
     base = plan(MHA_13B)
-    fp8 = plan(variant(MHA_13B, "kv_cache_dtype=fp8_e4m3"))
+    fp8 = plan(variant(MHA_13B, "kv_cache_dtype=fp8_e4m3,kv_cache_scales=head"))
     assert fp8.kv_bytes_per_token * 2 == base.kv_bytes_per_token
+    # per-token scales (the default without checkpoint scales): 2 bytes per head vector
+    token = plan(variant(MHA_13B, "kv_cache_dtype=fp8_e4m3"))
+    assert token.kv_bytes_per_token == fp8.kv_bytes_per_token * (128 + 2) // 128
     mha = plan(PlanInput(model="llama-2-7b", dtype="float16"))  # 32 KV heads of 32
     gqa = plan(PlanInput(model="llama-3-8b", dtype="float16"))  # 8 KV heads of 32
     assert mha.kv_bytes_per_token == 4 * gqa.kv_bytes_per_token
@@ -81,7 +84,7 @@ def test_cli_json_and_table():
         "--context",
         "2048",
         "--compare",
-        "kv_cache_dtype=fp8_e4m3",
+        "kv_cache_dtype=fp8_e4m3,kv_cache_scales=head",
     ]
     out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

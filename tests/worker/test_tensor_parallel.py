@@ -177,7 +177,7 @@ def test_shard_plans():
         check_shardable(smol, 4)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
 def test_kv_store_under_tp(model_dirs, tmp_path, kv):
     """A restarted TP=2 engine restores the prefixes from the file tier (each stored block
     holds both ranks' shards) with TP=1's tokens; a TP=1 engine on the same store finds
@@ -206,6 +206,7 @@ def test_unshardable_and_unsupported_configs_are_refused_at_start(model_dirs, tm
             model_dirs["llama"],
             tensor_parallel_size=2,
             kv_cache_dtype="fp8",
+            kv_cache_scales="head",
             kv_store=(f"file://{tmp_path}?capacity=1MiB",),
         )
     with pytest.raises(ValueError, match="not a multiple of nnodes"):

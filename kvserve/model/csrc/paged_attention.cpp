@@ -276,7 +276,8 @@ void dispatch_cache(KV_PARAMS) {
 // tables [S, max_blocks] int64; lens [S] int64 (context length after this step, the rows'
 // own K/V already written); window <= 0 means no window; with a window, the first `sinks`
 // positions are attended as well. An int8 cache comes with float16 scales [slots, kv_heads]
-// per token and head (k_scale, v_scale), an fp8 cache with float32 scales [kv_heads].
+// per token and head (k_scale, v_scale), an fp8 cache with the same or with float32 scales
+// [kv_heads] per head.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& tables,
                            const at::Tensor& lens, const at::Tensor& query_start, double scale,
@@ -330,11 +331,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                 "paged_attention: an fp8 cache needs k_scale and v_scale");
     ksc = k_scale->contiguous();
     vsc = v_scale->contiguous();
-    TORCH_CHECK(ksc.scalar_type() == at::kFloat && vsc.scalar_type() == at::kFloat &&
-                ksc.numel() == kc.size(2) && vsc.numel() == kc.size(2),
-                "paged_attention: fp8 scales must be float32 [kv_heads]");
-    scales.k_head = ksc.data_ptr<float>();
-    scales.v_head = vsc.data_ptr<float>();
+    if (ksc.scalar_type() == at::kHalf) {  // per (slot, KV head), as int8
+      TORCH_CHECK(vsc.scalar_type() == at::kHalf &&
+                      ksc.numel() == kc.size(0) * kc.size(1) * kc.size(2) &&
+                      vsc.numel() == ksc.numel(),
+                  "paged_attention: fp8 token scales must be float16 [slots, kv_heads]");
+      scales.k = ksc.data_ptr<c10::Half>();
+      scales.v = vsc.data_ptr<c10::Half>();
+    } else {
+      TORCH_CHECK(ksc.scalar_type() == at::kFloat && vsc.scalar_type() == at::kFloat &&
+                      ksc.numel() == kc.size(2) && vsc.numel() == kc.size(2),
+                  "paged_attention: fp8 head scales must be float32 [kv_heads]");
+      scales.k_head = ksc.data_ptr<float>();
+      scales.v_head = vsc.data_ptr<float>();
+    }
   }
   switch (qc.scalar_type()) {
     case at::kFloat:
