@@ -10,6 +10,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_convert.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -17,27 +19,9 @@
 
 namespace {
 
-// Conversions that vectorize: bf16 <-> float by bit shifts (round to nearest even, the
-// same result as c10::BFloat16 for finite values); Half goes through c10 (rare on CPU).
-inline float to_f(float v) { return v; }
-inline float to_f(c10::Half v) { return static_cast<float>(v); }
-inline float to_f(c10::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename T>
-inline T from_f(float v) {
-  return static_cast<T>(v);
-}
-template <>
-inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
-}
+using kvserve_cpu::from_f;
+using kvserve_cpu::to_f;
+
 template <typename T>
 inline float rnd(float v) {  // round to T and back, as storing in a T tensor would
   return to_f(from_f<T>(v));

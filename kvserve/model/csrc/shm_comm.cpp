@@ -24,6 +24,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_convert.h"
+
 #include <sched.h>
 
 #include <atomic>
@@ -83,28 +85,8 @@ void publish_and_wait(const Segment& s, int64_t rank, int64_t round, double time
   }
 }
 
-inline float to_f(float v) { return v; }
-inline float to_f(c10::Half v) { return static_cast<float>(v); }
-inline float to_f(c10::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename T>
-inline T from_f(float v) {
-  return static_cast<T>(v);
-}
-template <>
-inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) {
-    return c10::BFloat16(static_cast<uint16_t>(0x7FC0), c10::BFloat16::from_bits());  // NaN
-  }
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
-}
+using kvserve_cpu::from_f;
+using kvserve_cpu::to_f;
 
 // out = the ranks' parts summed in rank order, in L1-sized tiles of float accumulators
 // (loops over contiguous elements, which the compiler vectorizes).
