@@ -164,17 +164,25 @@ class MultiprocExecutor:
 
     # ---- start-up ---------------------------------------------------------------------
     def _wait_ready(self) -> list[WorkerReady]:
+        """Every rank's ``WorkerReady``, once every rank's step subscription has arrived
+        too (a step published before that would not reach it)."""
         ready: dict[int, WorkerReady] = {}
         subscribed = 0
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
         while len(ready) < self.size or subscribed < self.size:
-            if self._pub.poll(0):
-                if self._pub.recv()[:1] == b"\x01":
-                    subscribed += 1
-                continue
-            msg = self._recv(deadline, "loading their shards")
-            if isinstance(msg, WorkerReady):
-                ready[msg.rank] = msg
+            events = dict(poller.poll(200))
+            if self._pub in events and self._pub.recv()[:1] == b"\x01":
+                subscribed += 1
+            if self._pull in events:
+                msg = self._handle(pickle.loads(self._pull.recv()))
+                if isinstance(msg, WorkerReady):
+                    ready[msg.rank] = msg
+            self._check_procs()
+            if time.monotonic() > deadline:
+                raise EngineError("tensor-parallel ranks did not finish loading their shards")
         return [ready[r] for r in range(self.size)]
 
     def start_cache(

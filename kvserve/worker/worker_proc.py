@@ -131,8 +131,7 @@ def worker_main(wa: WorkerArgs) -> None:
         if push is not None:
             with contextlib.suppress(Exception):
                 push.send(pickle.dumps(WorkerFailed(wa.rank, msg)))
-        with contextlib.suppress(Exception):
-            push.close(linger=2000) if push is not None else None
+                push.close(linger=2000)
         sys.exit(1)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
