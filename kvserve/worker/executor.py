@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import time
@@ -113,7 +114,9 @@ class MultiprocExecutor:
             timeout=timedelta(seconds=self._timeout),
             wait_for_workers=False,
         )
-        bind = "0.0.0.0" if config.nnodes > 1 else "127.0.0.1"
+        # the ranks' sockets carry pickles: only on the rendezvous address, never on every
+        # interface (a trusted network, as torch.distributed's own ports need)
+        bind = socket.gethostbyname(host) if config.nnodes > 1 else "127.0.0.1"
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per rank
