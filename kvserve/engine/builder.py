@@ -102,7 +102,7 @@ class EngineBuilder:
             self.model: LlamaForCausalLM | None = shard.model
             self.kv_format, self.kv_spec = shard.kv_format, shard.kv_spec
             num_blocks = shard.num_blocks()
-            dense = bool(getattr(shard.backend, "dense_masks", True))
+            dense = shard.backend.dense_masks
         else:  # the ranks load their shards in worker processes
             self._check_parallel(args)
             self.model = None

@@ -35,7 +35,6 @@ import zmq
 
 from kvserve.config import ParallelConfig, host_port
 from kvserve.engine.errors import EngineError
-from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.offload import KVSave
 from kvserve.kv.quant import kv_format
 from kvserve.sched.scheduler import SchedulerOutput
@@ -43,9 +42,8 @@ from kvserve.store import serde
 from kvserve.store.tiered import TieredStore
 from kvserve.utils import format_size
 from kvserve.worker.inputs import InputBuilder, WorkerStep
-from kvserve.worker.loading import ShardInputs
+from kvserve.worker.loading import ShardInputs, rank_kv_spec
 from kvserve.worker.model_runner import StepResult
-from kvserve.worker.parallel import ShardPlan
 from kvserve.worker.protocol import (
     STORE_PREFIX,
     CacheReady,
@@ -56,16 +54,13 @@ from kvserve.worker.protocol import (
     StepDone,
     WorkerFailed,
     WorkerReady,
+    device_for,
 )
 
 logger = logging.getLogger("kvserve")
 
 STARTUP_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes a while
 _MARGIN_S = 30.0  # beyond the collective timeout, for a step's answer
-
-
-def _cuda() -> bool:
-    return torch.cuda.is_available()
 
 
 def start_ranks(config: ParallelConfig, host: str, port: int) -> list[subprocess.Popen]:
@@ -94,21 +89,19 @@ class MultiprocExecutor:
         self._store_names = ("", "")  # enable_store
         self.comm_seconds = 0.0  # rank 0's time in collectives, after the last step
         self._closed = False
-        # rank 0 has the most KV heads (uneven splits give the first ranks one more)
-        plan = ShardPlan.for_rank(inp.spec, 0, self.size)
         cache = inp.cache_config
         self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype, cache.kv_cache_scales)
-        self.kv_spec = KVCacheSpec.for_format(
-            inp.spec.num_layers, plan.num_kv_heads, inp.spec.head_dim, self.kv_format,
-            inp.cache_config.block_size,
-        )  # fmt: skip
+        # rank 0 has the most KV heads (uneven splits give the first ranks one more)
+        self.kv_spec = rank_kv_spec(inp, self.kv_format, 0, self.size)
         if config.distributed_init_method is None:
             host, port = "127.0.0.1", 0
         else:
             host, port = host_port(config.distributed_init_method)
         self._timeout = config.distributed_timeout
+        if config.nnodes == 1:  # every rank is local: loopback only, whatever was named
+            host = "127.0.0.1"
         self.store = dist.TCPStore(
-            host if config.nnodes > 1 else "127.0.0.1",
+            host,
             port,
             is_master=True,
             timeout=timedelta(seconds=self._timeout),
@@ -116,17 +109,16 @@ class MultiprocExecutor:
         )
         # the ranks' sockets carry pickles: only on the rendezvous address, never on every
         # interface (a trusted network, as torch.distributed's own ports need)
-        bind = socket.gethostbyname(host) if config.nnodes > 1 else "127.0.0.1"
+        bind = socket.gethostbyname(host)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per rank
         self._pub.setsockopt(zmq.SNDHWM, 0)
         self._pull = self._ctx.socket(zmq.PULL)
-        reach = host if config.nnodes > 1 else "127.0.0.1"
-        steps = self._bind(self._pub, bind, reach)
-        results = self._bind(self._pull, bind, reach)
+        steps = self._bind(self._pub, bind, host)
+        results = self._bind(self._pull, bind, host)
         self._shm_path = None
-        if config.nnodes == 1 and inp.model_config.device in ("auto", "cpu") and not _cuda():
+        if config.nnodes == 1 and device_for(inp.model_config.device, 0).type == "cpu":
             from kvserve.worker import shm
 
             capacity = shm.capacity_for(inp.max_num_batched_tokens, inp.spec.hidden_size)
@@ -136,8 +128,7 @@ class MultiprocExecutor:
         self.store.set(STORE_PREFIX + "results", results)
         self.store.set(STORE_PREFIX + "steps", steps)
         try:
-            local_host = "127.0.0.1" if config.nnodes == 1 else host
-            self.procs = start_ranks(config, local_host, self.store.port)
+            self.procs = start_ranks(config, host, self.store.port)
             self.ready = self._wait_ready()
         except BaseException:
             self.close()
@@ -146,7 +137,6 @@ class MultiprocExecutor:
         self.num_blocks = min(r.num_blocks for r in self.ready)
         self.dense_masks = self.ready[0].dense_masks
         self.weight_bytes = [r.weight_bytes for r in self.ready]
-        self.pids = [r.pid for r in self.ready]
         logger.info(
             "tensor parallel: %d ranks on %d node(s); weights per rank %s",
             self.size,

@@ -19,7 +19,7 @@ import torch
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.engine.errors import EngineError
 from kvserve.kv.cache import KVCacheSpec
-from kvserve.kv.quant import kv_format
+from kvserve.kv.quant import KVFormat, kv_format
 from kvserve.model.attention import (
     CPU_KERNEL_HEAD_DIMS,
     AttentionMetadata,
@@ -83,6 +83,14 @@ def select_kernels(
     return TorchPagedAttention(block_size), CpuKernelOps()
 
 
+def rank_kv_spec(inp: ShardInputs, fmt: KVFormat, rank: int, world: int) -> KVCacheSpec:
+    """The KV spec of rank ``rank`` of ``world``: its KV heads' share of every block."""
+    heads = ShardPlan.for_rank(inp.spec, rank, world).num_kv_heads
+    return KVCacheSpec.for_format(
+        inp.spec.num_layers, heads, inp.spec.head_dim, fmt, inp.cache_config.block_size
+    )
+
+
 class ShardBuilder:
     """Loads this rank's model on ``device``; ``num_blocks`` and ``allocate`` size and make
     its KV cache (call ``allocate`` once, with the engine's block count)."""
@@ -106,10 +114,7 @@ class ShardBuilder:
         if inp.model_config.attention_backend != "torch":
             prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
         self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype, cache.kv_cache_scales)
-        self.kv_spec = KVCacheSpec.for_format(
-            inp.spec.num_layers, plan.num_kv_heads, inp.spec.head_dim, self.kv_format,
-            cache.block_size,
-        )  # fmt: skip
+        self.kv_spec = rank_kv_spec(inp, self.kv_format, plan.rank, plan.size)
 
     @property
     def weight_bytes(self) -> int:

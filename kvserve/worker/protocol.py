@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.utils import resolve_device
 from kvserve.worker.model_runner import StepResult
 
 STORE_PREFIX = "kvserve/"  # keys the engine core sets in the rendezvous store
@@ -44,7 +45,6 @@ class WorkerReady:
     hostname: str
     num_blocks: int  # KV blocks this rank can hold
     weight_bytes: int
-    kv_bytes_per_block: int
     dense_masks: bool  # whether its attention backend reads dense masks
 
 
@@ -99,8 +99,8 @@ def loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def device_for(local_rank: int) -> torch.device:
-    """A rank's device: ``cuda:<local_rank>`` when CUDA is present, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def device_for(device: str, local_rank: int) -> torch.device:
+    """A rank's device for the ``--device`` flag (``resolve_device``): the CPU, or
+    ``cuda:<local_rank>`` on CUDA (each local rank its own GPU)."""
+    dev = resolve_device(device)
+    return torch.device("cuda", local_rank) if dev.type == "cuda" else dev

@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from kvserve.kv.cache import KVCacheSpec
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.worker.loading import ShardBuilder, ShardInputs
+from kvserve.worker.loading import ShardBuilder, ShardInputs, rank_kv_spec
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
 from kvserve.worker.parallel import ShardPlan, TPGroup
@@ -94,7 +93,7 @@ def worker_main(wa: WorkerArgs) -> None:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(store.get(STORE_PREFIX + "steps").decode())
         inp: ShardInputs = pickle.loads(store.get(STORE_PREFIX + "shard_inputs"))
-        device = device_for(wa.local_rank)
+        device = device_for(inp.model_config.device, wa.local_rank)
         if device.type == "cpu":
             _pin(wa.local_rank, wa.local_world)
         else:
@@ -120,8 +119,7 @@ def worker_main(wa: WorkerArgs) -> None:
             socket.gethostname(),
             shard.num_blocks(),
             shard.weight_bytes,
-            shard.kv_spec.bytes_per_block,
-            bool(getattr(shard.backend, "dense_masks", True)),
+            shard.backend.dense_masks,
         )
         push.send(pickle.dumps(ready))
         _loop(wa, store, sub, push, shard)
@@ -180,15 +178,9 @@ def main(argv: list[str] | None = None) -> None:
 def _row_slice(shard: ShardBuilder, rank: int, world: int) -> tuple[int, int]:
     """(offset, bytes) of this rank's shard in a stored block's payload row: the ranks'
     shards in rank order, each ``bytes_per_block`` of its KV heads."""
-    spec, kv = shard.inp.spec, shard.kv_spec
     sizes = [
-        KVCacheSpec.for_format(
-            spec.num_layers, ShardPlan.for_rank(spec, q, world).num_kv_heads, spec.head_dim,
-            shard.kv_format, kv.block_size,
-        ).bytes_per_block
-        for q in range(world)
-    ]  # fmt: skip
-    assert sizes[rank] == kv.bytes_per_block
+        rank_kv_spec(shard.inp, shard.kv_format, q, world).bytes_per_block for q in range(world)
+    ]
     return sum(sizes[:rank]), sizes[rank]
 
 
