@@ -316,6 +316,12 @@ class EngineArgs:
         (), "extra replication targets: standby, s3 (store is always on); repeat", serve=True
     )
     checkpoint_interval: float = _arg(30.0, "seconds between S3 checkpoints", serve=True)
+    kv_events_port: int | None = _arg(
+        None,
+        "publish KV events (block hashes stored/removed) on this ZeroMQ port, 0: any free "
+        "one (default: any free one with --cluster, else off)",
+        serve=True,
+    )
     tensor_parallel_size: int = _arg(1, "ranks (worker processes) that each hold a shard")
     distributed_init_method: str | None = _arg(
         None,
@@ -325,6 +331,11 @@ class EngineArgs:
     nnodes: int = _arg(1, "machines the tensor-parallel ranks span", serve=True)
     node_rank: int = _arg(0, "this machine's index (0 runs the engine and API server)", serve=True)
     distributed_timeout: float = _arg(120.0, "seconds before a collective gives up")
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        """Does this engine log KV events (for the routers' prefix index)?"""
+        return self.cluster is not None or self.kv_events_port is not None
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(

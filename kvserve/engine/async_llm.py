@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -57,6 +57,7 @@ from kvserve.engine.output import OutputProcessor
 from kvserve.engine.requests import context_length_error
 from kvserve.engine.stats import EngineStats
 from kvserve.ha.record import SessionRecord
+from kvserve.kv.events import KVEvent
 from kvserve.model.tokenizer import PromptTooLong, Tokenizer, load_tokenizer
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
@@ -121,6 +122,8 @@ class AsyncLLM:
         self._exited = asyncio.Event()  # the core process ended (expected or not)
         self._closing = False
         self._reader: asyncio.Task | None = None
+        # called (in the loop) with each frame's KV events; the server's publisher
+        self.on_kv_events: Callable[[list[KVEvent]], None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     @classmethod
@@ -244,6 +247,8 @@ class AsyncLLM:
             if isinstance(msg, Outputs):
                 self._stats = msg.stats
                 self._deliver(msg)
+                if msg.kv_events and self.on_kv_events is not None:
+                    self.on_kv_events(msg.kv_events)
             elif isinstance(msg, AddResult):
                 fut = self._adds.pop(msg.request_id, None)
                 if fut is not None and not fut.done():

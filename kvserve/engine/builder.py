@@ -16,6 +16,7 @@ from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine import kv_metrics
 from kvserve.engine.cpu_env import tune_malloc
 from kvserve.engine.errors import EngineError
+from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import KVOffloader
@@ -29,6 +30,7 @@ from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
+from kvserve.store.host import HostStore
 from kvserve.utils import format_size, resolve_device
 from kvserve.worker.executor import MultiprocExecutor
 from kvserve.worker.inputs import InputBuilder
@@ -48,7 +50,7 @@ PARTS = (
     "eos_token_ids", "dtype", "max_model_len", "window", "attention_sinks", "model",
     "kv_format", "kv_spec", "model_fingerprint", "kv", "runner", "cost_model", "swap",
     "offloader", "prewarmer", "replicator", "replication_url", "scheduler", "peak_usage",
-    "usage_recorder",
+    "usage_recorder", "kv_events",
 )  # fmt: skip
 
 
@@ -162,6 +164,7 @@ class EngineBuilder:
                 on_copy=self.cost_model.observe_copy,
             )
         self.offloader = self._offloader(args)
+        self.kv_events = self._kv_events(args)
         self.prewarmer = None  # set by _replicator when this node can hold warm replicas
         self.replicator = self._replicator(args)
         self.scheduler = Scheduler(
@@ -205,6 +208,17 @@ class EngineBuilder:
             )
             block_format = self.runner.kv_transfer.block_format
         return KVOffloader(store, self.kv, block_format, store_config.session_ttl)
+
+    def _kv_events(self, args: EngineArgs) -> KVEventLog | None:
+        """The log of block hashes stored and removed (device pool, host tier) when this
+        engine publishes KV events (in a cluster, or with ``--kv-events-port``)."""
+        if not args.kv_events_enabled or not self.cache_config.enable_prefix_caching:
+            return None
+        log = KVEventLog()
+        self.kv.pool.events = log
+        if self.offloader is not None and isinstance(self.offloader.store.tiers[0], HostStore):
+            self.offloader.store.tiers[0].events = log
+        return log
 
     def _namespace(self) -> str:
         """The store's key prefix: model, KV format, block size (and TP size above 1:

@@ -7,7 +7,8 @@ Contract of the loop (``CoreLoop.run``), one iteration:
    utility calls (answered at once, except a checkpoint read from S3: it runs on an io
    thread and its answer is sent by a later iteration), shutdown.
 2. If requests are unfinished, run one ``LLMEngine.step()`` and send its deltas with the
-   engine's stats (``Outputs``); else send the stats once after anything changed.
+   engine's stats and the KV events logged since the last frame (``Outputs``); else send
+   the stats once after anything changed, or when KV events are pending.
 3. Exit when the parent (the API server) is gone: no orphans. The kernel's parent-death
    signal covers a SIGKILLed parent too. While idle, check the tensor-parallel ranks
    (``check_health``): a dead rank is a failure (exit 1) even with no request running.
@@ -136,15 +137,19 @@ class CoreLoop:
             if engine.has_unfinished_requests():
                 outputs = engine.step()
                 self._busy += time.perf_counter() - t0
-                self._send(Outputs(outputs, self._stats()))
-            elif changed:
-                self._send(Outputs([], self._stats()))
+                self._send(Outputs(outputs, self._stats(), self._kv_events()))
+            elif changed or engine.kv_events:  # (the host tier fills from other threads)
+                self._send(Outputs([], self._stats(), self._kv_events()))
 
     def _stats(self) -> EngineStats:
         """The engine's stats with the loop's running busy total (every frame has it)."""
         stats = self.engine.stats()
         stats.loop_seconds = self._busy
         return stats
+
+    def _kv_events(self) -> list:
+        log = self.engine.kv_events
+        return log.drain() if log is not None else []
 
     # ---- messages -----------------------------------------------------------------------
     def _handle(self, msg: Any) -> None:
@@ -259,6 +264,9 @@ def engine_info(engine: Any) -> EngineInfo:
         cluster=engine.replication_url,
         node_id=rep.node_id if rep is not None else None,
         has_checkpointer=rep is not None and rep.checkpointer is not None,
+        cache_keys=list(engine.kv.cache_keys),
+        tenant_isolation=engine.cache_config.prefix_cache_isolation == "tenant",
+        kv_events=engine.kv_events is not None,
     )
 
 

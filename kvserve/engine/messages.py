@@ -17,10 +17,11 @@ import msgspec
 
 from kvserve.engine.stats import EngineStats
 from kvserve.ha.record import SessionRecord
+from kvserve.kv.events import KVEvent
 from kvserve.kv.tenant_ledger import Budget
 from kvserve.sampling import Logprob, SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # finish reasons (vLLM's names): RequestStatus.value of the finished states
 FINISH_STOP, FINISH_ABORT = "stop", "abort"
@@ -174,6 +175,11 @@ class EngineInfo(msgspec.Struct, tag=True):
     cluster: str | None  # the coordinator URL when in a cluster
     node_id: str | None
     has_checkpointer: bool
+    # what a router needs to name this engine's blocks (``kv.hashing``): the keys under
+    # the root hash, and whether the tenant enters the salt
+    cache_keys: list[str] = []
+    tenant_isolation: bool = False
+    kv_events: bool = False  # Outputs carry KV events
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -198,10 +204,12 @@ class UtilityResult(msgspec.Struct, tag=True, omit_defaults=True):
 
 
 class Outputs(msgspec.Struct, tag=True):
-    """One step's deltas (possibly none) and the engine's stats after it."""
+    """One step's deltas (possibly none), the engine's stats after it, and the KV events
+    since the last frame (``kv.events``; empty unless the engine publishes them)."""
 
     outputs: list[EngineCoreOutput]
     stats: EngineStats
+    kv_events: list[KVEvent] = []
 
 
 CoreMessage = EngineInfo | StartupFailed | AddResult | UtilityResult | Outputs

@@ -9,6 +9,8 @@ The pool only does bookkeeping on block ids; it never touches tensors.
   later request with the same prefix can take it back (``touch``) instead of recomputing
   it. The hash is dropped lazily, only when allocation reuses the block for other data.
 - Lookups compare token ids as well as the hash: a collision is counted, never served.
+- ``events`` (optional): every hash registered or dropped, for the cluster's routers
+  (``kv.events``).
 - Optional null block: with ``reserve_null_block`` block 0 is never handed out; block
   tables use it for positions whose K/V were freed (outside a sliding window).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from kvserve.kv.events import DEVICE, KVEventLog
 from kvserve.kv.hashing import BlockHash
 
 NULL_BLOCK = 0
@@ -42,6 +45,7 @@ class BlockPool:
         self.num_evictions = 0
         self.num_collisions = 0
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.events: KVEventLog | None = None  # hashes registered / dropped (KV events)
 
     # ---- sizes ------------------------------------------------------------------------
     @property
@@ -129,6 +133,8 @@ class BlockPool:
         self._hash[block] = block_hash
         self._tokens[block] = tuple(token_ids)
         self._index[block_hash] = block
+        if self.events is not None:
+            self.events.stored(DEVICE, (block_hash,))
         return True
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> int | None:
@@ -159,6 +165,8 @@ class BlockPool:
         del self._tokens[b]
         del self._index[h]
         self.num_evictions += 1
+        if self.events is not None:
+            self.events.removed(DEVICE, (h,))
         if self.on_evict is not None:
             self.on_evict(b, h)
 

@@ -7,6 +7,8 @@ sandbox, as HF does. Returns None from ``load_tokenizer`` when the directory has
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,17 @@ class Tokenizer:
             self._byte_level = _uses(json.loads(tok.to_str()).get("decoder"), "ByteLevel")
         except ValueError:
             self._byte_level = False
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A short id of what decides prompt token ids (vocabulary, merges, normalizer,
+        BOS rule, chat template): two tokenizers with the same fingerprint turn the same
+        request into the same ids (a router checks its own against each worker's)."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(self._tok.to_str().encode())
+        h.update(f"|bos={self._add_bos}:{self.bos_token_id}|".encode())
+        h.update((self.chat_template or "").encode())
+        return h.hexdigest()
 
     @property
     def vocab_size(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvserve.model.tokenizer import Tokenizer
 from kvserve.sampling import SamplingParams
 from kvserve.server.errors import INVALID_TEXT, invalid_text_path
 
@@ -134,3 +135,10 @@ class ChatCompletionRequest(_Common):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def prompt_ids(self, tok: Tokenizer) -> list[int]:
+        """The prompt token ids: the chat template rendered, then tokenized without
+        special tokens (the template has them). The one definition a worker, a standby
+        resuming the stream and a router placing it all use. Raises ValueError."""
+        text = tok.apply_chat_template(self.conversation(), self.add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)

@@ -1,5 +1,5 @@
 """Internal endpoints of a cluster worker (``/internal/*``, cluster secret required):
-resume a failed-over stream, drain, accept a primary's direct push."""
+resume a failed-over stream, drain, accept a primary's direct push, the KV snapshot."""
 
 from __future__ import annotations
 
@@ -155,6 +155,19 @@ def cluster_routes(state: ServerState) -> APIRouter:
             raise bad_request(f"bad drain request: {e}") from None
         state.draining = drain
         return JSONResponse({"draining": drain, "running": engine.stats().running})
+
+    @router.get("/internal/kv/snapshot")
+    async def internal_kv_snapshot(request: Request) -> Response:
+        """Every block hash this worker holds, by tier, with the sequence number of the
+        last KV event batch included (msgpack ``KVSnapshot``): what a router reads to
+        (re)build its index of this worker (``server.kv_events``)."""
+        _cluster_auth(request)
+        pub = state.kv_events
+        if pub is None:
+            raise APIError(404, "this worker publishes no KV events", "NotFoundError")
+        from kvserve.server.kv_events import SNAPSHOT_MEDIA_TYPE
+
+        return Response(pub.encoded_snapshot(), media_type=SNAPSHOT_MEDIA_TYPE)
 
     @router.post("/internal/replica")
     async def internal_replica(request: Request) -> JSONResponse:

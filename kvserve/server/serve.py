@@ -56,7 +56,26 @@ class _DrainingServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def _start_heartbeat(engine: AsyncLLM, config: ServerConfig):
+def _open_kv_events(engine_args: EngineArgs, config: ServerConfig):
+    """The KV event publisher when this worker publishes (``--cluster`` or
+    ``--kv-events-port``), bound before the engine loads: a port in use is refused at
+    start (SystemExit), not found out later."""
+    if not engine_args.kv_events_enabled:
+        return None
+    import zmq
+
+    from kvserve.server.kv_events import KVEventPublisher
+
+    port = engine_args.kv_events_port or 0
+    if not 0 <= port < 65536:
+        raise SystemExit(f"kvserve serve: --kv-events-port must be in 0..65535, got {port}")
+    try:
+        return KVEventPublisher(engine_args.node_id or "", config.host, port)
+    except zmq.ZMQError as e:
+        raise SystemExit(f"kvserve serve: cannot publish KV events on port {port}: {e}") from None
+
+
+def _start_heartbeat(engine: AsyncLLM, config: ServerConfig, kv_events=None):
     """With ``--cluster``: register this worker and refresh its lease (a third of it)
     until the returned stop function is called (which deregisters it). Runs in the API
     server process, so the engine core's loop never waits for it."""
@@ -69,6 +88,17 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig):
     fingerprint = secret_fingerprint(config.cluster_secret)
     url = config.advertise_url or f"http://{config.host}:{config.port}"
     stop = threading.Event()
+    kv_info: dict = {}
+    if kv_events is not None:  # what a router needs to index this worker's blocks
+        from kvserve.server.kv_events import advertised_endpoint
+
+        kv_info = {
+            "kv_events": advertised_endpoint(config.host, kv_events.port, config.advertise_url),
+            "block_size": info.block_size,
+            "cache_keys": info.cache_keys,
+            "tenant_isolation": info.tenant_isolation,
+            "tokenizer_fp": engine.tokenizer.fingerprint if engine.tokenizer else None,
+        }
 
     def beat() -> None:
         while not stop.is_set():
@@ -81,6 +111,7 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig):
                     waiting=s.waiting,
                     kv_usage=s.kv_blocks_used / max(s.kv_blocks_total, 1),
                     secret_fp=fingerprint,
+                    **kv_info,
                 )
             except Exception as e:  # Redis away: keep trying; the lease lapses meanwhile
                 logger.warning("cluster heartbeat failed: %s", e)
@@ -107,12 +138,19 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
         from kvserve.ha.coordination import MISSING_SECRET
 
         raise SystemExit(MISSING_SECRET.format(command="serve"))
+    kv_events = _open_kv_events(engine_args, config)
     try:
         engine = AsyncLLM.start(engine_args, config.cluster_secret, log_level)
     except EngineError as e:
         logger.error("the engine could not start: %s", e)
         raise SystemExit(1) from None
     info = engine.info
+    if kv_events is not None and not info.kv_events:  # (prefix caching is off)
+        kv_events.close()
+        kv_events = None
+    if kv_events is not None:
+        kv_events.node = info.node_id or f"{config.host}:{config.port}"
+        engine.on_kv_events = kv_events.publish
     if config.tenants is not None:
         budgets = config.tenants.resolve(info.num_blocks, info.block_size, info.bytes_per_block)
         for b in budgets.values():
@@ -139,6 +177,8 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
     async def lifespan(app):
         engine.attach()
         watcher = asyncio.create_task(watch_engine())
+        if kv_events is not None:
+            kv_events.start()
         if config.tenants is not None:
             await engine.call(SetTenantBudgets(app.state.kv.budgets(config.tenants)))
         try:
@@ -146,10 +186,13 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
         finally:
             watcher.cancel()
             await engine.shutdown(config.graceful_timeout)  # flushes queued KV store writes
+            if kv_events is not None:
+                kv_events.close()
             logger.info("engine stopped")
 
     app = build_app(engine, config, lifespan)
-    stop_heartbeat = _start_heartbeat(engine, config)
+    app.state.kv.kv_events = kv_events
+    stop_heartbeat = _start_heartbeat(engine, config, kv_events)
 
     def drain() -> None:
         if not app.state.kv.draining:

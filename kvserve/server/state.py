@@ -50,6 +50,7 @@ class ServerState:
         self.created = int(time.time())
         self.max_model_len = engine.info.max_model_len
         self.tokenizer = engine.tokenizer
+        self.kv_events = None  # the KVEventPublisher, when this worker publishes
         self.coord = None  # the cluster coordinator, for session owner look-ups
         if engine.info.cluster is not None:
             from kvserve.ha.coordination import Coordinator
@@ -84,8 +85,6 @@ class ServerState:
         """The prompt token ids of a chat request (the same for its first run and for a
         resume elsewhere: a failover must see exactly the primary's prompt). Raises
         ValueError without a tokenizer or chat template."""
-        tok = self.tokenizer
-        if tok is None:
+        if self.tokenizer is None:
             raise ValueError("the model has no tokenizer, so chat is unavailable")
-        text = tok.apply_chat_template(body.conversation(), body.add_generation_prompt)
-        return tok.encode(text, add_special_tokens=False)
+        return body.prompt_ids(self.tokenizer)

@@ -1,6 +1,7 @@
 """``host://?capacity=8GiB``: a bounded in-process LRU of serialized blocks (the first
 tier, always there). ``on_evict`` sees every value pushed out, so a write-back tiered
-store can hand it to the tiers below before it is gone."""
+store can hand it to the tiers below before it is gone; ``events`` (optional) hears of
+every key stored and removed, in the order the changes happen (``kv.events``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from kvserve.kv.events import HOST, KVEventLog
 from kvserve.store.base import Key, KVStore, count_leading
 
 
@@ -25,6 +27,7 @@ class HostStore(KVStore):
         self.used_bytes = 0
         self.on_evict = on_evict
         self.num_evictions = 0
+        self.events: KVEventLog | None = None
         self._data: OrderedDict[Key, bytes] = OrderedDict()
         self._lock = threading.Lock()  # the tiered store's writer thread shares it
 
@@ -45,12 +48,15 @@ class HostStore(KVStore):
     def put(self, items: Sequence[tuple[Key, bytes]]) -> None:
         evicted = []
         with self._lock:
+            events = self.events
             for k, v in items:
                 if len(v) > self.capacity_bytes:
                     continue  # could never fit
                 old = self._data.pop(k, None)
                 if old is not None:
                     self.used_bytes -= len(old)
+                elif events is not None:
+                    events.stored(HOST, (k,))
                 self._data[k] = v
                 self.used_bytes += len(v)
                 while self.used_bytes > self.capacity_bytes:
@@ -58,6 +64,8 @@ class HostStore(KVStore):
                     self.used_bytes -= len(ev)
                     self.num_evictions += 1
                     evicted.append((ek, ev))
+                    if events is not None:
+                        events.removed(HOST, (ek,))
         if self.on_evict is not None:
             for ek, ev in evicted:
                 self.on_evict(ek, ev)
@@ -68,6 +76,8 @@ class HostStore(KVStore):
                 v = self._data.pop(k, None)
                 if v is not None:
                     self.used_bytes -= len(v)
+                    if self.events is not None:
+                        self.events.removed(HOST, (k,))
 
     def __len__(self) -> int:
         return len(self._data)

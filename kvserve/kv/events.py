@@ -1,0 +1,120 @@
+"""KV events: which block hashes a node holds, as a stream of changes.
+
+A worker tells the cluster's routers what it can serve from cache so they can send a
+request to the worker holding the longest part of its prefix (``router.index``). Events
+name blocks by the chained hashes of ``kv.hashing`` — the same names the engine's prefix
+cache and the KV store use — in two tiers:
+
+- ``device``: the block pool's prefix index (used or cached-free blocks: either serves a
+  hit without a copy). ``BlocksStored`` when a full block is registered,
+  ``BlocksRemoved`` when its hash is dropped (the block was reused, or the prefix cache
+  reset).
+- ``host``: the first KV store tier (host memory; a hit costs one copy). Its keys include
+  session records' keys, which never match a block chain, so they are harmless noise.
+
+The engine collects events in a ``KVEventLog`` (thread-safe: the host tier is written
+from the replication and pre-warm threads too) and drains it once per loop iteration into
+its ``Outputs`` frame; the API server numbers and publishes them (``server.kv_events``).
+The log is bounded: past ``max_pending`` undrained events it keeps a ``TierCleared`` per
+tier in place of the lost detail, so a reader resynchronises instead of trusting a gap.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import msgspec
+
+DEVICE, HOST = "device", "host"
+TIERS = (DEVICE, HOST)
+
+
+class BlocksStored(msgspec.Struct, tag=True, array_like=True):
+    """These hashes are now held in ``tier``."""
+
+    tier: str
+    hashes: list[bytes]
+
+
+class BlocksRemoved(msgspec.Struct, tag=True, array_like=True):
+    """These hashes are no longer held in ``tier``."""
+
+    tier: str
+    hashes: list[bytes]
+
+
+class TierCleared(msgspec.Struct, tag=True, array_like=True):
+    """Forget everything ``tier`` held (a reset, or detail lost to the log's bound): the
+    reader needs a snapshot to know the tier again (``lossy``), or starts it empty."""
+
+    tier: str
+    lossy: bool = False
+
+
+KVEvent = BlocksStored | BlocksRemoved | TierCleared
+
+
+class KVEventLog:
+    """Changes since the last ``drain``, in order, consecutive ones of a kind merged."""
+
+    def __init__(self, max_pending: int = 1 << 20):
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        self._events: list[KVEvent] = []
+        self._pending = 0  # hashes in _events
+        self.num_overflows = 0
+
+    def stored(self, tier: str, hashes: Iterable[bytes]) -> None:
+        self._add(BlocksStored, tier, hashes)
+
+    def removed(self, tier: str, hashes: Iterable[bytes]) -> None:
+        self._add(BlocksRemoved, tier, hashes)
+
+    def cleared(self, tier: str) -> None:
+        with self._lock:
+            self._events = [e for e in self._events if e.tier != tier]
+            self._pending = sum(len(getattr(e, "hashes", ())) for e in self._events)
+            self._events.append(TierCleared(tier))
+
+    def _add(self, kind: type[BlocksStored] | type[BlocksRemoved], tier: str, hashes) -> None:
+        hashes = list(hashes)
+        if not hashes:
+            return
+        with self._lock:
+            if self._pending + len(hashes) > self.max_pending:
+                self.num_overflows += 1
+                self._events = [TierCleared(t, lossy=True) for t in TIERS]
+                self._pending = 0
+                return
+            last = self._events[-1] if self._events else None
+            if type(last) is kind and last.tier == tier:  # type: ignore[union-attr]
+                last.hashes.extend(hashes)  # type: ignore[union-attr]
+            else:
+                self._events.append(kind(tier, hashes))
+            self._pending += len(hashes)
+
+    def drain(self) -> list[KVEvent]:
+        """Every event since the last drain (and forget them)."""
+        with self._lock:
+            out, self._events, self._pending = self._events, [], 0
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self._events)
+
+
+def apply(held: dict[str, set[bytes]], events: Iterable[KVEvent]) -> bool:
+    """Apply ``events`` to a ``tier → hashes`` view (changes it). Returns False when an
+    event lost detail (a lossy ``TierCleared``): the view needs a snapshot."""
+    ok = True
+    for e in events:
+        tier = held.setdefault(e.tier, set())
+        if isinstance(e, BlocksStored):
+            tier.update(e.hashes)
+        elif isinstance(e, BlocksRemoved):
+            tier.difference_update(e.hashes)
+        else:
+            tier.clear()
+            ok = ok and not e.lossy
+    return ok
