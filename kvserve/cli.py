@@ -113,6 +113,10 @@ def _router(ns: argparse.Namespace) -> int:
         max_failovers=ns.max_failovers,
         registry_grace=ns.registry_grace,
         graceful_timeout=ns.graceful_timeout,
+        routing=ns.routing,
+        tokenizer=ns.tokenizer,
+        routing_load_weight=ns.routing_load_weight,
+        routing_host_weight=ns.routing_host_weight,
     )
     run_router(config, ns.log_level)
     return 0
@@ -293,6 +297,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rt.add_argument(
         "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
+    )
+    rt.add_argument(
+        "--routing",
+        default="auto",
+        choices=("auto", "prefix", "least-loaded", "round-robin"),
+        help="where a request without a session owner goes: prefix (the worker holding the "
+        "most of its prompt, against load), least-loaded, round-robin; auto: prefix with "
+        "--tokenizer, else least-loaded (default: auto)",
+    )
+    rt.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the model's directory (its tokenizer.json): prompt token ids for --routing prefix",
+    )
+    rt.add_argument(
+        "--routing-load-weight",
+        type=float,
+        default=256.0,
+        help="prefix routing: prompt tokens one open request on a worker is worth "
+        "(default: %(default)s)",
+    )
+    rt.add_argument(
+        "--routing-host-weight",
+        type=float,
+        default=0.8,
+        help="prefix routing: a host-tier hit's worth against a device-pool hit, 0..1 "
+        "(default: %(default)s)",
     )
     rt.set_defaults(func=_router)
 

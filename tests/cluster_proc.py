@@ -27,6 +27,7 @@ class Cluster:
     tmp: Path
     workers: dict[str, ServerProcess] = field(default_factory=dict)
     routers: list[ServerProcess] = field(default_factory=list)
+    router_args: tuple[str, ...] = ()
 
     @property
     def coord(self) -> Coordinator:
@@ -37,7 +38,7 @@ class Cluster:
         n = len(self.routers)
         r = ServerProcess(
             None,
-            "--cluster", self.url, "--cluster-secret", SECRET,
+            "--cluster", self.url, "--cluster-secret", SECRET, *self.router_args,
             log=self.tmp / f"router{n}.log", command="router",
         )  # fmt: skip
         self.routers.append(r)
@@ -58,13 +59,15 @@ def cluster(
     routers: int = 1,
     redis_url: str | None = None,
     worker_args: tuple[str, ...] = (),
+    router_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """Workers ``nodes`` and ``routers`` routers on a fresh ``redis-server`` (or on
-    ``redis_url``: then ``Cluster.redis`` is None)."""
+    ``redis_url``: then ``Cluster.redis`` is None); ``worker_args`` / ``router_args``
+    come after the defaults (and override them)."""
     with contextlib.ExitStack() as stack:
         server = None if redis_url else stack.enter_context(redis_server(tmp))
         url = redis_url or f"redis://127.0.0.1:{server.port}/0"
-        c = Cluster(server, url, model, tmp)
+        c = Cluster(server, url, model, tmp, router_args=router_args)
         args = (
             "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--cluster", url,
             "--kv-store", url, "--cluster-secret", SECRET, "--replicate-every", "16",

@@ -31,7 +31,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.ha.coordination import Coordinator
 from kvserve.router.config import RouterConfig
+from kvserve.router.index import PrefixIndex
+from kvserve.router.kv_sync import KVSync
+from kvserve.router.prompts import PromptReader
 from kvserve.router.relay import Flow, Relay, Unroutable
+from kvserve.router.scoring import Placement
 from kvserve.router.workers import WorkerPool
 from kvserve.server.errors import (
     INVALID_TEXT,
@@ -72,6 +76,44 @@ class RouterMetrics:
         workers = Gauge("kvserve_router_workers", "Workers by state", ["state"], registry=r)
         workers.labels("known").set_function(lambda: len(pool_view().workers))
         workers.labels("routable").set_function(lambda: len(pool_view().routable()))
+        self.decisions = Counter(
+            "kvserve_router_decisions",
+            "Placements by reason: affinity (the session's owner), prefix (the cheapest "
+            "worker holds part of the prompt), load (no worker holds any), least_loaded, "
+            "round_robin",
+            ["reason"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "kvserve_router_cached_tokens",
+            "Prompt tokens served from cache on placed requests: predicted by the prefix "
+            "index vs actual (the worker's usage)",
+            ["kind"],
+            registry=r,
+        )
+        self.placed_prompt_tokens = Counter(
+            "kvserve_router_placed_prompt_tokens",
+            "Prompt tokens of the requests placed by prefix routing",
+            registry=r,
+        )
+        self.kv_batches = Counter(
+            "kvserve_router_kv_event_batches", "KV event batches applied", registry=r
+        )
+        self.kv_snapshots = Counter(
+            "kvserve_router_kv_snapshots",
+            "KV snapshots read (a worker joined, restarted or lost events)",
+            registry=r,
+        )
+
+    def observe_cached(self, flow: Flow) -> None:
+        """Count a placed request's predicted and actual cached tokens once it ended
+        (with the worker's usage; a request that never got one is left out)."""
+        if flow.predicted_cached is None or flow.cached_tokens is None:
+            return
+        self.cached_tokens.labels("predicted").inc(flow.predicted_cached)
+        self.cached_tokens.labels("actual").inc(flow.cached_tokens)
+        self.placed_prompt_tokens.inc(len(flow.prompt.token_ids or ()))
+        flow.predicted_cached = None
 
 
 def _error(status: int, message: str, type_: str | None = None, param: str | None = None):
@@ -84,20 +126,33 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
     coord = coord or Coordinator.from_url(config.cluster, timeout=config.probe_timeout * 2)
     holder: dict[str, Any] = {}
     metrics = RouterMetrics(lambda: holder["pool"])
+    policy = config.routing_policy
+    prompts = PromptReader.from_path(config.tokenizer if policy == "prefix" else None)
+    index = PrefixIndex() if policy == "prefix" else None
+    placement = Placement(
+        policy, index, prompts.fingerprint, config.routing_load_weight, config.routing_host_weight
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(limits=limits) as http:
             pool = WorkerPool(coord, http, config)
+            sync = None
+            if index is not None:
+                sync = KVSync(index, http, config.cluster_secret, config.probe_timeout * 4, metrics)
+                pool.on_refresh = sync.follow
+                sync.start()
             holder["pool"] = pool
-            holder["relay"] = Relay(pool, coord, http, config, metrics)
+            holder["relay"] = Relay(pool, coord, http, config, metrics, placement)
             await pool.refresh()
             pool.start()
             try:
                 yield
             finally:
                 await pool.stop()
+                if sync is not None:
+                    await sync.stop()
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
 
@@ -135,9 +190,13 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
                         "inflight": w.inflight,
                         "running": w.info.get("running"),
                         "waiting": w.info.get("waiting"),
+                        "kv_index": None
+                        if index is None or "kv_events" not in w.info
+                        else {"synced": index.is_synced(w.node_id), **index.sizes(w.node_id)},
                     }
                     for w in pool.workers.values()
                 ],
+                "routing": policy,
             }
         )
 
@@ -167,6 +226,8 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
         if bad_text is not None:  # worded as a worker words it (server/protocol.py)
             return _error(400, f"{bad_text}: {INVALID_TEXT}", param=bad_text)
         flow = Flow.from_client(kind, body, request.headers)
+        if policy == "prefix":
+            flow.prompt = await prompts.read(kind, body)
         relay: Relay = holder["relay"]
         try:
             w, resp = await relay.open(flow)

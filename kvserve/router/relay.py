@@ -1,13 +1,18 @@
 """One client request through the router: route it, relay the worker's answer, and fail
 over to a standby when the worker dies.
 
-The router forwards the client's body with three additions: ``session_id`` (the client's,
+The router forwards the client's body with four additions: ``session_id`` (the client's,
 or an id made up for this one request — *ephemeral*, released when it ends),
 ``return_token_ids: true`` (the router must know the token ids the client has; it strips
-them again unless the client asked) and a ``seed`` when the client gave none (so a sampled
+them again unless the client asked), a ``seed`` when the client gave none (so a sampled
 stream can be continued with the same draws; the seed is random, so nothing changes for
-the client). It also sends ``X-Kvserve-Session-Epoch``: the session's epoch as the router
-saw it, which the worker's claim is conditional on.
+the client) and, on streams, ``stream_options.include_usage`` (the router learns how many
+prompt tokens the worker had cached; the usage chunk is dropped again unless asked).
+It also sends ``X-Kvserve-Session-Epoch``: the session's epoch as the router saw it,
+which the worker's claim is conditional on.
+
+Placement: the session's owner when it is routable (affinity, whatever the policy), else
+``scoring.Placement`` (prefix overlap against load, least-loaded or round-robin).
 
 A worker has failed when its connection breaks, when its stream ends without
 ``[DONE]``, when it sends an error event, or when it stays silent for ``stall_timeout``
@@ -37,6 +42,7 @@ import httpx
 
 from kvserve.ha.coordination import Coordinator
 from kvserve.router.config import RouterConfig
+from kvserve.router.scoring import Placement, PromptInfo
 from kvserve.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("kvserve.router")
@@ -75,6 +81,10 @@ class Flow:
     created: int | None = None
     failed: set[str] = field(default_factory=set)
     failovers: int = 0
+    prompt: PromptInfo = field(default_factory=lambda: PromptInfo(None))
+    strip_usage: bool = False  # the router asked for the usage chunk, not the client
+    cached_tokens: int | None = None  # the worker's usage.prompt_tokens_details
+    predicted_cached: int | None = None  # placement's guess (prefix routing only)
 
     @classmethod
     def from_client(cls, kind: str, body: dict[str, Any], headers: Any) -> Flow:
@@ -89,6 +99,12 @@ class Flow:
             up["return_token_ids"] = True
             if up.get("seed") is None:
                 up["seed"] = secrets.randbits(62)
+        options = body.get("stream_options")
+        strip_usage = bool(body.get("stream")) and not (
+            isinstance(options, dict) and options.get("include_usage")
+        )
+        if strip_usage:
+            up["stream_options"] = {**(options or {}), "include_usage": True}
         return cls(
             kind,
             up,
@@ -97,6 +113,7 @@ class Flow:
             bool(body.get("return_token_ids")),
             resumable,
             headers.get("authorization"),
+            strip_usage=strip_usage,
         )
 
     def headers(self, epoch: int | None = None) -> dict[str, str]:
@@ -109,9 +126,16 @@ class Flow:
             h["X-Kvserve-Ephemeral-Session"] = "1"
         return h
 
-    def observe(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def observe(self, payload: dict[str, Any]) -> dict[str, Any] | None:
         """Note what this chunk (or whole response) gives the client; return it as the
-        client gets it (same id and created as the first, token ids only if asked)."""
+        client gets it (same id and created as the first, token ids and usage only if
+        asked), or None for a usage chunk the client did not ask for."""
+        use = payload.pop("usage", None) if self.strip_usage else payload.get("usage")
+        if isinstance(use, dict):
+            details = use.get("prompt_tokens_details") or {}
+            self.cached_tokens = int(details.get("cached_tokens") or 0)
+            if self.strip_usage and not payload.get("choices"):
+                return None
         if self.first_id is None:
             self.first_id, self.created = payload.get("id"), payload.get("created")
         else:
@@ -145,8 +169,10 @@ class Relay:
         http: httpx.AsyncClient,
         config: RouterConfig,
         metrics: Any,
+        placement: Placement | None = None,
     ):
         self.pool = pool
+        self.placement = placement or Placement("least-loaded", None, None)
         self.coord = coord
         self.http = http
         self.config = config
@@ -190,16 +216,23 @@ class Relay:
 
     # ---- routing -------------------------------------------------------------------------
     async def open(self, flow: Flow) -> tuple[Worker, httpx.Response]:
-        """Send the request to the session's primary (its owner if routable, else the least
-        loaded worker). Returns the worker and its response (any status; a 200 is open
-        for streaming). Failures before an answer go to ``resume`` (which can start from
-        nothing delivered)."""
+        """Send the request to the session's primary (its owner if routable, else where
+        ``placement`` puts it). Returns the worker and its response (any status; a 200
+        is open for streaming). Failures before an answer go to ``resume`` (which can
+        start from nothing delivered)."""
         owner = await self._owner(flow.session)
         w = self.pool.get(owner.node) if owner is not None else None
-        if w is None:
-            w = self.pool.pick(flow.session)
-        if w is None:
-            raise Unroutable(503, "no worker is available")
+        if w is not None:
+            self.metrics.decisions.labels("affinity").inc()
+        else:
+            cands = self.pool.routable()
+            if not cands:
+                raise Unroutable(503, "no worker is available")
+            d = self.placement.choose(cands, flow.session, flow.prompt)
+            w = d.worker
+            self.metrics.decisions.labels(d.reason).inc()
+            if flow.prompt.token_ids is not None and d.reason in ("prefix", "load"):
+                flow.predicted_cached = d.predicted_cached
         epoch = owner.epoch if owner is not None else (0 if self.pool.registry_ok else None)
         headers = flow.headers(epoch)
         standby = self.pool.standby(flow.session, {w.node_id})
@@ -285,7 +318,9 @@ class Relay:
                         if payload is None:
                             yield "data: [DONE]\n\n"
                             return
-                        yield _sse(flow.observe(payload))
+                        out = flow.observe(payload)
+                        if out is not None:
+                            yield _sse(out)
                     self.metrics.failovers_detected.labels("connection").inc()
                     raise WorkerFailed(f"{w.node_id} ended the stream early")
                 except WorkerFailed as e:
@@ -305,6 +340,7 @@ class Relay:
             await resp.aclose()
             if current is not None:
                 current.inflight -= 1
+            self.metrics.observe_cached(flow)
 
     async def _upstream(self, w: Worker, resp: httpx.Response) -> AsyncIterator[dict | None]:
         """Parsed ``data:`` payloads of an SSE response (None for ``[DONE]``); raises
@@ -342,8 +378,11 @@ class Relay:
                     w, resp = await self.resume(flow, w, str(e))
                     current = w
                     continue
-                return flow.observe(payload)
+                out = flow.observe(payload)
+                assert out is not None  # (a whole response is never a usage-only chunk)
+                return out
         finally:
             await resp.aclose()
             if current is not None:
                 current.inflight -= 1
+            self.metrics.observe_cached(flow)

@@ -1,5 +1,6 @@
 """The router's view of the workers: the registry in Redis (heartbeats) plus its own
-HTTP ``/health`` probes, and the choice of a primary and a standby per session.
+HTTP ``/health`` probes, and the choice of a standby per session (where a new request
+goes is ``scoring.Placement``'s).
 
 A worker is *routable* while its last ``/ready`` probe succeeded and it is registered — or, when the
 registry itself cannot be read (Redis away), it was registered less than
@@ -15,6 +16,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,8 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._secret_fp = secret_fingerprint(config.cluster_secret)
         self._mismatch_logged: set[str] = set()
+        # told the workers after every registry read (the KV index follows them)
+        self.on_refresh: Callable[[dict[str, Worker]], None] | None = None
 
     # ---- view -----------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -89,6 +93,8 @@ class WorkerPool:
             for node_id in [n for n in self.workers if n not in nodes]:
                 logger.info("worker %s left the registry", node_id)
                 del self.workers[node_id]
+            if self.on_refresh is not None:
+                self.on_refresh(self.workers)
         await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
 
     async def _probe(self, w: Worker) -> None:
@@ -137,13 +143,6 @@ class WorkerPool:
     def get(self, node_id: str) -> Worker | None:
         w = self.workers.get(node_id)
         return w if w is not None and w in self.routable() else None
-
-    def pick(self, session: str, exclude: set[str] | frozenset[str] = frozenset()) -> Worker | None:
-        """A primary for a session that has none: the least loaded routable worker."""
-        cands = [w for w in self.routable() if w.node_id not in exclude]
-        if not cands:
-            return None
-        return min(cands, key=lambda w: (w.load, -rendezvous(session, w.node_id)))
 
     def standby(self, session: str, exclude: set[str] | frozenset[str]) -> Worker | None:
         """The session's standby: the routable worker (not excluded) with the highest
