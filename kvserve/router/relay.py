@@ -85,6 +85,7 @@ class Flow:
     strip_usage: bool = False  # the router asked for the usage chunk, not the client
     cached_tokens: int | None = None  # the worker's usage.prompt_tokens_details
     predicted_cached: int | None = None  # placement's guess (prefix routing only)
+    arrived: float = field(default_factory=time.perf_counter)  # the client's request came
 
     @classmethod
     def from_client(cls, kind: str, body: dict[str, Any], headers: Any) -> Flow:
@@ -233,6 +234,7 @@ class Relay:
             self.metrics.decisions.labels(d.reason).inc()
             if flow.prompt.token_ids is not None and d.reason in ("prefix", "load"):
                 flow.predicted_cached = d.predicted_cached
+        self.metrics.decision_seconds.observe(time.perf_counter() - flow.arrived)
         epoch = owner.epoch if owner is not None else (0 if self.pool.registry_ok else None)
         headers = flow.headers(epoch)
         standby = self.pool.standby(flow.session, {w.node_id})
