@@ -5,8 +5,8 @@ official ``openai`` client.
 A request sharing a 1k-token document with an earlier one (another session, no session
 id) lands on the worker holding it and reports those tokens as cached — for completions
 and for chat; a router restarted mid-run rebuilds its index from the workers' snapshots
-and routes the same way; with the holder draining the request goes to the other worker,
-which restores the prefix from the shared tier."""
+and routes the same way, as does a second router beside it; with the holder draining the
+request goes to the other worker, which restores the prefix from the shared tier."""
 
 from __future__ import annotations
 
@@ -111,6 +111,11 @@ def test_a_shared_document_is_routed_to_its_holder(llama_dir, tmp_path):
         assert _metric(router, "kvserve_router_kv_snapshots_total") >= 2
         w, cached = _complete(router_client(router), model, doc + " after the restart")
         assert w == holder and cached >= n_doc - 32
+        # a second router, beside it, builds the same index and places the same way
+        second = c.add_router()
+        wait_until(lambda: _synced(second, min_device=blocks, holder=holder), 30, "second")
+        for r in (router, second):
+            assert _complete(router_client(r), model, doc + " two routers")[0] == holder
 
         # the holder drains: the other worker restores the document from the shared tier
         ids = tok.encode(doc + " while draining")
