@@ -93,7 +93,16 @@ def _serve(ns: argparse.Namespace) -> int:
         tenants=TenantsConfig.load(ns.tenants) if ns.tenants else None,
         cluster_secret=ns.cluster_secret or os.environ.get("KVSERVE_CLUSTER_SECRET"),
         advertise_url=ns.advertise_url,
+        role=ns.role,
     )
+    if config.role != "both" and not engine_args.cluster:
+        raise ValueError("--role prefill|decode needs --cluster (a router hands requests over)")
+    if config.role == "prefill" and "standby" not in engine_args.replicate_to:
+        # the prompt's blocks go straight to the decode worker (the router makes it the
+        # request's standby), besides the shared tier
+        engine_args = dataclasses.replace(
+            engine_args, replicate_to=(*engine_args.replicate_to, "standby")
+        )
     run_server(engine_args, config, ns.log_level)
     return 0
 
@@ -267,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--advertise-url", default=None, help="URL other cluster members reach this worker at"
+    )
+    sv.add_argument(
+        "--role",
+        default="both",
+        choices=("both", "prefill", "decode"),
+        help="in a cluster, what routers send here: both (whole requests), prefill (prompts, "
+        "handed to a decode worker after the first token) or decode (default: both)",
     )
     sv.add_argument(
         "--max-waiting-requests", type=int, default=1024, help="queue bound; beyond: 429"

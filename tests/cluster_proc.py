@@ -60,10 +60,11 @@ def cluster(
     redis_url: str | None = None,
     worker_args: tuple[str, ...] = (),
     router_args: tuple[str, ...] = (),
+    node_args: dict[str, tuple[str, ...]] | None = None,
 ) -> Iterator[Cluster]:
     """Workers ``nodes`` and ``routers`` routers on a fresh ``redis-server`` (or on
     ``redis_url``: then ``Cluster.redis`` is None); ``worker_args`` / ``router_args``
-    come after the defaults (and override them)."""
+    come after the defaults (and override them), ``node_args[node]`` after those."""
     with contextlib.ExitStack() as stack:
         server = None if redis_url else stack.enter_context(redis_server(tmp))
         url = redis_url or f"redis://127.0.0.1:{server.port}/0"
@@ -76,7 +77,10 @@ def cluster(
         )  # fmt: skip
         try:
             for n in nodes:
-                c.workers[n] = ServerProcess(model, *args, "--node-id", n, log=tmp / f"{n}.log")
+                extra = (node_args or {}).get(n, ())
+                c.workers[n] = ServerProcess(
+                    model, *args, *extra, "--node-id", n, log=tmp / f"{n}.log"
+                )
             for w in c.workers.values():
                 w.wait_ready()
             coord = c.coord

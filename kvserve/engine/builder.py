@@ -50,7 +50,7 @@ PARTS = (
     "eos_token_ids", "dtype", "max_model_len", "window", "attention_sinks", "model",
     "kv_format", "kv_spec", "model_fingerprint", "kv", "runner", "cost_model", "swap",
     "offloader", "prewarmer", "replicator", "replication_url", "scheduler", "peak_usage",
-    "usage_recorder", "kv_events",
+    "usage_recorder", "kv_events", "batch_invariant",
 )  # fmt: skip
 
 
@@ -127,6 +127,16 @@ class EngineBuilder:
         dense: bool,
     ) -> None:
         """Everything after the model: KV manager, runner, swap, store, scheduler."""
+        # a row's result depends on nothing but its own inputs (BENCHMARKS.md,
+        # "Determinism"): the C++ paged attention and oneDNN GEMMs, in bf16/fp16 on CPU.
+        # Then a resumed stream restores every stored block of its prompt; otherwise only
+        # all of them when they cover the prompt's end, else exactly the prefix its
+        # primary had from its cache (a cached prompt's tail went through other kernels)
+        self.batch_invariant = (
+            self.device.type == "cpu"
+            and not dense
+            and self.dtype in (torch.bfloat16, torch.float16)
+        )
         self.model_fingerprint = model_fingerprint(self.model_dir)
         self.kv = KVCacheManager(
             num_blocks,

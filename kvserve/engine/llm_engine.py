@@ -114,10 +114,10 @@ class LLMEngine:
             request_id, r.prompt_token_ids, r.params, r.seed, r.tenant, r.cache_salt, 0
         )
         req.output_token_ids = self.inputs.check_delivered(req, delivered)
-        # recompute like the primary did (see Request.replay): restore stored blocks only
-        # if they cover the prompt's end, else exactly the prefix it had from its cache
+        # recompute like the primary did (Request.replay); batch-invariant kernels restore
+        # every stored block, others only what keeps it exact (see the builder)
         req.replay = True
-        if record.prefill_from is not None:
+        if record.prefill_from is not None and not self.batch_invariant:
             stored, prompt = record.stored_tokens, req.num_prompt_tokens
             bs = self.kv.block_size
             req.restore_limit = stored if stored >= prompt else record.prefill_from // bs * bs

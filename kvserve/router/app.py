@@ -97,6 +97,17 @@ class RouterMetrics:
             "Prompt tokens of the requests placed by prefix routing",
             registry=r,
         )
+        self.handoffs = Counter(
+            "kvserve_router_handoffs",
+            "Disaggregated requests handed from their prefill worker to a decode worker",
+            registry=r,
+        )
+        self.handoff_seconds = Histogram(
+            "kvserve_router_handoff_seconds",
+            "From the prefill worker's first token to the decode worker's answer",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
+            registry=r,
+        )
         self.decision_seconds = Histogram(
             "kvserve_router_decision_seconds",
             "From a client request's arrival to its worker chosen (body parsing, "
@@ -198,6 +209,7 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
                         "inflight": w.inflight,
                         "running": w.info.get("running"),
                         "waiting": w.info.get("waiting"),
+                        "role": w.role,
                         "kv_index": None
                         if index is None or "kv_events" not in w.info
                         else {"synced": index.is_synced(w.node_id), **index.sizes(w.node_id)},

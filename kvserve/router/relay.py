@@ -14,6 +14,15 @@ which the worker's claim is conditional on.
 Placement: the session's owner when it is routable (affinity, whatever the policy), else
 ``scoring.Placement`` (prefix overlap against load, least-loaded or round-robin).
 
+Disaggregated prefill/decode (some workers have ``--role prefill`` or ``decode``): a
+new streamed, resumable request goes to a prefill-capable worker with a decode-capable
+one as its standby; once the client has the first token the router closes the prefill
+worker's stream (it aborts there; its prompt blocks are in its standby push and the
+shared tier) and continues the stream on the decode worker through ``/internal/resume``
+— a planned failover, with the same exactness. A prefill worker that dies first is an
+ordinary failover (to the decode worker). Whole (non-streamed) requests and those that
+cannot resume run on one decode-capable worker.
+
 A worker has failed when its connection breaks, when its stream ends without
 ``[DONE]``, when it sends an error event, or when it stays silent for ``stall_timeout``
 and then fails a liveness check (registry + ``/health`` within ``probe_timeout``). Then
@@ -86,6 +95,8 @@ class Flow:
     cached_tokens: int | None = None  # the worker's usage.prompt_tokens_details
     predicted_cached: int | None = None  # placement's guess (prefix routing only)
     arrived: float = field(default_factory=time.perf_counter)  # the client's request came
+    stream: bool = False
+    handoff_to: str | None = None  # disaggregated: the decode worker after the first token
 
     @classmethod
     def from_client(cls, kind: str, body: dict[str, Any], headers: Any) -> Flow:
@@ -115,6 +126,7 @@ class Flow:
             resumable,
             headers.get("authorization"),
             strip_usage=strip_usage,
+            stream=bool(body.get("stream")),
         )
 
     def headers(self, epoch: int | None = None) -> dict[str, str]:
@@ -223,21 +235,15 @@ class Relay:
         start from nothing delivered)."""
         owner = await self._owner(flow.session)
         w = self.pool.get(owner.node) if owner is not None else None
+        standby = None
         if w is not None:
             self.metrics.decisions.labels("affinity").inc()
         else:
-            cands = self.pool.routable()
-            if not cands:
-                raise Unroutable(503, "no worker is available")
-            d = self.placement.choose(cands, flow.session, flow.prompt)
-            w = d.worker
-            self.metrics.decisions.labels(d.reason).inc()
-            if flow.prompt.token_ids is not None and d.reason in ("prefix", "load"):
-                flow.predicted_cached = d.predicted_cached
+            w, standby = self._place(flow)
         self.metrics.decision_seconds.observe(time.perf_counter() - flow.arrived)
         epoch = owner.epoch if owner is not None else (0 if self.pool.registry_ok else None)
         headers = flow.headers(epoch)
-        standby = self.pool.standby(flow.session, {w.node_id})
+        standby = standby or self.pool.standby(flow.session, {w.node_id})
         if standby is not None:  # the node a failover would pick: it pre-warms the session
             headers["X-Kvserve-Standby"] = standby.node_id
         w.inflight += 1
@@ -253,22 +259,59 @@ class Relay:
             return await self.resume(flow, w, f"{w.node_id} answered {resp.status_code}")
         return w, resp
 
+    def _place(self, flow: Flow) -> tuple[Worker, Worker | None]:
+        """A new request's worker (and, disaggregated, the decode worker it is handed to
+        after its first token: also its standby). Raises Unroutable."""
+        cands = self.pool.routable()
+        if not cands:
+            raise Unroutable(503, "no worker is available")
+        decode: Worker | None = None
+        if self.pool.disaggregated():
+            prefill = [c for c in cands if c.can("prefill")]
+            if flow.stream and flow.resumable and prefill:
+                d = self.placement.choose(prefill, flow.session, flow.prompt)
+                rest = [c for c in cands if c.can("decode") and c is not d.worker]
+                if rest:
+                    decode = self.placement.choose(rest, flow.session, flow.prompt).worker
+                    flow.handoff_to = decode.node_id
+            else:  # a whole request (or one that cannot be handed over) stays on one worker
+                d = self.placement.choose(
+                    [c for c in cands if c.can("decode")] or cands, flow.session, flow.prompt
+                )
+        else:
+            d = self.placement.choose(cands, flow.session, flow.prompt)
+        self.metrics.decisions.labels(d.reason).inc()
+        if flow.prompt.token_ids is not None and d.reason in ("prefix", "load"):
+            flow.predicted_cached = d.predicted_cached
+        return d.worker, decode
+
     def _path(self, flow: Flow) -> str:
         return "/v1/chat/completions" if flow.kind == "chat" else "/v1/completions"
 
-    async def resume(self, flow: Flow, failed: Worker, why: str) -> tuple[Worker, httpx.Response]:
-        """Continue ``flow`` on a standby after ``failed`` failed; returns the standby and
-        its open 200 response. Raises Unroutable when no worker can continue it."""
+    async def resume(
+        self, flow: Flow, failed: Worker, why: str, planned: bool = False
+    ) -> tuple[Worker, httpx.Response]:
+        """Continue ``flow`` on a standby after ``failed`` failed — or, ``planned``, on
+        the decode worker a disaggregated request is handed to after its first token;
+        returns that worker and its open 200 response. Raises Unroutable when no worker
+        can continue it."""
         if not flow.resumable:
             raise Unroutable(502, f"the worker failed ({why}) and this request cannot resume")
         start = time.monotonic()
-        flow.failed.add(failed.node_id)
-        failed.healthy = False  # until its next probe says otherwise
-        logger.warning("session %s: %s; failing over", flow.session, why)
+        flow.failed.add(failed.node_id)  # (also a prefill worker done with its part)
+        target, flow.handoff_to = flow.handoff_to, None
+        if planned:
+            self.metrics.handoffs.inc()
+        else:
+            failed.healthy = False  # until its next probe says otherwise
+            logger.warning("session %s: %s; failing over", flow.session, why)
         while flow.failovers < self.config.max_failovers:
-            flow.failovers += 1
+            if not planned:
+                flow.failovers += 1
             owner = await self._owner(flow.session)
-            w = self.pool.standby(flow.session, flow.failed)
+            w = self.pool.get(target) if target is not None else None
+            if w is None or w.node_id in flow.failed:
+                w = self.pool.standby(flow.session, flow.failed)
             if w is None:
                 await asyncio.sleep(self.config.health_interval)  # wait for a worker
                 continue
@@ -291,11 +334,15 @@ class Relay:
                 w.inflight -= 1
                 flow.failed.add(w.node_id)
                 logger.warning("session %s: standby %s failed too: %s", flow.session, w.node_id, e)
+                planned, target = False, None  # from here on it is a failover
                 continue
             if resp.status_code == 200:
-                self.metrics.failovers.inc()
-                self.metrics.failover_seconds.observe(time.monotonic() - start)
-                logger.info("session %s resumed on %s", flow.session, w.node_id)
+                if planned:
+                    self.metrics.handoff_seconds.observe(time.monotonic() - start)
+                else:
+                    self.metrics.failovers.inc()
+                    self.metrics.failover_seconds.observe(time.monotonic() - start)
+                    logger.info("session %s resumed on %s", flow.session, w.node_id)
                 return w, resp
             detail = (await resp.aread()).decode(errors="replace")[:500]
             await resp.aclose()
@@ -315,14 +362,19 @@ class Relay:
         current: Worker | None = w
         try:
             while True:
+                planned = False
                 try:
-                    async for payload in self._upstream(w, resp):
-                        if payload is None:
-                            yield "data: [DONE]\n\n"
-                            return
-                        out = flow.observe(payload)
-                        if out is not None:
-                            yield _sse(out)
+                    async with contextlib.aclosing(self._upstream(w, resp)) as upstream:
+                        async for payload in upstream:
+                            if payload is None:
+                                yield "data: [DONE]\n\n"
+                                return
+                            out = flow.observe(payload)
+                            if out is not None:
+                                yield _sse(out)
+                            if flow.handoff_to is not None and flow.ids and not flow.finished:
+                                planned = True  # the prompt is done: on to the decode worker
+                                raise WorkerFailed(f"{w.node_id} prefilled; handed over")
                     self.metrics.failovers_detected.labels("connection").inc()
                     raise WorkerFailed(f"{w.node_id} ended the stream early")
                 except WorkerFailed as e:
@@ -333,7 +385,7 @@ class Relay:
                         yield "data: [DONE]\n\n"
                         return
                     try:
-                        w, resp = await self.resume(flow, w, str(e))
+                        w, resp = await self.resume(flow, w, str(e), planned)
                     except Unroutable as u:
                         yield _sse(u.body)
                         return

@@ -43,6 +43,15 @@ class Worker:
             self.inflight + float(self.info.get("running", 0)) + float(self.info.get("waiting", 0))
         )
 
+    @property
+    def role(self) -> str:
+        """``both``, ``prefill`` or ``decode`` (``kvserve serve --role``)."""
+        return str(self.info.get("role") or "both")
+
+    def can(self, leg: str) -> bool:
+        """Does this worker take ``leg`` (``prefill`` or ``decode``) work?"""
+        return self.role in ("both", leg)
+
 
 def rendezvous(session: str, node: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{session}|{node}".encode(), digest_size=8).digest())
@@ -146,11 +155,18 @@ class WorkerPool:
 
     def standby(self, session: str, exclude: set[str] | frozenset[str]) -> Worker | None:
         """The session's standby: the routable worker (not excluded) with the highest
-        rendezvous score — the same one for every router with the same view."""
+        rendezvous score — the same one for every router with the same view. A standby
+        continues streams, so decode-capable workers come first (a prefill-only worker
+        only when no other is left)."""
         cands = [w for w in self.routable() if w.node_id not in exclude]
+        cands = [w for w in cands if w.can("decode")] or cands
         if not cands:
             return None
         return max(cands, key=lambda w: rendezvous(session, w.node_id))
+
+    def disaggregated(self) -> bool:
+        """Do the routable workers split prefill and decode (some have a role)?"""
+        return any(w.role != "both" for w in self.routable())
 
     # ---- background ------------------------------------------------------------------------
     def start(self) -> None:

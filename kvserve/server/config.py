@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kvserve.tenants import TenantsConfig
 
+ROLES = ("both", "prefill", "decode")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -21,9 +23,14 @@ class ServerConfig:
     tenants: TenantsConfig | None = None  # API key → tenant; overrides api_keys
     cluster_secret: str | None = None  # authenticates /internal/* (header X-Kvserve-Cluster-Secret)
     advertise_url: str | None = None  # how other cluster members reach this worker
+    # what routers send here: both (whole requests), prefill (prompts, handed off after
+    # the first token) or decode (the continuations); any worker can serve any request
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")

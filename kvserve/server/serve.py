@@ -111,6 +111,7 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig, kv_events=None):
                     waiting=s.waiting,
                     kv_usage=s.kv_blocks_used / max(s.kv_blocks_total, 1),
                     secret_fp=fingerprint,
+                    role=config.role,
                     **kv_info,
                 )
             except Exception as e:  # Redis away: keep trying; the lease lapses meanwhile
