@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -214,6 +215,7 @@ def main() -> None:
                                                / "kvserve" / "models" / "default"))  # fmt: skip
     p.add_argument("--standins", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--redis-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--py-spy", default=None, metavar="FILE", help="profile the router into FILE")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.standins:
@@ -253,7 +255,16 @@ def main() -> None:
         os.sched_setaffinity(0, {int(c) for c in rest.split(",")})
         asyncio.run(client(a, base, prompts[: min(200, len(prompts))]))  # warm-up
         before = redis_calls(redis_port)
+        spy = None
+        if a.py_spy:  # taskset exec'd the router: its pid is the router's
+            spy = subprocess.Popen(
+                ["py-spy", "record", "-p", str(procs.procs["router"].pid), "-d", "10",
+                 "--format", "raw", "--nonblocking", "-o", a.py_spy],
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
         wall, hits = asyncio.run(client(a, base, prompts))
+        if spy is not None:
+            spy.wait(60)
         after = redis_calls(redis_port)
         samples = scrape(base)
         assert standin.poll() is None

@@ -248,7 +248,10 @@ class AsyncLLM:
                 self._stats = msg.stats
                 self._deliver(msg)
                 if msg.kv_events and self.on_kv_events is not None:
-                    self.on_kv_events(msg.kv_events)
+                    try:
+                        self.on_kv_events(msg.kv_events)
+                    except Exception:  # routers resynchronise; streams must not fail
+                        logger.exception("publishing KV events failed")
             elif isinstance(msg, AddResult):
                 fut = self._adds.pop(msg.request_id, None)
                 if fut is not None and not fut.done():

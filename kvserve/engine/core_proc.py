@@ -148,8 +148,15 @@ class CoreLoop:
         return stats
 
     def _kv_events(self) -> list:
+        """The KV events since the last frame; the whole state after the log overflowed."""
         log = self.engine.kv_events
-        return log.drain() if log is not None else []
+        if log is None:
+            return []
+        events = log.drain()
+        if events is None:
+            logger.warning("engine core: the KV event log overflowed; sending the full state")
+            events = kv_state(self.engine)
+        return events
 
     # ---- messages -----------------------------------------------------------------------
     def _handle(self, msg: Any) -> None:
@@ -248,6 +255,18 @@ class CoreLoop:
                 return None
             return rep.checkpointer.read(call.session_id)
         raise ValueError(f"unknown call {type(call).__name__}")
+
+
+def kv_state(engine: Any) -> list:
+    """KV events that state everything the engine holds now (device pool, host tier)."""
+    from kvserve.kv.events import DEVICE, HOST, full_state
+    from kvserve.store.host import HostStore
+
+    tiers = {DEVICE: engine.kv.pool.cached_hashes()}
+    off = engine.offloader
+    if off is not None and isinstance(off.store.tiers[0], HostStore):
+        tiers[HOST] = off.store.tiers[0].keys()
+    return full_state(tiers)
 
 
 def engine_info(engine: Any) -> EngineInfo:

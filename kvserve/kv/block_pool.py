@@ -137,6 +137,10 @@ class BlockPool:
             self.events.stored(DEVICE, (block_hash,))
         return True
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix index (used and cached-free blocks)."""
+        return list(self._index)
+
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> int | None:
         """The cached block holding exactly ``token_ids`` under ``block_hash``, or None.
         A hash match whose token ids differ is a collision: counted, returns None."""

@@ -15,8 +15,10 @@ cache and the KV store use — in two tiers:
 The engine collects events in a ``KVEventLog`` (thread-safe: the host tier is written
 from the replication and pre-warm threads too) and drains it once per loop iteration into
 its ``Outputs`` frame; the API server numbers and publishes them (``server.kv_events``).
-The log is bounded: past ``max_pending`` undrained events it keeps a ``TierCleared`` per
-tier in place of the lost detail, so a reader resynchronises instead of trusting a gap.
+The log is bounded: past ``max_pending`` undrained hashes it drops what it holds and
+raises ``overflowed``; the engine then sends the whole state in its place
+(``full_state``: each tier cleared and everything it holds stored), so the publisher's
+mirror, and every reader, is exact again.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class BlocksRemoved(msgspec.Struct, tag=True, array_like=True):
 
 
 class TierCleared(msgspec.Struct, tag=True, array_like=True):
-    """Forget everything ``tier`` held (a reset, or detail lost to the log's bound): the
-    reader needs a snapshot to know the tier again (``lossy``), or starts it empty."""
+    """Forget everything ``tier`` held; what follows is its new content. ``lossy``: detail
+    was lost upstream, the reader needs a snapshot to know the tier again."""
 
     tier: str
     lossy: bool = False
@@ -64,6 +66,7 @@ class KVEventLog:
         self._events: list[KVEvent] = []
         self._pending = 0  # hashes in _events
         self.num_overflows = 0
+        self.overflowed = False  # events were dropped: send ``full_state`` next
 
     def stored(self, tier: str, hashes: Iterable[bytes]) -> None:
         self._add(BlocksStored, tier, hashes)
@@ -82,10 +85,12 @@ class KVEventLog:
         if not hashes:
             return
         with self._lock:
+            if self.overflowed:
+                return  # (the full state sent next covers it)
             if self._pending + len(hashes) > self.max_pending:
                 self.num_overflows += 1
-                self._events = [TierCleared(t, lossy=True) for t in TIERS]
-                self._pending = 0
+                self.overflowed = True
+                self._events, self._pending = [], 0
                 return
             last = self._events[-1] if self._events else None
             if type(last) is kind and last.tier == tier:  # type: ignore[union-attr]
@@ -94,14 +99,31 @@ class KVEventLog:
                 self._events.append(kind(tier, hashes))
             self._pending += len(hashes)
 
-    def drain(self) -> list[KVEvent]:
-        """Every event since the last drain (and forget them)."""
+    def drain(self) -> list[KVEvent] | None:
+        """Every event since the last drain (and forget them); None after an overflow
+        (cleared by this call): the caller sends ``full_state`` instead, taken after
+        this call — changes made meanwhile are in the next drain as well, and applying
+        them twice changes nothing."""
         with self._lock:
             out, self._events, self._pending = self._events, [], 0
+            if self.overflowed:
+                self.overflowed = False
+                return None
         return out
 
     def __bool__(self) -> bool:
-        return bool(self._events)
+        return bool(self._events) or self.overflowed
+
+
+def full_state(tiers: dict[str, Iterable[bytes]]) -> list[KVEvent]:
+    """Events that replace a reader's view of each tier in ``tiers`` by its content."""
+    out: list[KVEvent] = []
+    for tier, hashes in tiers.items():
+        out.append(TierCleared(tier))
+        held = list(hashes)
+        if held:
+            out.append(BlocksStored(tier, held))
+    return out
 
 
 def apply(held: dict[str, set[bytes]], events: Iterable[KVEvent]) -> bool:

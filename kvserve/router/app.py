@@ -226,7 +226,7 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         for w in sorted(pool.routable(), key=lambda w: w.load):
             try:
-                r = await pool.http.get(w.url + "/v1/models", headers=headers, timeout=5)
+                r = await pool.client(w).get(w.url + "/v1/models", headers=headers, timeout=5)
             except httpx.HTTPError:
                 continue
             return Response(r.content, r.status_code, media_type="application/json")

@@ -19,7 +19,9 @@ new streamed, resumable request goes to a prefill-capable worker with a decode-c
 one as its standby; once the client has the first token the router closes the prefill
 worker's stream (it aborts there; its prompt blocks are in its standby push and the
 shared tier) and continues the stream on the decode worker through ``/internal/resume``
-— a planned failover, with the same exactness. A prefill worker that dies first is an
+— a planned failover, with the same exactness. The prefill stream is closed only once
+the decode worker answered; if it does not take the stream, the prefill worker finishes
+it. A prefill worker that dies first is an
 ordinary failover (to the decode worker). Whole (non-streamed) requests and those that
 cannot resume run on one decode-capable worker.
 
@@ -112,8 +114,10 @@ class Flow:
             if up.get("seed") is None:
                 up["seed"] = secrets.randbits(62)
         options = body.get("stream_options")
-        strip_usage = bool(body.get("stream")) and not (
-            isinstance(options, dict) and options.get("include_usage")
+        strip_usage = (
+            bool(body.get("stream"))
+            and isinstance(options, dict | None)  # (anything else: the worker's 400)
+            and not (options or {}).get("include_usage")
         )
         if strip_usage:
             up["stream_options"] = {**(options or {}), "include_usage": True}
@@ -222,10 +226,11 @@ class Relay:
             return None
 
     async def _send(self, w: Worker, path: str, body: dict, headers: dict) -> httpx.Response:
-        req = self.http.build_request(
+        http = self.pool.client(w)
+        req = http.build_request(
             "POST", w.url + path, json=body, headers=headers, timeout=_STREAM_TIMEOUT
         )
-        return await self._watched(self.http.send(req, stream=True), w)
+        return await self._watched(http.send(req, stream=True), w)
 
     # ---- routing -------------------------------------------------------------------------
     async def open(self, flow: Flow) -> tuple[Worker, httpx.Response]:
@@ -253,6 +258,9 @@ class Relay:
             w.inflight -= 1
             self.metrics.failovers_detected.labels("open").inc()
             return await self.resume(flow, w, str(e))
+        except BaseException:  # the client went away meanwhile
+            w.inflight -= 1
+            raise
         if resp.status_code in (502, 503, 504) and flow.resumable:  # draining / engine dead
             await resp.aclose()
             w.inflight -= 1
@@ -288,65 +296,34 @@ class Relay:
     def _path(self, flow: Flow) -> str:
         return "/v1/chat/completions" if flow.kind == "chat" else "/v1/completions"
 
-    async def resume(
-        self, flow: Flow, failed: Worker, why: str, planned: bool = False
-    ) -> tuple[Worker, httpx.Response]:
-        """Continue ``flow`` on a standby after ``failed`` failed — or, ``planned``, on
-        the decode worker a disaggregated request is handed to after its first token;
-        returns that worker and its open 200 response. Raises Unroutable when no worker
-        can continue it."""
+    async def resume(self, flow: Flow, failed: Worker, why: str) -> tuple[Worker, httpx.Response]:
+        """Continue ``flow`` on a standby after ``failed`` failed; returns the standby and
+        its open 200 response. Raises Unroutable when no worker can continue it."""
         if not flow.resumable:
             raise Unroutable(502, f"the worker failed ({why}) and this request cannot resume")
         start = time.monotonic()
-        flow.failed.add(failed.node_id)  # (also a prefill worker done with its part)
-        target, flow.handoff_to = flow.handoff_to, None
-        if planned:
-            self.metrics.handoffs.inc()
-        else:
-            failed.healthy = False  # until its next probe says otherwise
-            logger.warning("session %s: %s; failing over", flow.session, why)
+        flow.failed.add(failed.node_id)
+        flow.handoff_to = None  # a failed-over stream is not handed over any more
+        failed.healthy = False  # until its next probe says otherwise
+        logger.warning("session %s: %s; failing over", flow.session, why)
         while flow.failovers < self.config.max_failovers:
-            if not planned:
-                flow.failovers += 1
-            owner = await self._owner(flow.session)
-            w = self.pool.get(target) if target is not None else None
-            if w is None or w.node_id in flow.failed:
-                w = self.pool.standby(flow.session, flow.failed)
+            flow.failovers += 1
+            w = self.pool.standby(flow.session, flow.failed)
             if w is None:
                 await asyncio.sleep(self.config.health_interval)  # wait for a worker
                 continue
-            body = {
-                "session_id": flow.session,
-                "delivered_token_ids": flow.ids,
-                "delivered_text_chars": flow.chars,
-                "seen_epoch": owner.epoch if owner is not None else 0,
-                "kind": flow.kind,
-                "ephemeral": flow.ephemeral,
-                "request": flow.body,
-            }
-            headers = flow.headers()
-            if self.config.cluster_secret:
-                headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
-            w.inflight += 1
             try:
-                resp = await self._send(w, "/internal/resume", body, headers)
+                resp = await self._open_resume(flow, w)
             except WorkerFailed as e:
-                w.inflight -= 1
                 flow.failed.add(w.node_id)
                 logger.warning("session %s: standby %s failed too: %s", flow.session, w.node_id, e)
-                planned, target = False, None  # from here on it is a failover
                 continue
             if resp.status_code == 200:
-                if planned:
-                    self.metrics.handoff_seconds.observe(time.monotonic() - start)
-                else:
-                    self.metrics.failovers.inc()
-                    self.metrics.failover_seconds.observe(time.monotonic() - start)
-                    logger.info("session %s resumed on %s", flow.session, w.node_id)
+                self.metrics.failovers.inc()
+                self.metrics.failover_seconds.observe(time.monotonic() - start)
+                logger.info("session %s resumed on %s", flow.session, w.node_id)
                 return w, resp
-            detail = (await resp.aread()).decode(errors="replace")[:500]
-            await resp.aclose()
-            w.inflight -= 1
+            detail = await self._refusal(w, resp)
             if resp.status_code == 409:  # the epoch moved under us: read it again
                 continue
             if 400 <= resp.status_code < 500:
@@ -356,13 +333,76 @@ class Relay:
         self.metrics.failover_failures.inc()
         raise Unroutable(503, f"the worker failed ({why}) and no standby could resume")
 
+    async def handoff(self, flow: Flow) -> tuple[Worker, httpx.Response] | None:
+        """Continue a disaggregated ``flow`` on its decode worker (``flow.handoff_to``,
+        cleared): that worker and its open 200 response, or None — it is not routable or
+        did not take the stream (retried once when the session's epoch moved) — and then
+        the prefill worker's stream simply goes on. The caller closes the prefill stream
+        only after this succeeded."""
+        target, flow.handoff_to = flow.handoff_to, None
+        w = self.pool.get(target) if target is not None else None
+        if w is None:
+            return None
+        start = time.monotonic()
+        for _ in range(2):
+            try:
+                resp = await self._open_resume(flow, w)
+            except WorkerFailed as e:
+                logger.warning("session %s: hand-over to %s failed: %s", flow.session, target, e)
+                return None
+            if resp.status_code == 200:
+                self.metrics.handoffs.inc()
+                self.metrics.handoff_seconds.observe(time.monotonic() - start)
+                flow.predicted_cached = None  # the usage now reports the decode worker's cache
+                return w, resp
+            detail = await self._refusal(w, resp)
+            if resp.status_code != 409:
+                break
+        logger.warning("session %s: %s refused the hand-over: %s", flow.session, target, detail)
+        return None
+
+    async def _open_resume(self, flow: Flow, w: Worker) -> httpx.Response:
+        """``POST /internal/resume`` on ``w`` for what the client has of ``flow`` (at the
+        session's current epoch); ``w.inflight`` counts it from here (and is given back
+        if this raises). Raises WorkerFailed."""
+        owner = await self._owner(flow.session)
+        body = {
+            "session_id": flow.session,
+            "delivered_token_ids": flow.ids,
+            "delivered_text_chars": flow.chars,
+            "seen_epoch": owner.epoch if owner is not None else 0,
+            "kind": flow.kind,
+            "ephemeral": flow.ephemeral,
+            "request": flow.body,
+        }
+        headers = flow.headers()
+        if self.config.cluster_secret:
+            headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
+        w.inflight += 1
+        try:
+            return await self._send(w, "/internal/resume", body, headers)
+        except BaseException:  # failed, or the client went away meanwhile
+            w.inflight -= 1
+            raise
+
+    async def _refusal(self, w: Worker, resp: httpx.Response) -> str:
+        """Read and close a non-200 answer of ``w`` (giving its ``inflight`` back); its
+        body, shortened."""
+        try:
+            return (await resp.aread()).decode(errors="replace")[:500]
+        except httpx.HTTPError as e:
+            return repr(e)
+        finally:
+            await resp.aclose()
+            w.inflight -= 1
+
     # ---- relaying ------------------------------------------------------------------------
     async def events(self, flow: Flow, w: Worker, resp: httpx.Response) -> AsyncIterator[str]:
         """The client's SSE stream: ``resp`` relayed, continued elsewhere on failures."""
         current: Worker | None = w
         try:
             while True:
-                planned = False
+                moved: tuple[Worker, httpx.Response] | None = None
                 try:
                     async with contextlib.aclosing(self._upstream(w, resp)) as upstream:
                         async for payload in upstream:
@@ -373,10 +413,12 @@ class Relay:
                             if out is not None:
                                 yield _sse(out)
                             if flow.handoff_to is not None and flow.ids and not flow.finished:
-                                planned = True  # the prompt is done: on to the decode worker
-                                raise WorkerFailed(f"{w.node_id} prefilled; handed over")
-                    self.metrics.failovers_detected.labels("connection").inc()
-                    raise WorkerFailed(f"{w.node_id} ended the stream early")
+                                moved = await self.handoff(flow)  # the prompt is done
+                                if moved is not None:
+                                    break
+                    if moved is None:
+                        self.metrics.failovers_detected.labels("connection").inc()
+                        raise WorkerFailed(f"{w.node_id} ended the stream early")
                 except WorkerFailed as e:
                     await resp.aclose()
                     w.inflight -= 1
@@ -385,11 +427,16 @@ class Relay:
                         yield "data: [DONE]\n\n"
                         return
                     try:
-                        w, resp = await self.resume(flow, w, str(e), planned)
+                        w, resp = await self.resume(flow, w, str(e))
                     except Unroutable as u:
                         yield _sse(u.body)
                         return
                     current = w
+                    continue
+                await resp.aclose()  # the prefill worker's part is done (it aborts there)
+                w.inflight -= 1
+                w, resp = moved
+                current = w
         finally:  # also when the client goes away: close the worker's stream (it aborts)
             await resp.aclose()
             if current is not None:

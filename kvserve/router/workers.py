@@ -63,6 +63,9 @@ class WorkerPool:
         self.http = http
         self.config = config
         self.workers: dict[str, Worker] = {}
+        # one connection pool per worker: httpcore scans a pool's connections on every
+        # request, so a shared pool costs O(workers) per request
+        self._clients: dict[str, httpx.AsyncClient] = {}
         self.registry_ok = False
         self._task: asyncio.Task | None = None
         self._secret_fp = secret_fingerprint(config.cluster_secret)
@@ -102,8 +105,14 @@ class WorkerPool:
             for node_id in [n for n in self.workers if n not in nodes]:
                 logger.info("worker %s left the registry", node_id)
                 del self.workers[node_id]
+                client = self._clients.pop(node_id, None)
+                if client is not None:
+                    asyncio.get_running_loop().create_task(client.aclose())
             if self.on_refresh is not None:
-                self.on_refresh(self.workers)
+                try:
+                    self.on_refresh(self.workers)
+                except Exception:  # the KV index must not stop the health probes
+                    logger.exception("following the workers' KV events failed")
         await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
 
     async def _probe(self, w: Worker) -> None:
@@ -115,7 +124,7 @@ class WorkerPool:
         streams; ``/health`` (the process serves) decides whether a quiet stream's
         worker is still alive."""
         try:
-            r = await self.http.get(w.url + path, timeout=self.config.probe_timeout)
+            r = await self.client(w).get(w.url + path, timeout=self.config.probe_timeout)
             return r.status_code == 200
         except httpx.HTTPError:
             return False
@@ -132,6 +141,14 @@ class WorkerPool:
                 if w.node_id not in nodes:
                     return False
         return await self.probe(w)
+
+    def client(self, w: Worker) -> httpx.AsyncClient:
+        """The HTTP client (connection pool) for requests to ``w``."""
+        c = self._clients.get(w.node_id)
+        if c is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            c = self._clients[w.node_id] = httpx.AsyncClient(limits=limits)
+        return c
 
     def secret_matches(self, w: Worker) -> bool:
         """Does the worker publish this router's cluster-secret fingerprint? A worker with
@@ -185,3 +202,6 @@ class WorkerPool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for c in self._clients.values():
+            await c.aclose()
+        self._clients.clear()

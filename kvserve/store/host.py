@@ -79,5 +79,10 @@ class HostStore(KVStore):
                     if self.events is not None:
                         self.events.removed(HOST, (k,))
 
+    def keys(self) -> list[Key]:
+        """The keys held now."""
+        with self._lock:
+            return list(self._data)
+
     def __len__(self) -> int:
         return len(self._data)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.events import DEVICE, HOST, KVEventLog, TierCleared, apply
+from kvserve.kv.events import DEVICE, HOST, KVEventLog, apply, full_state
 from kvserve.kv.hashing import hash_block, root_hash
 from kvserve.store.host import HostStore
 
@@ -62,17 +62,21 @@ def test_host_events_follow_puts_evictions_and_deletes():
     assert stored.count(keys[0]) == 1
 
 
-def test_a_full_log_turns_into_a_lossy_clear():
+def test_a_full_log_is_replaced_by_the_full_state():
     log = KVEventLog(max_pending=4)
     log.stored(DEVICE, [b"a" * 16, b"b" * 16])
     log.stored(HOST, [b"c" * 16])
     log.stored(DEVICE, [b"d" * 16, b"e" * 16])  # past the bound
-    events = log.drain()
-    assert all(isinstance(e, TierCleared) and e.lossy for e in events)
-    view = {DEVICE: {b"z" * 16}}
-    assert not apply(view, events)  # the reader must resynchronise
-    assert view[DEVICE] == set()
-    assert log.num_overflows == 1 and not log
+    log.stored(DEVICE, [b"f" * 16])  # dropped too: the full state covers it
+    assert log and log.num_overflows == 1
+    assert log.drain() is None and not log  # the caller sends the full state instead
+    state = full_state({DEVICE: [b"a" * 16, b"f" * 16], HOST: []})
+    view = {DEVICE: {b"z" * 16}, HOST: {b"y" * 16}}
+    assert apply(view, state)  # exact again, no snapshot needed
+    assert view == {DEVICE: {b"a" * 16, b"f" * 16}, HOST: set()}
+    log.removed(DEVICE, [b"a" * 16])  # and the log goes on
+    assert apply(view, log.drain())
+    assert view[DEVICE] == {b"f" * 16}
 
 
 def test_consecutive_events_merge_and_keep_their_order():
@@ -86,3 +90,37 @@ def test_consecutive_events_merge_and_keep_their_order():
     view: dict[str, set[bytes]] = {}
     apply(view, events)
     assert view[DEVICE] == {b"a", b"b"}
+
+
+def test_an_engine_s_events_and_its_full_state_agree(llama_dir):
+    """Through a real engine (pool + host tier): the drained events replay to exactly
+    what ``kv_state`` reads from the engine, also after the log overflowed."""
+    from kvserve.config import EngineArgs
+    from kvserve.engine.core_proc import kv_state
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.sampling import SamplingParams
+
+    engine = LLMEngine(
+        EngineArgs(model=str(llama_dir), kv_events_port=0, kv_store=("host://",), device="cpu")
+    )
+    try:
+        log = engine.kv_events
+        assert log is not None
+        view: dict[str, set[bytes]] = {}
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        for i, n in enumerate((70, 90, 40)):
+            engine.add_request(f"r{i}", [(7 * i + k) % 300 + 2 for k in range(n)], params)
+            while engine.has_unfinished_requests():
+                engine.step()
+            if i == 1:
+                log.max_pending = 1  # the third request overflows the log
+            events = log.drain()
+            if events is None:
+                events = kv_state(engine)
+            assert apply(view, events)
+            want = {DEVICE: set(engine.kv.pool.cached_hashes())}
+            want[HOST] = set(engine.offloader.store.tiers[0].keys())
+            assert view == want and len(want[DEVICE]) >= 4
+        assert log.num_overflows == 1
+    finally:
+        engine.close()
