@@ -248,7 +248,11 @@ def main() -> None:
             if status != 200:
                 return False
             ws = json.loads(body)["workers"]
-            ok = [w for w in ws if w["routable"] and (w["kv_index"] or {}).get("synced")]
+            indexed = a.routing == "prefix"
+            ok = [
+                w for w in ws
+                if w["routable"] and (not indexed or (w["kv_index"] or {}).get("synced"))
+            ]  # fmt: skip
             return len(ok) == a.workers
 
         wait_until("the router indexes every stand-in", ready, 120, procs.procs["router"])
