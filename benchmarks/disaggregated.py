@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ha import http_get, metric, percentiles, processes, scrape, wait_ready, wait_until
-from kv_store import _free_port, redis_server
+from bench_cluster import start_cluster
+from ha import metric, percentiles, processes, scrape
+from kv_store import redis_server
 
 SECRET = "disagg-bench-secret"
 MODES = ("colocated", "disaggregated")
@@ -90,32 +91,18 @@ async def run_workload(base: str, model: str, a: argparse.Namespace, longs: list
 
 
 def run_mode(a: argparse.Namespace, mode: str, longs: list[str]) -> dict:
-    cpus = sorted(os.sched_getaffinity(0))
+    extra = ["--max-model-len", str(a.max_model_len), "--kv-cache-memory", a.kv_cache_memory]
+    roles = dict(zip(("a", "b"), ROLES[mode], strict=True))
     with processes() as procs, redis_server() as redis_port:
-        url = f"redis://127.0.0.1:{redis_port}/0"
-        ports = {}
-        for i, (node, role) in enumerate(zip(("a", "b"), ROLES[mode], strict=True)):
-            ports[node] = _free_port()
-            argv = ["taskset", "-c", str(cpus[i % len(cpus)]), sys.executable, "-m",
-                    "kvserve.cli", "serve", "--model", a.model, "--port", str(ports[node]),
-                    "--node-id", node, "--role", role, "--cluster", url,
-                    "--cluster-secret", SECRET, "--dtype", "bfloat16",
-                    "--max-model-len", str(a.max_model_len),
-                    "--kv-cache-memory", a.kv_cache_memory]  # fmt: skip
-            procs.start(node, argv)
-        for node in ("a", "b"):
-            wait_ready(f"http://127.0.0.1:{ports[node]}", procs.procs[node], 600)
-        rport = _free_port()
-        procs.start("router", [
-            sys.executable, "-m", "kvserve.cli", "router", "--port", str(rport),
-            "--cluster", url, "--cluster-secret", SECRET, "--tokenizer", a.model])  # fmt: skip
-        base = f"http://127.0.0.1:{rport}"
-
-        def both_routable():
-            status, body = http_get(base + "/router/workers")
-            return status == 200 and sum(w["routable"] for w in json.loads(body)["workers"]) == 2
-
-        wait_until("router sees both workers", both_routable, 60, procs.procs["router"])
+        c = start_cluster(
+            procs,
+            a.model,
+            f"redis://127.0.0.1:{redis_port}/0",
+            SECRET,
+            {node: [*extra, "--role", role] for node, role in roles.items()},
+            ["--tokenizer", a.model],
+        )
+        base = c.router
         chat_res, long_res, wall = asyncio.run(run_workload(base, a.served_model, a, longs))
         samples = scrape(base)
     itl = [x for r in chat_res for x in r["itl_s"]]

@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ha import http_get, metric, percentiles, processes, scrape, wait_ready, wait_until
-from kv_store import _free_port, redis_server
+from bench_cluster import start_cluster
+from ha import metric, percentiles, processes, scrape
+from kv_store import redis_server
 
 SECRET = "routing-bench-secret"
 READ_BYTES = "kvserve_kv_store_read_bytes_total"
@@ -134,42 +135,22 @@ async def run_workload(base: str, model: str, reqs: list[dict], a: argparse.Name
 
 
 def run_policy(a: argparse.Namespace, policy: str, reqs: list[dict]) -> dict:
-    cpus = sorted(os.sched_getaffinity(0))
+    extra = ["--max-model-len", str(a.max_model_len), "--kv-cache-memory", a.kv_cache_memory]
+    if a.kv_store == "host":  # no shared tier: a prefix is on one worker or recomputed
+        extra += ["--kv-store", "host://"]
     with processes() as procs, redis_server() as redis_port:
-        url = f"redis://127.0.0.1:{redis_port}/0"
-        ports = {}
-        for i, node in enumerate(("a", "b")):
-            ports[node] = _free_port()
-            core = str(cpus[i % len(cpus)])
-            argv = ["taskset", "-c", core, sys.executable, "-m", "kvserve.cli", "serve",
-                    "--model", a.model, "--port", str(ports[node]), "--node-id", node,
-                    "--cluster", url, "--cluster-secret", SECRET, "--dtype", "bfloat16",
-                    "--max-model-len", str(a.max_model_len),
-                    "--kv-cache-memory", a.kv_cache_memory]  # fmt: skip
-            if a.kv_store == "host":  # no shared tier: a prefix is on one worker or recomputed
-                argv += ["--kv-store", "host://"]
-            procs.start(node, argv)
-        for node in ("a", "b"):
-            wait_ready(f"http://127.0.0.1:{ports[node]}", procs.procs[node], 600)
-        rport = _free_port()
-        procs.start("router", [
-            sys.executable, "-m", "kvserve.cli", "router", "--port", str(rport),
-            "--cluster", url, "--cluster-secret", SECRET, "--routing", policy,
-            "--tokenizer", a.model])  # fmt: skip
-        base = f"http://127.0.0.1:{rport}"
-
-        def all_routable():
-            status, body = http_get(base + "/router/workers")
-            if status != 200:
-                return False
-            ws = json.loads(body)["workers"]
-            synced = all(w["kv_index"] is None or w["kv_index"]["synced"] for w in ws)
-            return sum(w["routable"] for w in ws) == 2 and synced
-
-        wait_until("router sees both workers", all_routable, 60, procs.procs["router"])
+        c = start_cluster(
+            procs,
+            a.model,
+            f"redis://127.0.0.1:{redis_port}/0",
+            SECRET,
+            {"a": extra, "b": extra},
+            ["--routing", policy, "--tokenizer", a.model],
+        )
+        base = c.router
         results, wall = asyncio.run(run_workload(base, a.served_model, reqs, a))
         samples = scrape(base)
-        worker_samples = [s for n in ("a", "b") for s in scrape(f"http://127.0.0.1:{ports[n]}")]
+        worker_samples = [s for url in c.workers.values() for s in scrape(url)]
     computed = sum(r["prompt_tokens"] - r["cached_tokens"] for r in results)
     ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     return {
