@@ -174,6 +174,7 @@ def worker_argv(a: argparse.Namespace, port: int, config: str, redis_port: int, 
     if config == "on":
         argv += ["--cluster", url, "--cluster-secret", SECRET,
                  "--replicate-every", str(a.replicate_every), "--node-id", node]  # fmt: skip
+        argv += a.worker_arg  # e.g. --replicate-to standby --prewarm-device-fraction 0
     return argv
 
 
@@ -830,6 +831,13 @@ def main() -> None:
     common.add_argument("--kv-cache-memory", default="64MiB")
     common.add_argument("--max-model-len", type=int, default=512)
     common.add_argument("--replicate-every", type=int, default=16)
+    common.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="one more flag for the clustered workers (repeat; e.g. --worker-arg=--replicate-to "
+        "--worker-arg=standby)",
+    )
     common.add_argument("--start-timeout", type=float, default=120, help="seconds per process")
     f = sub.add_parser("failover", parents=[common], help="kill the serving worker mid-stream")
     f.add_argument("--trials", type=int, default=20)

@@ -316,6 +316,13 @@ class EngineArgs:
         (), "extra replication targets: standby, s3 (store is always on); repeat", serve=True
     )
     checkpoint_interval: float = _arg(30.0, "seconds between S3 checkpoints", serve=True)
+    prewarm_device_fraction: float = _arg(
+        0.1,
+        "share of the KV pool that blocks pushed from other workers (standby push, a "
+        "prefill worker's hand-over) may take as pre-warmed prefix blocks, evicted first; "
+        "0: they go to the host tier only",
+        serve=True,
+    )
     kv_events_port: int | None = _arg(
         None,
         "publish KV events (block hashes stored/removed) on this ZeroMQ port, 0: any free "

@@ -145,6 +145,11 @@ class EngineBuilder:
             cache_keys=(self.model_fingerprint, f"kv={self.kv_format.name}"),
             reserve_null_block=self.window is not None,
         )
+        if not 0.0 <= args.prewarm_device_fraction <= 1.0:
+            raise EngineError(
+                f"prewarm_device_fraction must be in [0, 1], got {args.prewarm_device_fraction}"
+            )
+        self.kv.pool.warm_limit = int(args.prewarm_device_fraction * self.kv.num_blocks)
         if not self.kv.can_ever_fit(self.max_model_len):
             raise EngineError(
                 f"the KV cache holds {self.kv.capacity_tokens} tokens, fewer than max_model_len "

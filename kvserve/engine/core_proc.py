@@ -248,7 +248,14 @@ class CoreLoop:
                 raise ValueError("this worker has no KV store")
             from kvserve.ha.push import accept_push
 
-            return list(accept_push(e.offloader, call.body))
+            placed = [0]
+
+            def pre_warm(items: list) -> None:  # the verified blocks into the device pool
+                load = e.offloader.place_warm(items)
+                e.scheduler.add_copies(load)
+                placed[0] = len(load.blocks) if load is not None else 0
+
+            return [*accept_push(e.offloader, call.body, pre_warm), placed[0]]
         if isinstance(call, ReadCheckpoint):
             rep = e.replicator
             if rep is None or rep.checkpointer is None:

@@ -116,7 +116,8 @@ class GetKVStats(msgspec.Struct, tag=True):
 
 
 class AcceptPush(msgspec.Struct, tag=True):
-    """→ list[int] (accepted, refused): a primary's direct push (``ha.push``)."""
+    """→ list[int] (accepted, refused, placed in the device pool as pre-warmed blocks):
+    a primary's direct push (``ha.push``)."""
 
     body: bytes
 

@@ -21,7 +21,7 @@ import logging
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -126,10 +126,15 @@ class StandbyPusher:
         self.http.close()
 
 
-def accept_push(offloader: KVOffloader, body: bytes) -> tuple[int, int]:
+def accept_push(
+    offloader: KVOffloader,
+    body: bytes,
+    on_verified: Callable[[list[tuple[bytes, list[int], bytes]]], None] | None = None,
+) -> tuple[int, int]:
     """Standby side: verify the pushed blocks against the record and put the good ones
-    into the host tier. Returns (accepted, refused); raises ValueError for a malformed
-    body."""
+    into the host tier, and hand them (hash, token ids, payload) to ``on_verified`` (the
+    engine pre-warms its device pool with them). Returns (accepted, refused); raises
+    ValueError for a malformed body."""
     header, blocks = decode_push(body)
     if header.get("record") is None:
         raise ValueError("push without a record")
@@ -140,16 +145,17 @@ def accept_push(offloader: KVOffloader, body: bytes) -> tuple[int, int]:
     n = len(tokens) // bs
     hashes = kv.hashes_for(tokens[: n * bs], record.cache_salt)
     fmt = offloader.block_format()
-    good, refused = [], 0
-    for i, data in blocks:
-        if not 0 <= i < n:
-            refused += 1
-            continue
-        ok = serde.check(fmt, hashes[i], data, tokens[i * bs : (i + 1) * bs])
+    good, verified, refused = [], [], 0
+    for i, data in sorted(blocks):  # chain order: a device prefix is only useful from its start
+        block_tokens = tokens[i * bs : (i + 1) * bs] if 0 <= i < n else []
+        ok = serde.check(fmt, hashes[i], data, block_tokens) if block_tokens else "index"
         if isinstance(ok, str):
             refused += 1
             continue
         good.append((hashes[i], data))
+        verified.append((hashes[i], block_tokens, ok))
     if good:
         offloader.store.tiers[0].put(good)
+        if on_verified is not None:
+            on_verified(verified)
     return len(good), refused

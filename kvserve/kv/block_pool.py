@@ -11,6 +11,12 @@ The pool only does bookkeeping on block ids; it never touches tensors.
 - Lookups compare token ids as well as the hash: a collision is counted, never served.
 - ``events`` (optional): every hash registered or dropped, for the cluster's routers
   (``kv.events``).
+- Pre-warmed blocks (``place_warm``): KV pushed from another worker (a primary's standby
+  push, a prefill worker's hand-over) placed straight into free blocks as cached-free
+  prefix blocks, at most ``warm_limit`` of them. They wait in their own LRU list and are
+  evicted before any other cached block: allocation takes the free list's head while it
+  is uncached, and a pre-warmed block rather than a cached head. A request that takes one
+  (``touch``) makes it an ordinary cached block.
 - Optional null block: with ``reserve_null_block`` block 0 is never handed out; block
   tables use it for positions whose K/V were freed (outside a sliding window).
 """
@@ -39,6 +45,8 @@ class BlockPool:
         if reserve_null_block:
             self._refs[NULL_BLOCK] = 1  # permanently in use
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, num_blocks))
+        self._warm: OrderedDict[int, None] = OrderedDict()  # pre-warmed, oldest first
+        self.warm_limit = 0  # most pre-warmed blocks (0: pre-warm off)
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._tokens: dict[int, tuple[int, ...]] = {}
         self._index: dict[BlockHash, int] = {}
@@ -56,11 +64,16 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks with no reference, cached or not (all of them allocatable)."""
-        return len(self._free)
+        return len(self._free) + len(self._warm)
 
     @property
     def num_used(self) -> int:
-        return self.num_usable - len(self._free)
+        return self.num_usable - self.num_free
+
+    @property
+    def num_warm(self) -> int:
+        """Pre-warmed blocks no request has taken yet."""
+        return len(self._warm)
 
     @property
     def num_cached(self) -> int:
@@ -68,26 +81,34 @@ class BlockPool:
         return len(self._index)
 
     def free_blocks(self) -> list[int]:
-        """Ids of the free blocks (cached or not), least recently freed first."""
-        return list(self._free)
+        """Ids of the free blocks (cached or not), least recently freed first, then the
+        pre-warmed ones."""
+        return [*self._free, *self._warm]
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for b in self._free if self._hash[b] is not None)
+        return sum(1 for b in self._free if self._hash[b] is not None) + len(self._warm)
 
     # ---- allocation -------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` free blocks (ref count 1 each, least recently freed first), evicting
         their cached hashes; or return None and change nothing."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         blocks = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+            b = self._take()
             self._evict(b)
             self._refs[b] = 1
             blocks.append(b)
         return blocks
+
+    def _take(self) -> int:
+        """The next free block to reuse: the free list's head while it is uncached, else
+        the oldest pre-warmed block, else the head (a cached block)."""
+        if self._warm and (not self._free or self._hash[next(iter(self._free))] is not None):
+            return self._warm.popitem(last=False)[0]
+        return self._free.popitem(last=False)[0]
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Add a reference to each block; a cached-free block leaves the free list.
@@ -98,7 +119,10 @@ class BlockPool:
             if self._refs[b] == 0:
                 if self._hash[b] is None:
                     raise ValueError(f"block {b} is free and uncached; cannot share it")
-                del self._free[b]
+                if b in self._warm:  # a pre-warmed block becomes an ordinary one
+                    del self._warm[b]
+                else:
+                    del self._free[b]
             self._refs[b] += 1
 
     incref = touch
@@ -137,6 +161,29 @@ class BlockPool:
             self.events.stored(DEVICE, (block_hash,))
         return True
 
+    def place_warm(self, block_hash: BlockHash, token_ids: Sequence[int]) -> int | None:
+        """A free block to hold a pre-warmed copy of ``block_hash``'s KV, registered at once
+        as a cached-free block (the caller copies the KV in before the next step runs);
+        None, changing nothing, when pre-warm is off or the hash is cached already. Takes
+        the oldest pre-warmed block once ``warm_limit`` are placed, else the free list's
+        head (dropping its hash if it had one)."""
+        if self.warm_limit <= 0 or block_hash in self._index:
+            return None
+        if len(self._warm) >= self.warm_limit:
+            b = self._warm.popitem(last=False)[0]
+        elif self._free:
+            b = self._free.popitem(last=False)[0]
+        else:
+            return None
+        self._evict(b)
+        self._hash[b] = block_hash
+        self._tokens[b] = tuple(token_ids)
+        self._index[block_hash] = b
+        self._warm[b] = None
+        if self.events is not None:
+            self.events.stored(DEVICE, (block_hash,))
+        return b
+
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash in the prefix index (used and cached-free blocks)."""
         return list(self._index)
@@ -155,10 +202,12 @@ class BlockPool:
     def evict_cached(self) -> int:
         """Drop every cached-free block's hash (reset the prefix cache); returns how many."""
         n = 0
-        for b in self._free:
+        for b in [*self._free, *self._warm]:
             if self._hash[b] is not None:
                 self._evict(b)
                 n += 1
+        self._free.update(self._warm)  # uncached now: ordinary free blocks
+        self._warm.clear()
         return n
 
     def _evict(self, b: int) -> None:
@@ -179,8 +228,13 @@ class BlockPool:
         for b, r in enumerate(self._refs):
             if r < 0:
                 raise AssertionError(f"block {b} has negative ref count {r}")
-            if (r == 0) != (b in self._free):
-                raise AssertionError(f"block {b}: ref count {r} but free={b in self._free}")
+            free = b in self._free or b in self._warm
+            if (r == 0) != free or (b in self._free and b in self._warm):
+                raise AssertionError(f"block {b}: ref count {r} but free={free}")
+            if b in self._warm and self._hash[b] is None:
+                raise AssertionError(f"pre-warmed block {b} has no hash")
+        if len(self._warm) > max(self.warm_limit, 0):
+            raise AssertionError(f"{len(self._warm)} pre-warmed blocks, limit {self.warm_limit}")
         if self.null_block is not None and self.null_block in self._free:
             raise AssertionError("the null block is in the free list")
         for h, b in self._index.items():

@@ -82,6 +82,7 @@ class KVOffloader:
         self.num_loaded_blocks = 0
         self.num_saved_blocks = 0
         self.num_load_failures = 0
+        self.num_warm_blocks = 0  # pushed blocks placed into the device pool
 
     def _tokens(self, request: Request, i: int) -> list[int]:
         return request.token_slice(i * self.block_size, (i + 1) * self.block_size)
@@ -180,6 +181,23 @@ class KVOffloader:
             self.num_loaded_blocks += n
             done.append((load.request, KVLoad(rid, load.blocks, rows)))
         return done
+
+    # ---- pre-warm ------------------------------------------------------------------------
+    def place_warm(self, items: Sequence[tuple[bytes, list[int], bytes]]) -> KVLoad | None:
+        """Verified blocks (hash, token ids, payload) pushed from another worker, placed
+        into free device blocks as pre-warmed prefix blocks (``BlockPool.place_warm``):
+        the copy of their rows into those blocks, for the next step (None: none placed —
+        pre-warm off, already cached, or no room)."""
+        blocks, payloads = [], []
+        for key, tokens, payload in items:
+            b = self.kv.pool.place_warm(key, tokens)
+            if b is not None:
+                blocks.append(b)
+                payloads.append(np.frombuffer(payload, dtype=np.uint8))
+        if not blocks:
+            return None
+        self.num_warm_blocks += len(blocks)
+        return KVLoad("pre-warm", blocks, torch.from_numpy(np.stack(payloads)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

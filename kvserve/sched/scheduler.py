@@ -101,6 +101,7 @@ class Scheduler:
         )
         self.offloader = offloader
         self._dropped: list[str] = []  # swapped requests finished since the last step
+        self._pending_loads: list[KVLoad] = []  # pre-warm copies for the next step
         self._returning: dict[str, list[bool]] = {}  # swapped in this step: live entries
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -125,9 +126,16 @@ class Scheduler:
         return bool(self.waiting or self.running or self.loading)
 
     # ---- one step ------------------------------------------------------------------------
+    def add_copies(self, load: KVLoad | None) -> None:
+        """Rows to copy into device blocks before the next step runs (pre-warmed blocks:
+        ``KVOffloader.place_warm``); they go with the next ``schedule()``'s output."""
+        if load is not None:
+            self._pending_loads.append(load)
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(swap_drop=self._dropped)
+        out = SchedulerOutput(swap_drop=self._dropped, kv_loads=self._pending_loads)
         self._dropped = []
+        self._pending_loads = []
         self._returning = {}
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens

@@ -364,3 +364,10 @@ class ServerMetrics:
             [*labels, "verdict"],
             registry=r,
         )
+        self.prewarmed_blocks = Counter(
+            "kvserve_replication_device_prewarmed_blocks",
+            "Accepted pushed blocks also placed into the device pool as pre-warmed prefix "
+            "blocks (--prewarm-device-fraction).",
+            labels,
+            registry=r,
+        )

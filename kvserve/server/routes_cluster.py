@@ -178,11 +178,12 @@ def cluster_routes(state: ServerState) -> APIRouter:
             raise APIError(404, "this worker has no KV store", "NotFoundError")
         body = await request.body()
         try:
-            accepted, refused = await engine.call(AcceptPush(body), list[int])
+            accepted, refused, placed = await engine.call(AcceptPush(body), list[int])
         except ValueError as e:
             raise bad_request(str(e)) from None
         state.metrics.pushed_blocks.labels(state.model_name, "accepted").inc(accepted)
         state.metrics.pushed_blocks.labels(state.model_name, "refused").inc(refused)
-        return JSONResponse({"accepted": accepted, "refused": refused})
+        state.metrics.prewarmed_blocks.labels(state.model_name).inc(placed)
+        return JSONResponse({"accepted": accepted, "refused": refused, "device": placed})
 
     return router

@@ -94,3 +94,49 @@ def test_integrity_under_random_operations(seq):
         pool.free(t)
     assert pool.num_free == 16
     pool.check_integrity()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "free", "cache", "warm", "take", "reset"]), st.integers(0, 30)
+        ),
+        max_size=60,
+    )
+)
+def test_pre_warmed_blocks_are_evicted_before_any_other_cached_block(seq):
+    """Random allocation, caching, pre-warm, prefix hits and resets keep the pool exact,
+    pre-warmed blocks stay within ``warm_limit``, and an allocation never drops an
+    ordinary cached block's hash while a pre-warmed one is left."""
+    pool = BlockPool(12)
+    pool.warm_limit = 3
+    held: list[int] = []
+    for op, k in seq:
+        if op == "alloc":
+            warm_before = pool.num_warm
+            cached_before = pool.num_cached_free - warm_before
+            got = pool.allocate(1)
+            if got is not None:
+                held += got
+                if warm_before:  # an ordinary cached block survives while warm ones exist
+                    assert pool.num_cached_free - pool.num_warm >= cached_before
+        elif op == "free" and held:
+            pool.free([held.pop(k % len(held))])
+        elif op == "cache" and held:
+            b = held[k % len(held)]
+            pool.cache(b, bytes([k]) * 16, [k])
+        elif op == "warm":
+            b = pool.place_warm(bytes([100 + k]) * 16, [100 + k])
+            if b is not None:
+                assert pool.ref_count(b) == 0 and pool.lookup(bytes([100 + k]) * 16, [100 + k]) == b
+        elif op == "take":  # a request's prefix hit on a pre-warmed block
+            b = pool.lookup(bytes([100 + k]) * 16, [100 + k])
+            if b is not None:
+                pool.touch([b])
+                held.append(b)
+        elif op == "reset":
+            pool.evict_cached()
+            assert pool.num_warm == 0
+        pool.check_integrity()
+        assert pool.num_used == len(set(held))

@@ -247,6 +247,8 @@ def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_pat
             "blocks pushed to the standby",
         )
         assert primary.metric("kvserve_replication_pushed_blocks_total") >= blocks
+        # … and the verified blocks went on into its device pool, as pre-warmed blocks
+        assert standby.metric("kvserve_replication_device_prewarmed_blocks_total") >= blocks
 
         # a push is authenticated, and a block that is not what the record says is refused
         record = SessionRecord(
@@ -268,9 +270,9 @@ def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_pat
             except urllib.error.HTTPError as e:
                 got, answer = e.code, None
             assert got == status
-        assert answer == {"accepted": 0, "refused": 1}
+        assert answer == {"accepted": 0, "refused": 1, "device": 0}
 
-        # the primary dies; the next turn restores the history from the standby's memory
+        # the primary dies; the next turn finds the history in the standby's device pool
         primary.proc.send_signal(signal.SIGKILL)
         primary.proc.wait(10)
         wait_until(
@@ -279,7 +281,6 @@ def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_pat
             "router dropped the dead worker",
         )
         redis_hits = standby.metric("kvserve_kv_store_hits_total", 'tier="redis"')
-        host_hits = standby.metric("kvserve_kv_store_hits_total", 'tier="host"')
         history = first.prompt_token_ids + first.choices[0].token_ids
         raw = client.completions.with_raw_response.create(
             model=str(llama_dir),
@@ -287,9 +288,10 @@ def test_direct_push_warms_the_standby_and_refuses_bad_blocks(llama_dir, tmp_pat
             max_tokens=8,
             extra_body={"session_id": "pushed"},
         )
-        raw.parse()
+        turn = raw.parse()
         assert c.workers[raw.headers["x-kvserve-worker"]] is standby
-        assert standby.metric("kvserve_kv_store_hits_total", 'tier="host"') - host_hits >= blocks
+        # the whole pushed history was in the device pool already: no copy, no Redis read
+        assert turn.usage.prompt_tokens_details.cached_tokens >= blocks * 16
         assert standby.metric("kvserve_kv_store_hits_total", 'tier="redis"') == redis_hits
 
 
