@@ -3,13 +3,31 @@ router, every wait bounded (used by ``kv_routing.py`` and ``disaggregated.py``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from ha import http_get, wait_ready, wait_until
 from kv_store import _free_port
+
+
+def add_cluster_args(p: argparse.ArgumentParser, max_model_len: int, kv_cache_memory: str) -> None:
+    """The flags every cluster benchmark takes (model, rounds, the workers' KV, --out)."""
+    p.add_argument("--model", required=True, help="HF model directory (with a tokenizer)")
+    p.add_argument("--served-model", default=None, help="model id (default: the dir's name)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    p.add_argument("--kv-cache-memory", default=kv_cache_memory)
+    p.add_argument("--out", default=None)
+
+
+def parse_cluster_args(p: argparse.ArgumentParser) -> argparse.Namespace:
+    a = p.parse_args()
+    a.served_model = a.served_model or Path(a.model).name
+    return a
 
 
 @dataclass

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cluster import start_cluster
+from bench_cluster import add_cluster_args, parse_cluster_args, start_cluster
 from ha import metric, percentiles, processes, scrape
 from kv_store import redis_server
 
@@ -120,10 +120,8 @@ def run_mode(a: argparse.Namespace, mode: str, longs: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory (with a tokenizer)")
-    p.add_argument("--served-model", default=None)
+    add_cluster_args(p, max_model_len=4608, kv_cache_memory="1GiB")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--chats", type=int, default=8)
     p.add_argument("--chat-tokens", type=int, default=192)
     p.add_argument("--long", type=int, default=6)
@@ -132,11 +130,7 @@ def main() -> None:
     p.add_argument("--long-output", type=int, default=16)
     p.add_argument("--long-start", type=float, default=2.0)
     p.add_argument("--long-every", type=float, default=2.0)
-    p.add_argument("--max-model-len", type=int, default=4608)
-    p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
-    a.served_model = a.served_model or Path(a.model).name
+    a = parse_cluster_args(p)
     from kvserve.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(a.model)

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cluster import start_cluster
+from bench_cluster import add_cluster_args, parse_cluster_args, start_cluster
 from ha import metric, percentiles, processes, scrape
 from kv_store import redis_server
 
@@ -180,26 +180,20 @@ def run_policy(a: argparse.Namespace, policy: str, reqs: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory (with a tokenizer)")
-    p.add_argument("--served-model", default=None, help="model id (default: the dir's name)")
+    add_cluster_args(p, max_model_len=4096, kv_cache_memory="512MiB")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--per-group", type=int, default=8)
     p.add_argument("--doc-tokens", type=int, default=1536)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument(
         "--kv-store",
         choices=("cluster", "host"),
         default="cluster",
         help="the workers' KV store: the cluster's Redis (shared, the default) or host:// only",
     )
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
-    a.served_model = a.served_model or Path(a.model).name
+    a = parse_cluster_args(p)
     from kvserve.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(a.model)

@@ -13,6 +13,8 @@ import sys
 import time
 
 from kvserve.config import EngineArgs
+from kvserve.router.config import ROUTING_CHOICES
+from kvserve.server.config import ROLES
 
 
 def _default_model() -> str:
@@ -280,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--role",
         default="both",
-        choices=("both", "prefill", "decode"),
+        choices=ROLES,
         help="in a cluster, what routers send here: both (whole requests), prefill (prompts, "
         "handed to a decode worker after the first token) or decode (default: both)",
     )
@@ -317,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument(
         "--routing",
         default="auto",
-        choices=("auto", "prefix", "least-loaded", "round-robin"),
+        choices=ROUTING_CHOICES,
         help="where a request without a session owner goes: prefix (the worker holding the "
         "most of its prompt, against load), least-loaded, round-robin; auto: prefix with "
         "--tokenizer, else least-loaded (default: auto)",

@@ -30,7 +30,6 @@ from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
-from kvserve.store.host import HostStore
 from kvserve.utils import format_size, resolve_device
 from kvserve.worker.executor import MultiprocExecutor
 from kvserve.worker.inputs import InputBuilder
@@ -231,8 +230,8 @@ class EngineBuilder:
             return None
         log = KVEventLog()
         self.kv.pool.events = log
-        if self.offloader is not None and isinstance(self.offloader.store.tiers[0], HostStore):
-            self.offloader.store.tiers[0].events = log
+        if self.offloader is not None:
+            self.offloader.host.events = log
         return log
 
     def _namespace(self) -> str:

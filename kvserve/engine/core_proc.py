@@ -248,14 +248,10 @@ class CoreLoop:
                 raise ValueError("this worker has no KV store")
             from kvserve.ha.push import accept_push
 
-            placed = [0]
-
-            def pre_warm(items: list) -> None:  # the verified blocks into the device pool
-                load = e.offloader.place_warm(items)
-                e.scheduler.add_copies(load)
-                placed[0] = len(load.blocks) if load is not None else 0
-
-            return [*accept_push(e.offloader, call.body, pre_warm), placed[0]]
+            verified, refused = accept_push(e.offloader, call.body)
+            load = e.offloader.place_warm(verified)  # and into the device pool, pre-warmed
+            e.scheduler.add_copies(load)
+            return [len(verified), refused, len(load.blocks) if load is not None else 0]
         if isinstance(call, ReadCheckpoint):
             rep = e.replicator
             if rep is None or rep.checkpointer is None:
@@ -267,12 +263,10 @@ class CoreLoop:
 def kv_state(engine: Any) -> list:
     """KV events that state everything the engine holds now (device pool, host tier)."""
     from kvserve.kv.events import DEVICE, HOST, full_state
-    from kvserve.store.host import HostStore
 
     tiers = {DEVICE: engine.kv.pool.cached_hashes()}
-    off = engine.offloader
-    if off is not None and isinstance(off.store.tiers[0], HostStore):
-        tiers[HOST] = off.store.tiers[0].keys()
+    if engine.offloader is not None:
+        tiers[HOST] = engine.offloader.host.keys()
     return full_state(tiers)
 
 

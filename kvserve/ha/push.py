@@ -5,8 +5,9 @@ the session record and the KV blocks that became full since the last push, read 
 primary's own host tier (where the offloader put them, serialized and checksummed). The
 standby verifies every block against the hashes and tokens of the record — a block with
 the wrong key, tokens, format or checksum is dropped, never cached — and puts the good
-ones into its host tier, so a takeover restores them from local memory without waiting
-for the shared tier. Pushing is best effort (bounded timeouts, failures counted); the
+ones into its host tier and, pre-warmed, into its device pool (``--prewarm-device-
+fraction``), so a takeover finds them in local memory without waiting for the shared
+tier. Pushing is best effort (bounded timeouts, failures counted); the
 coordinator record stays the source of truth for ownership and fencing.
 
 Wire format of ``POST /internal/replica`` (authenticated with the cluster secret): a 4-byte
@@ -21,7 +22,7 @@ import logging
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -100,7 +101,7 @@ class StandbyPusher:
         n = min(record.stored_tokens, len(tokens)) // bs
         done = self._pushed.get(session, 0)
         hashes = kv.hashes_for(tokens[: n * bs], record.cache_salt)[done:]
-        values = self.offloader.store.tiers[0].get(hashes) if hashes else []
+        values = self.offloader.host.get(hashes) if hashes else []
         blocks = [(done + j, v) for j, v in enumerate(values) if v is not None]
         header = {"session": session, "epoch": epoch, "record": msgspec.to_builtins(record)}
         body = encode_push(header, blocks)
@@ -127,14 +128,12 @@ class StandbyPusher:
 
 
 def accept_push(
-    offloader: KVOffloader,
-    body: bytes,
-    on_verified: Callable[[list[tuple[bytes, list[int], bytes]]], None] | None = None,
-) -> tuple[int, int]:
+    offloader: KVOffloader, body: bytes
+) -> tuple[list[tuple[bytes, list[int], memoryview]], int]:
     """Standby side: verify the pushed blocks against the record and put the good ones
-    into the host tier, and hand them (hash, token ids, payload) to ``on_verified`` (the
-    engine pre-warms its device pool with them). Returns (accepted, refused); raises
-    ValueError for a malformed body."""
+    into the host tier. Returns the good ones, in chain order, as (hash, token ids,
+    payload) — the engine pre-warms its device pool with them — and how many were
+    refused; raises ValueError for a malformed body."""
     header, blocks = decode_push(body)
     if header.get("record") is None:
         raise ValueError("push without a record")
@@ -155,7 +154,5 @@ def accept_push(
         good.append((hashes[i], data))
         verified.append((hashes[i], block_tokens, ok))
     if good:
-        offloader.store.tiers[0].put(good)
-        if on_verified is not None:
-            on_verified(verified)
-    return len(good), refused
+        offloader.host.put(good)
+    return verified, refused

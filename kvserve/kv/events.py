@@ -74,12 +74,6 @@ class KVEventLog:
     def removed(self, tier: str, hashes: Iterable[bytes]) -> None:
         self._add(BlocksRemoved, tier, hashes)
 
-    def cleared(self, tier: str) -> None:
-        with self._lock:
-            self._events = [e for e in self._events if e.tier != tier]
-            self._pending = sum(len(getattr(e, "hashes", ())) for e in self._events)
-            self._events.append(TierCleared(tier))
-
     def _add(self, kind: type[BlocksStored] | type[BlocksRemoved], tier: str, hashes) -> None:
         hashes = list(hashes)
         if not hashes:

@@ -29,6 +29,7 @@ import torch
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.store import serde
+from kvserve.store.host import HostStore
 from kvserve.store.sessions import SessionStore
 from kvserve.store.tiered import TieredStore
 
@@ -82,7 +83,13 @@ class KVOffloader:
         self.num_loaded_blocks = 0
         self.num_saved_blocks = 0
         self.num_load_failures = 0
-        self.num_warm_blocks = 0  # pushed blocks placed into the device pool
+
+    @property
+    def host(self) -> HostStore:
+        """The first tier, in host memory (``open_tiered`` always puts one there)."""
+        host = self.store.tiers[0]
+        assert isinstance(host, HostStore), "the first KV store tier is host://"
+        return host
 
     def _tokens(self, request: Request, i: int) -> list[int]:
         return request.token_slice(i * self.block_size, (i + 1) * self.block_size)
@@ -92,7 +99,7 @@ class KVOffloader:
         """The newly full blocks of ``requests`` (this step's) not in the host tier yet;
         they count as offered from now on."""
         null = self.kv.pool.null_block
-        host = self.store.tiers[0]
+        host = self.host
         todo: list[KVSave] = []
         for request in requests:
             rid = request.request_id
@@ -183,7 +190,7 @@ class KVOffloader:
         return done
 
     # ---- pre-warm ------------------------------------------------------------------------
-    def place_warm(self, items: Sequence[tuple[bytes, list[int], bytes]]) -> KVLoad | None:
+    def place_warm(self, items: Sequence[tuple[bytes, list[int], memoryview]]) -> KVLoad | None:
         """Verified blocks (hash, token ids, payload) pushed from another worker, placed
         into free device blocks as pre-warmed prefix blocks (``BlockPool.place_warm``):
         the copy of their rows into those blocks, for the next step (None: none placed —
@@ -196,7 +203,6 @@ class KVOffloader:
                 payloads.append(np.frombuffer(payload, dtype=np.uint8))
         if not blocks:
             return None
-        self.num_warm_blocks += len(blocks)
         return KVLoad("pre-warm", blocks, torch.from_numpy(np.stack(payloads)))
 
     def close(self) -> None:

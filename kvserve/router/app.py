@@ -154,24 +154,23 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(limits=limits) as http:
-            pool = WorkerPool(coord, http, config)
-            sync = None
-            if index is not None:
-                sync = KVSync(index, http, config.cluster_secret, config.probe_timeout * 4, metrics)
-                pool.on_refresh = sync.follow
-                sync.start()
-            holder["pool"] = pool
-            holder["relay"] = Relay(pool, coord, http, config, metrics, placement)
-            await pool.refresh()
-            pool.start()
-            try:
-                yield
-            finally:
-                await pool.stop()
-                if sync is not None:
-                    await sync.stop()
+        pool = WorkerPool(coord, config)
+        sync = None
+        if index is not None:
+            timeout = config.probe_timeout * 4
+            sync = KVSync(index, pool.client, config.cluster_secret, timeout, metrics)
+            pool.on_refresh = sync.follow
+            sync.start()
+        holder["pool"] = pool
+        holder["relay"] = Relay(pool, coord, config, metrics, placement)
+        await pool.refresh()
+        pool.start()
+        try:
+            yield
+        finally:
+            if sync is not None:
+                await sync.stop()
+            await pool.stop()
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
 

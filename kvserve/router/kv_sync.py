@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -40,13 +41,13 @@ class KVSync:
     def __init__(
         self,
         index: PrefixIndex,
-        http: httpx.AsyncClient,
+        client: Callable[[Any], httpx.AsyncClient],
         secret: str | None,
         timeout: float,
         metrics: Any = None,
     ):
         self.index = index
-        self.http = http
+        self.client = client  # a worker's connection pool (WorkerPool.client)
         self.secret = secret
         self.timeout = timeout
         self.metrics = metrics
@@ -56,7 +57,7 @@ class KVSync:
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._endpoints: dict[str, str] = {}  # node → endpoint connected
-        self._urls: dict[str, str] = {}  # node → HTTP base URL (for snapshots)
+        self._workers: dict[str, Any] = {}  # node → its Worker (for snapshots)
         self._fetching: dict[str, asyncio.Task] = {}
         self._last_seen: dict[str, float] = {}  # node → monotonic time of its last batch
         self._retry_at: dict[str, float] = {}  # node → no snapshot before this time
@@ -75,13 +76,14 @@ class KVSync:
                 with contextlib.suppress(zmq.ZMQError):
                     self._sub.disconnect(ep)
                 del self._endpoints[node]
+                self._workers.pop(node, None)
                 self.index.forget(node)
                 self._silent.discard(node)
         now = time.monotonic()
         for node, ep in wanted.items():
             if not ep:
                 continue
-            self._urls[node] = workers[node].url
+            self._workers[node] = workers[node]
             if node not in self._endpoints:
                 try:
                     self._sub.connect(ep)
@@ -99,7 +101,7 @@ class KVSync:
                 self._resync(node)
 
     def _resync(self, node: str) -> None:
-        if node in self._fetching or node not in self._urls:
+        if node in self._fetching or node not in self._workers:
             return
         if time.monotonic() < self._retry_at.get(node, 0.0):
             return
@@ -108,8 +110,9 @@ class KVSync:
     async def _snapshot(self, node: str) -> None:
         try:
             headers = {"X-Kvserve-Cluster-Secret": self.secret} if self.secret else {}
-            r = await self.http.get(
-                self._urls[node] + SNAPSHOT_PATH, headers=headers, timeout=self.timeout
+            w = self._workers[node]
+            r = await self.client(w).get(
+                w.url + SNAPSHOT_PATH, headers=headers, timeout=self.timeout
             )
             if r.status_code != 200:
                 logger.warning("KV snapshot of %s: HTTP %d", node, r.status_code)

@@ -16,14 +16,13 @@ Placement: the session's owner when it is routable (affinity, whatever the polic
 
 Disaggregated prefill/decode (some workers have ``--role prefill`` or ``decode``): a
 new streamed, resumable request goes to a prefill-capable worker with a decode-capable
-one as its standby; once the client has the first token the router closes the prefill
-worker's stream (it aborts there; its prompt blocks are in its standby push and the
-shared tier) and continues the stream on the decode worker through ``/internal/resume``
-— a planned failover, with the same exactness. The prefill stream is closed only once
-the decode worker answered; if it does not take the stream, the prefill worker finishes
-it. A prefill worker that dies first is an
-ordinary failover (to the decode worker). Whole (non-streamed) requests and those that
-cannot resume run on one decode-capable worker.
+one as its standby; once the client has the first token the router continues the stream
+on the decode worker through ``/internal/resume`` — a planned failover, with the same
+exactness — and, once that worker answered, closes the prefill worker's stream (it
+aborts there; its prompt blocks went to the decode worker's push and the shared tier).
+If the decode worker does not take the stream, the prefill worker finishes it. A prefill
+worker that dies first is an ordinary failover (to the decode worker). Whole
+(non-streamed) requests and those that cannot resume run on one decode-capable worker.
 
 A worker has failed when its connection breaks, when its stream ends without
 ``[DONE]``, when it sends an error event, or when it stays silent for ``stall_timeout``
@@ -183,7 +182,6 @@ class Relay:
         self,
         pool: WorkerPool,
         coord: Coordinator,
-        http: httpx.AsyncClient,
         config: RouterConfig,
         metrics: Any,
         placement: Placement | None = None,
@@ -191,7 +189,6 @@ class Relay:
         self.pool = pool
         self.placement = placement or Placement("least-loaded", None, None)
         self.coord = coord
-        self.http = http
         self.config = config
         self.metrics = metrics
 
@@ -274,7 +271,7 @@ class Relay:
         if not cands:
             raise Unroutable(503, "no worker is available")
         decode: Worker | None = None
-        if self.pool.disaggregated():
+        if any(c.role != "both" for c in cands):  # the workers split prefill and decode
             prefill = [c for c in cands if c.can("prefill")]
             if flow.stream and flow.resumable and prefill:
                 d = self.placement.choose(prefill, flow.session, flow.prompt)

@@ -58,9 +58,8 @@ def rendezvous(session: str, node: str) -> int:
 
 
 class WorkerPool:
-    def __init__(self, coord: Coordinator, http: httpx.AsyncClient, config: RouterConfig):
+    def __init__(self, coord: Coordinator, config: RouterConfig):
         self.coord = coord
-        self.http = http
         self.config = config
         self.workers: dict[str, Worker] = {}
         # one connection pool per worker: httpcore scans a pool's connections on every
@@ -155,20 +154,23 @@ class WorkerPool:
         another secret would refuse every resume, so it is never routable."""
         return w.info.get("secret_fp") == self._secret_fp
 
+    def is_routable(self, w: Worker, now: float | None = None) -> bool:
+        """Healthy, with this router's secret, and registered (or, while the registry
+        cannot be read, registered less than ``registry_grace`` seconds ago)."""
+        now = time.monotonic() if now is None else now
+        return (
+            w.healthy
+            and self.secret_matches(w)
+            and (self.registry_ok or now - w.registered_at < self.config.registry_grace)
+        )
+
     def routable(self) -> list[Worker]:
         now = time.monotonic()
-        grace = self.config.registry_grace
-        return [
-            w
-            for w in self.workers.values()
-            if w.healthy
-            and self.secret_matches(w)
-            and (self.registry_ok or now - w.registered_at < grace)
-        ]
+        return [w for w in self.workers.values() if self.is_routable(w, now)]
 
     def get(self, node_id: str) -> Worker | None:
         w = self.workers.get(node_id)
-        return w if w is not None and w in self.routable() else None
+        return w if w is not None and self.is_routable(w) else None
 
     def standby(self, session: str, exclude: set[str] | frozenset[str]) -> Worker | None:
         """The session's standby: the routable worker (not excluded) with the highest
@@ -180,10 +182,6 @@ class WorkerPool:
         if not cands:
             return None
         return max(cands, key=lambda w: rendezvous(session, w.node_id))
-
-    def disaggregated(self) -> bool:
-        """Do the routable workers split prefill and decode (some have a role)?"""
-        return any(w.role != "both" for w in self.routable())
 
     # ---- background ------------------------------------------------------------------------
     def start(self) -> None:

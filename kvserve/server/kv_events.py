@@ -74,7 +74,6 @@ class KVEventPublisher:
         self.seq = 0
         self.keepalive_s = keepalive_s
         self.held: dict[str, set[bytes]] = {t: set() for t in TIERS}
-        self.num_batches = 0
         self._enc = msgspec.msgpack.Encoder()
         self._sock = zmq.Context.instance().socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -95,7 +94,6 @@ class KVEventPublisher:
             return
         apply(self.held, events)
         self.seq += 1
-        self.num_batches += 1
         self._send(events)
         self._quiet = False
 

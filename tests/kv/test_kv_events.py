@@ -1,6 +1,6 @@
 """KV events (issue 18): the event log replayed onto an empty view always equals what the
 block pool's prefix index and the host tier hold, through random allocation, caching,
-reuse, resets and evictions; a full log degrades to a lossy clear, never a wrong view."""
+reuse, resets and evictions; a full log is replaced by the full state, never a wrong view."""
 
 from __future__ import annotations
 
