@@ -5,7 +5,12 @@ model dtype.
 - ``int8``: symmetric, one float16 scale per (token, KV head) stored beside the block
   (``scale = max|x| / 127``); 2 extra bytes per 64-element head vector ≈ 3% overhead.
 - ``fp8_e4m3`` / ``fp8_e5m2`` with token scales (``fp8_e4m3_token``, the default): one
-  float16 scale per (token, KV head) as for int8 (``scale = max|x| / fp8_max``).
+  float16 scale per (token, KV head) as for int8; for e4m3 the one of 8 scales
+  ``max|x| / fp8_max · 2^(i/8)`` whose decoded vector is nearest to the input: a float
+  format rounds each element by where it falls between two powers of two, and shifting
+  the vector by a fraction of a binade picks the placement that rounds it best (on
+  SmolLM2: +0.89 % → +0.40 % perplexity). A reader needs nothing new: value = code ·
+  scale, as before.
 - with head scales: one float32 scale per (layer, K|V, KV head), taken from the
   checkpoint's ``k_scale``/``v_scale`` when present, else 1.0, or calibrated from the first
   forward pass (``calculate_kv_scales``: ``scale = max|x| / fp8_max``).
@@ -20,6 +25,21 @@ import torch
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _PLAIN = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", *_PLAIN, *_FP8, "int8")
+# Token-scale fp8: scales tried per vector, in 2^(i/n) steps. e5m2 keeps the plain scale:
+# with 2 mantissa bits the search made SmolLM2's perplexity worse (+1.96 % → +2.23 %).
+FP8_SCALE_CANDIDATES = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 1, torch.int8: 1}
+_KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # quantize_kv's
+
+
+_quantize_op = None
+
+
+def _cpu_quantize_op():
+    """``torch.ops.kvserve.quantize_kv`` once the CPU kernels are loaded, else None."""
+    global _quantize_op
+    if _quantize_op is None:
+        _quantize_op = getattr(torch.ops.kvserve, "quantize_kv", None)
+    return _quantize_op
 
 
 @dataclass(frozen=True)
@@ -93,19 +113,44 @@ class QuantizedKVCache:
         """``x`` ``[T, H, D]`` → (stored values, per-token scales or None)."""
         xf = x.float()
         if self.fmt.scale == "token":
-            s = (xf.abs().amax(-1) / self.qmax).clamp_min(1e-8).half()
+            amax = xf.abs().amax(-1)
             if self.fmt.storage == torch.int8:
+                s = (amax / self.qmax).clamp_min(1e-8).half()
                 scaled = (xf / s.float().unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
                 return torch.round(scaled).to(torch.int8), s
-            # fp8 keeps NaN: a scale that float16 rounds to 0 (an all-zero vector) must not be
-            s = s.clamp_min(torch.finfo(torch.float16).tiny)
-            scaled = (xf / s.float().unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
-            return scaled.to(self.fmt.storage), s
+            return self._fp8_search(xf, amax)
         s = self.scale[which].view(1, -1, 1)
         return (xf / s).clamp_(-self.qmax, self.qmax).to(self.fmt.storage), None
 
+    def _fp8_search(
+        self, xf: torch.Tensor, amax: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token fp8 codes and float16 scales of ``xf`` ``[T, H, D]``: of the
+        ``FP8_SCALE_CANDIDATES`` scales, the one with the least squared error (the first on
+        a tie). A scale never goes below float16's smallest normal, so an all-zero vector
+        does not divide by 0."""
+        n = FP8_SCALE_CANDIDATES[self.fmt.storage]
+        steps = 2 ** (torch.arange(n, device=xf.device) / n)
+        raw = (amax.unsqueeze(0) / self.qmax * steps.view(-1, 1, 1)).clamp_min(1e-8)
+        s = raw.half().clamp_min(torch.finfo(torch.float16).tiny)  # [C, T, H]
+        sf = s.float().unsqueeze(-1)
+        q = (xf.unsqueeze(0) / sf).clamp_(-self.qmax, self.qmax).to(self.fmt.storage)
+        err = (q.float() * sf - xf.unsqueeze(0)).square_().sum(-1)  # [C, T, H]
+        best = err.argmin(0, keepdim=True)  # [1, T, H]
+        codes = q.view(torch.uint8).gather(0, best.unsqueeze(-1).expand(1, *xf.shape))
+        return codes[0].view(self.fmt.storage), s.gather(0, best)[0]
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize ``k``/``v`` ``[T, H, D]`` into ``slots``."""
+        """Quantize ``k``/``v`` ``[T, H, D]`` into ``slots`` (on the CPU with per-token
+        scales, in one kernel call each once the CPU kernels are loaded)."""
+        op = _cpu_quantize_op() if self.fmt.scale == "token" and self.data.is_cpu else None
+        if op is not None:
+            kind, n = _KINDS[self.fmt.storage], FP8_SCALE_CANDIDATES[self.fmt.storage]
+            for which, x in ((0, k), (1, v)):
+                if x.stride(-1) != 1 or x.stride(1) != x.shape[2]:
+                    x = x.contiguous()
+                op(x, slots, self.data[which].view(torch.uint8), self.scale[which], kind, n)
+            return
         if self.calibrating:
             for which, x in ((0, k), (1, v)):
                 amax = x.float().abs().amax(dim=(0, 2))

@@ -2,7 +2,7 @@
 
 ``load_cpu_kernels()`` returns True when ``torch.ops.kvserve`` has the paged attention
 (decode and prefill rows), the fused element-wise ops (RMSNorm, add+RMSNorm, SiLU-and-mul,
-RoPE) and the shared-memory collectives of local tensor-parallel ranks.
+RoPE), the quantized KV writes and the shared-memory collectives of local tensor-parallel ranks.
 A machine without a working compiler/ninja gets False (and a logged reason); callers then
 fall back to the portable PyTorch path.
 
@@ -28,12 +28,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [CSRC / n for n in ("paged_attention.cpp", "fused_ops.cpp", "shm_comm.cpp")]
+_SOURCES = [
+    CSRC / n for n in ("paged_attention.cpp", "fused_ops.cpp", "kv_quant.cpp", "shm_comm.cpp")
+]
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
-    "shm_all_reduce", "shm_gather",
+    "shm_all_reduce", "shm_gather", "quantize_kv",
 )  # fmt: skip
 
 
