@@ -124,8 +124,8 @@ __attribute__((noinline)) void fold(const float* q, int64_t G, const float (*kb)
   }
 }
 
-struct Item {  // one sequence's query rows [r0, r1) against one KV head
-  int64_t seq, head, r0, r1, cost;
+struct Item {  // one sequence's query rows [r0, r1) against its KV heads [h0, h1)
+  int64_t seq, r0, r1, h0, h1, cost;
 };
 
 // A row's visible keys: [0, sink_end) and [start, len), in position order.
@@ -157,13 +157,25 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t row = Hkv * D;  // elements per cache slot
   const int64_t tile = std::max<int64_t>(1, TILE_FLOATS / (G * D));
 
+  // A thread takes all KV heads of a (sequence, tile): slot rows are [Hkv, D], so an item
+  // reads each cell in one contiguous sweep instead of Hkv strided ones (measured: decode
+  // attention ~20 % faster from DRAM). With fewer such items than twice the threads (one
+  // sequence decoding alone), the heads are split into groups so every thread has work.
+  const int threads = at::get_num_threads();
+  int64_t tiles = 0;
+  for (int64_t s = 0; s < S; ++s) tiles += (qs[s + 1] - qs[s] + tile - 1) / tile;
+  const int64_t groups =
+      std::min<int64_t>(Hkv, std::max<int64_t>(1, (2 * threads + tiles - 1) / tiles));
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = qs[s + 1] - qs[s];
     for (int64_t r0 = 0; r0 < n; r0 += tile) {
       const int64_t r1 = std::min(n, r0 + tile);
       const int64_t keys = std::min(lp[s] - n + r1, window > 0 ? window + sinks : lp[s]);
-      for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, r0, r1, keys * (r1 - r0)});
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t h0 = gi * Hkv / groups, h1 = (gi + 1) * Hkv / groups;
+        items.push_back({s, r0, r1, h0, h1, keys * (r1 - r0) * (h1 - h0)});
+      }
     }
   }
   // longest first, so the dynamic schedule ends with short items (results do not depend
@@ -171,40 +183,42 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t num_items = static_cast<int64_t>(items.size());
-  // A thread takes all KV heads of a (sequence, tile) together when there are enough of
-  // them: the heads share cache lines (slot rows are [Hkv, D]), so splitting a sequence's
-  // heads over cores makes every core fetch every line (measured: decode ~5 % slower
-  // from DRAM). The sort keeps each group's Hkv items adjacent and aligned.
-  const int threads = at::get_num_threads();
-  const int chunk = num_items / Hkv >= threads ? static_cast<int>(Hkv) : 1;
 
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> qf(tile * G * D), acc(tile * G * D), m(tile * G), l(tile * G);
+    const int64_t per_head = tile * G * D;
+    std::vector<float> qf(Hkv * per_head), acc(Hkv * per_head), m(Hkv * tile * G),
+        l(Hkv * tile * G);
     std::vector<Visible> vis(tile);
-    alignas(64) float kb[CELL][D];
-    alignas(64) float vb[CELL][D];
-#pragma omp for schedule(dynamic, chunk)
+    // K/V of one cell for every KV head, in float: [Hkv][CELL][D], 64-byte aligned
+    std::vector<float> kv_buf(2 * Hkv * CELL * D + 16);
+    float* kv_base = kv_buf.data() + (16 - reinterpret_cast<uintptr_t>(kv_buf.data()) / 4 % 16) % 16;
+    auto kb = [&](int64_t h) { return reinterpret_cast<float (*)[D]>(kv_base + h * CELL * D); };
+    auto vb = [&](int64_t h) {
+      return reinterpret_cast<float (*)[D]>(kv_base + (Hkv + h) * CELL * D);
+    };
+#pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item item = items[it];
-      const int64_t s = item.seq, h = item.head, nr = item.r1 - item.r0;
+      const int64_t s = item.seq, nr = item.r1 - item.r0, h0 = item.h0, h1 = item.h1;
       const int64_t n = qs[s + 1] - qs[s], first_pos = lp[s] - n;
-      const float k_head_scale = scales.k_head ? scales.k_head[h] : 1.f;
-      const float v_head_scale = scales.v_head ? scales.v_head[h] : 1.f;
       int64_t lo = INT64_MAX, hi = 0;
       for (int64_t r = 0; r < nr; ++r) {
         vis[r] = visible(first_pos + item.r0 + r + 1, window, sinks);
         lo = std::min(lo, vis[r].sink_end > 0 ? 0 : vis[r].start);
         hi = std::max(hi, vis[r].len);
         const int64_t tok = qs[s] + item.r0 + r;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d)
-            qf[(r * G + g) * D + d] =
-                load(qp, (tok * Hq + h * G + g) * D + d) * static_cast<float>(scale);
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d)
+              qf[h * per_head + (r * G + g) * D + d] =
+                  load(qp, (tok * Hq + h * G + g) * D + d) * static_cast<float>(scale);
       }
-      std::fill(acc.begin(), acc.begin() + nr * G * D, 0.f);
-      std::fill(m.begin(), m.begin() + nr * G, NEG_BIG);
-      std::fill(l.begin(), l.begin() + nr * G, 0.f);
+      for (int64_t h = h0; h < h1; ++h) {
+        std::fill(acc.begin() + h * per_head, acc.begin() + h * per_head + nr * G * D, 0.f);
+        std::fill(m.begin() + h * tile * G, m.begin() + h * tile * G + nr * G, NEG_BIG);
+        std::fill(l.begin() + h * tile * G, l.begin() + h * tile * G + nr * G, 0.f);
+      }
       for (int64_t c = lo; c < hi;) {
         // the cell holding position c: fixed boundaries every CELL positions and at blocks
         const int64_t cell_lo = c - c % CELL;
@@ -223,38 +237,50 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           const int64_t slot0 = tp[s * MB + a / BS] * BS + a % BS;
           for (int64_t t = 0; t < b - a; ++t) {
             const int64_t slot = slot0 + t;
-            const float ks = scales.k ? static_cast<float>(scales.k[slot * Hkv + h]) : k_head_scale;
-            const float vs = scales.v ? static_cast<float>(scales.v[slot * Hkv + h]) : v_head_scale;
-            const ct* ksrc = kp + slot * row + h * D;
-            const ct* vsrc = vp + slot * row + h * D;
+            for (int64_t h = h0; h < h1; ++h) {
+              const float ks = scales.k ? static_cast<float>(scales.k[slot * Hkv + h])
+                                        : (scales.k_head ? scales.k_head[h] : 1.f);
+              const float vs = scales.v ? static_cast<float>(scales.v[slot * Hkv + h])
+                                        : (scales.v_head ? scales.v_head[h] : 1.f);
+              const ct* ksrc = kp + slot * row + h * D;
+              const ct* vsrc = vp + slot * row + h * D;
+              float* kd = kb(h)[t];
+              float* vd = vb(h)[t];
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) kb[t][d] = load(ksrc, d) * ks;
+              for (int64_t d = 0; d < D; ++d) kd[d] = load(ksrc, d) * ks;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) vb[t][d] = load(vsrc, d) * vs;
+              for (int64_t d = 0; d < D; ++d) vd[d] = load(vsrc, d) * vs;
+            }
           }
-          for (int64_t r = 0; r < nr; ++r) {
-            const Visible& v = vis[r];
-            float* qr = qf.data() + r * G * D;
-            float* ar = acc.data() + r * G * D;
-            const int64_t sb = std::min(cell_hi, v.sink_end);
-            if (cell_lo_b < sb)  // the sinks' part of the cell, then the window's
-              fold<D>(qr, G, kb + (cell_lo_b - a), vb + (cell_lo_b - a), sb - cell_lo_b,
-                      m.data() + r * G, l.data() + r * G, ar);
-            const int64_t wa = std::max(cell_lo_b, v.start), wb = std::min(cell_hi, v.len);
-            if (wa < wb)
-              fold<D>(qr, G, kb + (wa - a), vb + (wa - a), wb - wa, m.data() + r * G,
-                      l.data() + r * G, ar);
+          for (int64_t h = h0; h < h1; ++h) {
+            const float(*kh)[D] = kb(h);
+            const float(*vh)[D] = vb(h);
+            for (int64_t r = 0; r < nr; ++r) {
+              const Visible& v = vis[r];
+              float* qr = qf.data() + h * per_head + r * G * D;
+              float* ar = acc.data() + h * per_head + r * G * D;
+              float* mr = m.data() + h * tile * G + r * G;
+              float* lr = l.data() + h * tile * G + r * G;
+              const int64_t sb = std::min(cell_hi, v.sink_end);
+              if (cell_lo_b < sb)  // the sinks' part of the cell, then the window's
+                fold<D>(qr, G, kh + (cell_lo_b - a), vh + (cell_lo_b - a), sb - cell_lo_b, mr,
+                        lr, ar);
+              const int64_t wa = std::max(cell_lo_b, v.start), wb = std::min(cell_hi, v.len);
+              if (wa < wb) fold<D>(qr, G, kh + (wa - a), vh + (wa - a), wb - wa, mr, lr, ar);
+            }
           }
         }
         c = cell_hi;
       }
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t tok = qs[s] + item.r0 + r;
-        for (int64_t g = 0; g < G; ++g) {
-          const float inv = 1.f / l[r * G + g];
-          for (int64_t d = 0; d < D; ++d)
-            store(op, (tok * Hq + h * G + g) * D + d, acc[(r * G + g) * D + d] * inv);
-        }
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t g = 0; g < G; ++g) {
+            const float inv = 1.f / l[h * tile * G + r * G + g];
+            for (int64_t d = 0; d < D; ++d)
+              store(op, (tok * Hq + h * G + g) * D + d,
+                    acc[h * per_head + (r * G + g) * D + d] * inv);
+          }
       }
     }
   }
