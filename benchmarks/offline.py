@@ -73,6 +73,7 @@ def worker_kvserve(a: argparse.Namespace) -> dict:
         max_model_len=a.input_len + a.output_len,
         max_num_batched_tokens=a.max_num_batched_tokens,
         tensor_parallel_size=a.tensor_parallel_size,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     ps = prompts(a.num_prompts, a.input_len, SMOL["vocab_size"], a.seed)
     llm.generate(ps[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -103,8 +104,10 @@ def worker_kvserve(a: argparse.Namespace) -> dict:
     model = engine.model  # None under tensor parallelism (the ranks hold it)
     backend = "ranks" if model is None else type(model.layers[0].self_attn.backend).__name__
     llm.close()
+    name = "kvserve" if tp == 1 else f"kvserve-tp{tp}"
     return {
-        "engine": "kvserve" if tp == 1 else f"kvserve-tp{tp}",
+        "engine": name if a.kv_cache_dtype == "auto" else f"{name}-kv-{a.kv_cache_dtype}",
+        "kv_cache_dtype": a.kv_cache_dtype,
         "attention_backend": backend,
         "tensor_parallel_size": tp,
         # rank 0's seconds inside all-reduce/gather (waiting for the other rank included)
@@ -170,7 +173,9 @@ def run_worker(name: str, a: argparse.Namespace) -> dict:
     if name == "vllm":
         return run_vllm(a)
     env = dict(os.environ)
-    tp = 1
+    tp, kv = 1, "auto"
+    if name.startswith("kvserve-kv-"):  # this tree's kvserve with --kv-cache-dtype KV
+        kv, name = name.removeprefix("kvserve-kv-"), "kvserve"
     if name.startswith("kvserve-tp"):  # this tree's kvserve over N tensor-parallel ranks
         tp, name = int(name.removeprefix("kvserve-tp")), "kvserve"
     if name == "baseline":  # kvserve from another checkout (a git worktree of an older commit)
@@ -180,7 +185,7 @@ def run_worker(name: str, a: argparse.Namespace) -> dict:
         name = "kvserve"
     cmd = [sys.executable, __file__, "--worker", name, "--model-dir", str(a.model_dir)]
     cmd += [*_workload_flags(a), "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-    cmd += ["--tensor-parallel-size", str(tp)]
+    cmd += ["--tensor-parallel-size", str(tp), "--kv-cache-dtype", kv]
     tcmalloc = None if a.no_tcmalloc else find_tcmalloc()
     if tcmalloc:  # the same allocator vLLM's runs get (peer_vllm.py preloads it)
         env["LD_PRELOAD"] = f"{tcmalloc} {env.get('LD_PRELOAD', '')}".strip()
@@ -242,8 +247,10 @@ def main() -> None:
     p.add_argument(
         "--engines",
         default="kvserve,vllm,hf",
-        help="of kvserve, kvserve-tpN (N ranks), baseline, vllm, hf",
+        help="of kvserve, kvserve-tpN (N ranks), kvserve-kv-DTYPE (--kv-cache-dtype DTYPE), "
+        "baseline, vllm, hf",
     )
+    p.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument(
         "--baseline",
