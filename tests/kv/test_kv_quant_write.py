@@ -119,3 +119,13 @@ def test_paged_attention_decodes_every_fp8_code(storage):
     )
     want = torch.where(finite, ref, torch.zeros_like(ref)).to(torch.bfloat16)
     assert torch.equal(out.view(-1), want)
+
+
+def test_torch_fp8_search_in_token_chunks_equals_one_pass():
+    """Off the CPU kernel (CUDA), a long prefill is searched in bounded chunks of tokens."""
+    x = torch.randn(quant._SEARCH_TOKENS * 2 + 5, H, D, generator=torch.Generator().manual_seed(1))
+    cache = QuantizedKVCache(kv_format("fp8_e4m3", torch.float32), 8, H, D, torch.device("cpu"))
+    codes, scales = cache.quantize(0, x)
+    whole, whole_scales = cache._fp8_search(x, x.abs().amax(-1))
+    assert torch.equal(codes.view(torch.uint8), whole.view(torch.uint8))
+    assert torch.equal(scales, whole_scales)
