@@ -27,20 +27,9 @@ _PLAIN = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 KV_CACHE_DTYPES = ("auto", *_PLAIN, *_FP8, "int8")
 # Token-scale fp8: scales tried per vector, in 2^(i/n) steps. e5m2 keeps the plain scale:
 # with 2 mantissa bits the search made SmolLM2's perplexity worse (+1.96 % → +2.23 %).
-FP8_SCALE_CANDIDATES = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 1, torch.int8: 1}
+FP8_SCALE_CANDIDATES = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 1}
 _SEARCH_TOKENS = 2048  # tokens per search call off the CPU kernel (C copies each)
 _KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # quantize_kv's
-
-
-_quantize_op = None
-
-
-def _cpu_quantize_op():
-    """``torch.ops.kvserve.quantize_kv`` once the CPU kernels are loaded, else None."""
-    global _quantize_op
-    if _quantize_op is None:
-        _quantize_op = getattr(torch.ops.kvserve, "quantize_kv", None)
-    return _quantize_op
 
 
 @dataclass(frozen=True)
@@ -102,6 +91,7 @@ class QuantizedKVCache:
         else:
             self.scale = torch.ones(2, num_heads, dtype=torch.float32, device=device)
         self.calibrating = False
+        self.candidates = FP8_SCALE_CANDIDATES.get(fmt.storage, 1)  # token-scale fp8 only
 
     def set_head_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Per-head fp8 scales (scalars broadcast); must precede any write."""
@@ -134,10 +124,10 @@ class QuantizedKVCache:
         self, xf: torch.Tensor, amax: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token fp8 codes and float16 scales of ``xf`` ``[T, H, D]``: of the
-        ``FP8_SCALE_CANDIDATES`` scales, the one with the least squared error (the first on
+        ``candidates`` scales, the one with the least squared error (the first on
         a tie). A scale never goes below float16's smallest normal, so an all-zero vector
         does not divide by 0."""
-        n = FP8_SCALE_CANDIDATES[self.fmt.storage]
+        n = self.candidates
         steps = 2 ** (torch.arange(n, device=xf.device) / n)
         raw = (amax.unsqueeze(0) / self.qmax * steps.view(-1, 1, 1)).clamp_min(1e-8)
         s = raw.half().clamp_min(torch.finfo(torch.float16).tiny)  # [C, T, H]
@@ -149,16 +139,7 @@ class QuantizedKVCache:
         return codes[0].view(self.fmt.storage), s.gather(0, best)[0]
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize ``k``/``v`` ``[T, H, D]`` into ``slots`` (on the CPU with per-token
-        scales, in one kernel call each once the CPU kernels are loaded)."""
-        op = _cpu_quantize_op() if self.fmt.scale == "token" and self.data.is_cpu else None
-        if op is not None:
-            kind, n = _KINDS[self.fmt.storage], FP8_SCALE_CANDIDATES[self.fmt.storage]
-            for which, x in ((0, k), (1, v)):
-                if x.stride(-1) != 1 or x.stride(1) != x.shape[2]:
-                    x = x.contiguous()
-                op(x, slots, self.data[which].view(torch.uint8), self.scale[which], kind, n)
-            return
+        """Quantize ``k``/``v`` ``[T, H, D]`` into ``slots``."""
         if self.calibrating:
             for which, x in ((0, k), (1, v)):
                 amax = x.float().abs().amax(dim=(0, 2))
@@ -170,6 +151,26 @@ class QuantizedKVCache:
             self.data[which].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
             if s is not None:
                 self.scale[which].index_copy_(0, slots, s)
+
+    def write_cpu(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` through the C++ kernel (``torch.ops.kvserve.quantize_kv``, one call
+        each for K and V; the same codes and scales): for a CPU cache with per-token
+        scales, once the CPU kernels are loaded. Other caches take ``write``."""
+        if self.fmt.scale != "token" or not self.data.is_cpu:
+            self.write(slots, k, v)
+            return
+        kind = _KINDS[self.fmt.storage]
+        for which, x in ((0, k), (1, v)):
+            if x.stride(-1) != 1 or x.stride(1) != x.shape[2]:
+                x = x.contiguous()
+            torch.ops.kvserve.quantize_kv(
+                x,
+                slots,
+                self.data[which].view(torch.uint8),
+                self.scale[which],
+                kind,
+                self.candidates,
+            )
 
     @staticmethod
     def _dequant_tokens(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

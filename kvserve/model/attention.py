@@ -188,6 +188,14 @@ class CpuPagedAttention(TorchPagedAttention):
         self.window = sliding_window or 0
         self.sinks = sinks
 
+    @staticmethod
+    def write(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
+        """As ``TorchPagedAttention.write``; an int8/fp8 cache quantizes in the C++ kernel."""
+        if isinstance(kv_cache, QuantizedKVCache):
+            kv_cache.write_cpu(meta.slot_mapping, k, v)
+        else:
+            TorchPagedAttention.write(k, v, kv_cache, meta)
+
     def forward(
         self,
         q: torch.Tensor,

@@ -40,15 +40,7 @@ def _inputs(dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch
 
 def _write(fmt_name: str, dtype: torch.dtype, k, v, slots, kernel: bool) -> QuantizedKVCache:
     cache = QuantizedKVCache(kv_format(fmt_name, dtype), SLOTS, H, D, torch.device("cpu"))
-    if kernel:
-        cache.write(slots, k, v)
-        return cache
-    saved = quant._cpu_quantize_op
-    quant._cpu_quantize_op = lambda: None
-    try:
-        cache.write(slots, k, v)
-    finally:
-        quant._cpu_quantize_op = saved
+    (cache.write_cpu if kernel else cache.write)(slots, k, v)
     return cache
 
 
@@ -83,7 +75,7 @@ def test_fp8_scale_search_never_rounds_worse_than_the_plain_scale():
     )
     slots = torch.arange(x.shape[0])
     cache = QuantizedKVCache(kv_format("fp8_e4m3", torch.bfloat16), 4096, H, D, torch.device("cpu"))
-    cache.write(slots, x, x)
+    cache.write_cpu(slots, x, x)
     searched = (cache.read_slots(0, slots, torch.float32) - x.float()).square().sum(-1)
     xf = x.float()
     s = (xf.abs().amax(-1, keepdim=True) / 448).half().clamp_min(6.103515625e-05).float()

@@ -76,11 +76,11 @@ inline float round_fp8(float y, uint8_t* code) {
 }
 
 template <int M, int B>
-float fp8_vector(const float* x, int64_t D, float amax, float qmax, int candidates,
+float fp8_vector(const float* x, int64_t D, float amax, float qmax, const std::vector<float>& steps,
                  uint8_t* out, uint8_t* tmp) {
   float best_err = 0.f, best_scale = 0.f;  // (-ffast-math: no infinities)
-  for (int i = 0; i < candidates; ++i) {
-    const float raw = std::max(amax / qmax * std::exp2(static_cast<float>(i) / candidates), 1e-8f);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const float raw = std::max(amax / qmax * steps[i], 1e-8f);
     // a float16 scale, never below float16's smallest normal (an all-zero vector is 0)
     const float sf = std::max(static_cast<float>(c10::Half(raw)), 6.103515625e-05f);
     const double inv = 1.0 / static_cast<double>(sf);
@@ -114,6 +114,9 @@ void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10
                    int64_t kind, int64_t candidates) {
   const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), stride = x.stride(0);
   const T* xp = x.data_ptr<T>();
+  std::vector<float> steps(candidates);  // the scale multipliers 2^(i / candidates)
+  for (int64_t i = 0; i < candidates; ++i)
+    steps[i] = std::exp2(static_cast<float>(i) / static_cast<float>(candidates));
   at::parallel_for(0, T_ * H, 16, [&](int64_t b, int64_t e) {
     std::vector<float> xf(D);
     std::vector<uint8_t> tmp(D);
@@ -130,9 +133,9 @@ void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10
       if (kind == 0)
         sf = int8_vector(xf.data(), D, amax, dst);
       else if (kind == 1)
-        sf = fp8_vector<3, 7>(xf.data(), D, amax, 448.f, candidates, dst, tmp.data());
+        sf = fp8_vector<3, 7>(xf.data(), D, amax, 448.f, steps, dst, tmp.data());
       else
-        sf = fp8_vector<2, 15>(xf.data(), D, amax, 57344.f, candidates, dst, tmp.data());
+        sf = fp8_vector<2, 15>(xf.data(), D, amax, 57344.f, steps, dst, tmp.data());
       scale[slots[t] * H + h] = c10::Half(sf);
     }
   });
