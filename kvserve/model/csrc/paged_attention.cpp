@@ -1,14 +1,16 @@
 // Paged attention for the CPU, one kernel for decode tokens and prefill chunks alike: each
 // query row attends to its sequence's K/V read in place from the block cache (no gathered
 // copy, no dense mask), float accumulation, GQA-aware (a KV head's rows are converted once
-// for every query head and query row that shares them). Registered as
-// torch.ops.kvserve.paged_attention.
+// for every query head and query row that shares them). A cell's K is transposed once so
+// its scores are computed lane-parallel over keys (attention_cell.h); a bf16 query against
+// a bf16 cache scores with bf16 dot products on the cache's own K, every other combination
+// converts K to float first. Registered as torch.ops.kvserve.paged_attention.
 //
 // Determinism rule (README, "Determinism"): a row's result is a function of its query, its
 // context's K/V and its position only. Its keys are visited in fixed cells of CELL
 // positions (aligned to absolute positions and to block boundaries), cell by cell in
-// position order, each cell folded into an online softmax by one non-inlined routine
-// (`fold`), the same machine code for a decode token, a row of a prefill chunk, a row whose
+// position order, each key in the lane of its position % CELL, each cell folded into an
+// online softmax by one non-inlined routine (`fold`), the same machine code for a decode token, a row of a prefill chunk, a row whose
 // context came from the prefix cache, and whatever else shares the call. Which thread
 // runs a row, which rows share its tile and how many rows the batch has change nothing.
 #include <ATen/core/Tensor.h>
@@ -25,12 +27,16 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
+
+#include "attention_cell.h"
 
 namespace {
 
-constexpr int64_t CELL = 16;         // keys per cell (and per online-softmax update)
-constexpr float NEG_BIG = -1e30f;    // finite "minus infinity" (the build uses -ffast-math)
+using kvserve_cell::CELL;     // keys per cell (and per online-softmax update)
+using kvserve_cell::NEG_BIG;  // finite "minus infinity" (the build uses -ffast-math)
+constexpr int64_t PREFETCH_CELLS = 2;  // how far ahead a sequence's K/V are prefetched
 constexpr int64_t TILE_FLOATS = 4096;  // query rows per work item: this many floats of q
 
 // Quantized caches: int8 has float16 scales per (slot, KV head); fp8 has float32 scales per
@@ -80,50 +86,6 @@ inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
 inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
 
-// Fold `nt` keys (rows of `kb`, values `vb`, already in float and scaled) into the online
-// softmax state of one query row's G heads: running max `m`, sum `l`, accumulator `acc`.
-// Never inlined: every caller runs exactly this code, so a row's arithmetic cannot depend
-// on the context it was called from.
-template <int D>
-__attribute__((noinline)) void fold(const float* q, int64_t G, const float (*kb)[D],
-                                    const float (*vb)[D], int64_t nt, float* m, float* l,
-                                    float* acc) {
-  float s[CELL];
-  for (int64_t g = 0; g < G; ++g) {
-    const float* qg = q + g * D;
-    for (int64_t t = 0; t < nt; ++t) {
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * kb[t][d];
-      s[t] = dot;
-    }
-    float bm = m[g];
-    for (int64_t t = 0; t < nt; ++t) bm = std::max(bm, s[t]);
-    const float corr = std::exp(m[g] - bm);
-    float sum = l[g] * corr;
-    for (int64_t t = 0; t < nt; ++t) {
-      s[t] = std::exp(s[t] - bm);
-      sum += s[t];
-    }
-    l[g] = sum;
-    m[g] = bm;
-    float* ag = acc + g * D;
-    // 16 lanes at a time: one accumulator register, a dependency chain over t only
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      float a[16];
-#pragma omp simd
-      for (int64_t i = 0; i < 16; ++i) a[i] = ag[d0 + i] * corr;
-      for (int64_t t = 0; t < nt; ++t) {
-        const float p = s[t];
-#pragma omp simd
-        for (int64_t i = 0; i < 16; ++i) a[i] += p * vb[t][d0 + i];
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < 16; ++i) ag[d0 + i] = a[i];
-    }
-  }
-}
-
 struct Item {  // one sequence's query rows [r0, r1) against its KV heads [h0, h1)
   int64_t seq, r0, r1, h0, h1, cost;
 };
@@ -156,6 +118,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   qt* op = out.data_ptr<qt>();
   const int64_t row = Hkv * D;  // elements per cache slot
   const int64_t tile = std::max<int64_t>(1, TILE_FLOATS / (G * D));
+  // bf16 query and cache: scores by bf16 dot products on the cache's own K pairs (no
+  // conversion of K, the query unscaled); every other combination converts to float.
+  constexpr bool bf16_scores = kvserve_cell::kBf16Scores && D % 32 == 0 &&
+                               std::is_same_v<qt, c10::BFloat16> &&
+                               std::is_same_v<ct, c10::BFloat16>;
 
   // A thread takes all KV heads of a (sequence, tile): slot rows are [Hkv, D], so an item
   // reads each cell in one contiguous sweep instead of Hkv strided ones (measured: decode
@@ -187,16 +154,20 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
 #pragma omp parallel num_threads(threads)
   {
     const int64_t per_head = tile * G * D;
-    std::vector<float> qf(Hkv * per_head), acc(Hkv * per_head), m(Hkv * tile * G),
+    std::vector<float> qf(bf16_scores ? 0 : Hkv * per_head), acc(Hkv * per_head), m(Hkv * tile * G),
         l(Hkv * tile * G);
+    std::vector<uint32_t> qb(bf16_scores ? Hkv * per_head / 2 : 0);  // bf16 pairs
     std::vector<Visible> vis(tile);
-    // K/V of one cell for every KV head, in float: [Hkv][CELL][D], 64-byte aligned
-    std::vector<float> kv_buf(2 * Hkv * CELL * D + 16);
+    const std::vector<uint32_t> zero_row(D, 0u);  // lanes a cell does not fill (bf16 path)
+    const uint32_t* rows[CELL];
+    // One cell for every KV head, in float, 64-byte aligned: K as converted [Hkv][CELL][D],
+    // K transposed [Hkv][D][CELL] and V [Hkv][CELL][D]; a key's lane is its position % CELL.
+    // Zeroed once: lanes a cell does not fill hold finite stale values, always masked.
+    std::vector<float> kv_buf(3 * Hkv * CELL * D + 16, 0.f);
     float* kv_base = kv_buf.data() + (16 - reinterpret_cast<uintptr_t>(kv_buf.data()) / 4 % 16) % 16;
-    auto kb = [&](int64_t h) { return reinterpret_cast<float (*)[D]>(kv_base + h * CELL * D); };
-    auto vb = [&](int64_t h) {
-      return reinterpret_cast<float (*)[D]>(kv_base + (Hkv + h) * CELL * D);
-    };
+    auto kr = [&](int64_t h) { return kv_base + h * CELL * D; };
+    auto kt = [&](int64_t h) { return kv_base + (Hkv + h) * CELL * D; };
+    auto vb = [&](int64_t h) { return kv_base + (2 * Hkv + h) * CELL * D; };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item item = items[it];
@@ -209,10 +180,14 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         hi = std::max(hi, vis[r].len);
         const int64_t tok = qs[s] + item.r0 + r;
         for (int64_t h = h0; h < h1; ++h)
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t d = 0; d < D; ++d)
-              qf[h * per_head + (r * G + g) * D + d] =
-                  load(qp, (tok * Hq + h * G + g) * D + d) * static_cast<float>(scale);
+          for (int64_t g = 0; g < G; ++g) {
+            const qt* src = qp + (tok * Hq + h * G + g) * D;
+            if constexpr (bf16_scores)
+              std::memcpy(qb.data() + (h * per_head + (r * G + g) * D) / 2, src, D * sizeof(qt));
+            else
+              for (int64_t d = 0; d < D; ++d)
+                qf[h * per_head + (r * G + g) * D + d] = load(src, d) * static_cast<float>(scale);
+          }
       }
       for (int64_t h = h0; h < h1; ++h) {
         std::fill(acc.begin() + h * per_head, acc.begin() + h * per_head + nr * G * D, 0.f);
@@ -233,10 +208,25 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           const int64_t wa = std::max(cell_lo_b, v.start), wb = std::min(cell_hi, v.len);
           if (wa < wb) a = std::min(a, wa), b = std::max(b, wb);
         }
+        // K and V rows PREFETCH_CELLS cells ahead (and the ones between, at the first
+        // cell), fetched while this cell runs: a sequence's blocks are scattered, so the
+        // hardware prefetcher loses the stream at every block (measured ~10 % on decode)
+        for (int64_t p = c == lo ? cell_lo + CELL : cell_lo + PREFETCH_CELLS * CELL;
+             p <= cell_lo + PREFETCH_CELLS * CELL && p < hi; p += CELL) {
+          const int64_t pslot = tp[s * MB + p / BS] * BS + p % BS;
+          const int64_t bytes = std::min<int64_t>({CELL, hi - p, BS - p % BS}) * row *
+                                static_cast<int64_t>(sizeof(ct));
+          const char* k0 = reinterpret_cast<const char*>(kp + pslot * row);
+          const char* v0 = reinterpret_cast<const char*>(vp + pslot * row);
+          for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(k0 + off, 0, 1);
+            __builtin_prefetch(v0 + off, 0, 1);
+          }
+        }
         if (a < b) {
           const int64_t slot0 = tp[s * MB + a / BS] * BS + a % BS;
           for (int64_t t = 0; t < b - a; ++t) {
-            const int64_t slot = slot0 + t;
+            const int64_t slot = slot0 + t, lane = a - cell_lo + t;
             for (int64_t h = h0; h < h1; ++h) {
               const float ks = scales.k ? static_cast<float>(scales.k[slot * Hkv + h])
                                         : (scales.k_head ? scales.k_head[h] : 1.f);
@@ -244,29 +234,50 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
                                         : (scales.v_head ? scales.v_head[h] : 1.f);
               const ct* ksrc = kp + slot * row + h * D;
               const ct* vsrc = vp + slot * row + h * D;
-              float* kd = kb(h)[t];
-              float* vd = vb(h)[t];
+              float* kd = kr(h) + lane * D;
+              float* vd = vb(h) + lane * D;
+              if constexpr (!bf16_scores) {
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) kd[d] = load(ksrc, d) * ks;
+                for (int64_t d = 0; d < D; ++d) kd[d] = load(ksrc, d) * ks;
+              }
 #pragma omp simd
               for (int64_t d = 0; d < D; ++d) vd[d] = load(vsrc, d) * vs;
             }
           }
           for (int64_t h = h0; h < h1; ++h) {
-            const float(*kh)[D] = kb(h);
-            const float(*vh)[D] = vb(h);
+            uint32_t* kth = reinterpret_cast<uint32_t*>(kt(h));
+            if constexpr (bf16_scores) {  // K pairs straight from the cache, transposed
+              for (int64_t i = 0; i < CELL; ++i) {
+                const int64_t p = cell_lo + i;
+                rows[i] = p >= a && p < b
+                              ? reinterpret_cast<const uint32_t*>(kp + (slot0 + p - a) * row + h * D)
+                              : zero_row.data();
+              }
+              kvserve_cell::transpose_cell<D / 2>(rows, kth);
+            } else {
+              for (int64_t i = 0; i < CELL; ++i)
+                rows[i] = reinterpret_cast<const uint32_t*>(kr(h) + i * D);
+              kvserve_cell::transpose_cell<D>(rows, kth);
+            }
             for (int64_t r = 0; r < nr; ++r) {
               const Visible& v = vis[r];
-              float* qr = qf.data() + h * per_head + r * G * D;
+              const float* qr = qf.data() + h * per_head + r * G * D;
+              const uint32_t* qbr = qb.data() + (h * per_head + r * G * D) / 2;
               float* ar = acc.data() + h * per_head + r * G * D;
               float* mr = m.data() + h * tile * G + r * G;
               float* lr = l.data() + h * tile * G + r * G;
               const int64_t sb = std::min(cell_hi, v.sink_end);
+              auto fold = [&](int64_t t0, int64_t t1) {  // lanes [t0, t1) of the cell
+                if constexpr (bf16_scores)
+                  kvserve_cell::fold_bf16<D>(qbr, G, static_cast<float>(scale), kth, vb(h),
+                                             t0, t1, mr, lr, ar);
+                else
+                  kvserve_cell::fold<D>(qr, G, kt(h), vb(h), t0, t1, mr, lr, ar);
+              };
               if (cell_lo_b < sb)  // the sinks' part of the cell, then the window's
-                fold<D>(qr, G, kh + (cell_lo_b - a), vh + (cell_lo_b - a), sb - cell_lo_b, mr,
-                        lr, ar);
+                fold(cell_lo_b - cell_lo, sb - cell_lo);
               const int64_t wa = std::max(cell_lo_b, v.start), wb = std::min(cell_hi, v.len);
-              if (wa < wb) fold<D>(qr, G, kh + (wa - a), vh + (wa - a), wb - wa, mr, lr, ar);
+              if (wa < wb) fold(wa - cell_lo, wb - cell_lo);
             }
           }
         }

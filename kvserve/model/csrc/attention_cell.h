@@ -1,0 +1,251 @@
+// One cell of paged attention (up to CELL = 16 keys of one KV head, in float) folded into
+// the online-softmax state of a query row's G heads. Keys sit in lanes by position: the key
+// at position p is lane p % CELL, so a lane's place never depends on which other rows or
+// keys share the cell, and a row's arithmetic is a function of its own visible keys only
+// (the determinism rule in paged_attention.cpp).
+//
+// Scores are computed lane-parallel over keys from K stored transposed, kT[d][lane]: a
+// broadcast query element times one row of kT per step, no horizontal sum per key. With
+// AVX-512 the routines are written in intrinsics (explicit FMAs, a fixed reduction tree);
+// elsewhere the same algorithm runs as portable loops.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace kvserve_cell {
+
+constexpr int CELL = 16;            // keys per cell = lanes of one AVX-512 float register
+constexpr float NEG_BIG = -1e30f;   // finite "minus infinity" (the build uses -ffast-math)
+
+// out[j * CELL + i] = rows[i][j] for j < W, i < CELL: one cell's rows, transposed. The
+// elements are 32-bit (a float, or a pair of bf16), moved as bits.
+template <int W>
+inline void transpose_cell(const uint32_t* const* rows, uint32_t* out) {
+  static_assert(W % 16 == 0, "transpose_cell: W must be a multiple of 16");
+#ifdef __AVX512F__
+  for (int c = 0; c < W; c += 16) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[i] + c));
+    for (int i = 0; i < 8; ++i) {  // [a0 b0 a1 b1] and [a2 b2 a3 b3] per 128-bit lane
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + j], lane k: column 4k + j of rows 4i .. 4i+3
+      const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+      const __m512d e = _mm512_castps_pd(t[4 * i + 2]), f = _mm512_castps_pd(t[4 * i + 3]);
+      r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, e));
+      r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, e));
+      r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, f));
+      r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, f));
+    }
+    float* o = reinterpret_cast<float*>(out);
+    for (int j = 0; j < 4; ++j) {  // gather the four row groups' lane k into column 4k + j
+      const __m512 a88 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+      const __m512 add = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+      const __m512 b88 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+      const __m512 bdd = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+      _mm512_storeu_ps(o + (c + j) * CELL, _mm512_shuffle_f32x4(a88, b88, 0x88));
+      _mm512_storeu_ps(o + (c + j + 8) * CELL, _mm512_shuffle_f32x4(a88, b88, 0xdd));
+      _mm512_storeu_ps(o + (c + j + 4) * CELL, _mm512_shuffle_f32x4(add, bdd, 0x88));
+      _mm512_storeu_ps(o + (c + j + 12) * CELL, _mm512_shuffle_f32x4(add, bdd, 0xdd));
+    }
+  }
+#else
+  for (int i = 0; i < CELL; ++i)
+    for (int j = 0; j < W; ++j) out[j * CELL + i] = rows[i][j];
+#endif
+}
+
+#ifdef __AVX512F__
+// e^x for 16 lanes: 2^n · e^r with r = x - n·ln2 (two-part ln2) and the Cephes expf
+// polynomial (~1 ulp); inputs below -103 give 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#ifdef __AVX512F__
+// Heads folded together: their scores share each load of K, their accumulators each load
+// of V. At most 24 accumulator registers: 4 heads for D <= 96, 3 for 128, 1 for 256.
+template <int D>
+constexpr int heads_per_pass() {
+  return D / 16 * 4 <= 24 ? 4 : (D / 16 * 3 <= 24 ? 3 : 1);
+}
+
+// Calls f(std::integral_constant<int, n>, g) for consecutive groups of n heads covering
+// [0, G): n = heads_per_pass<D>() but for a last, smaller group. The grouping is a function
+// of G and D alone.
+template <int D, typename F>
+inline void by_heads(int64_t G, F&& f) {
+  constexpr int NH = heads_per_pass<D>();
+  for (int64_t g = 0; g < G;) {
+    const int64_t n = std::min<int64_t>(NH, G - g);
+    if (n >= 4) f(std::integral_constant<int, (NH >= 4 ? 4 : 1)>{}, g);
+    else if (n == 3) f(std::integral_constant<int, (NH >= 3 ? 3 : 1)>{}, g);
+    else if (n == 2) f(std::integral_constant<int, 2>{}, g);
+    else f(std::integral_constant<int, 1>{}, g);
+    g += n;  // n <= NH, so every branch taken is instantiated with n itself
+  }
+}
+
+// Scores of NH heads, q [NH][D] float (already scaled), against kT [D][CELL] float: two
+// chains per head over d (even, odd).
+template <int D, int NH>
+inline void scores_f32(const float* q, const float* kT, __m512* s) {
+  __m512 se[NH], so[NH];
+  for (int h = 0; h < NH; ++h) se[h] = so[h] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 2) {
+    const __m512 ke = _mm512_loadu_ps(kT + d * CELL), ko = _mm512_loadu_ps(kT + (d + 1) * CELL);
+    for (int h = 0; h < NH; ++h) {
+      se[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * D + d]), ke, se[h]);
+      so[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * D + d + 1]), ko, so[h]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) s[h] = _mm512_add_ps(se[h], so[h]);
+}
+
+#ifdef __AVX512BF16__
+// Scores of NH heads, q [NH][D] bf16 as pairs (unscaled), against kTp [D / 2][CELL] bf16
+// pairs: exact bf16 products summed in float (vdpbf16ps), two chains per head, then scaled.
+template <int D, int NH>
+inline void scores_bf16(const uint32_t* q, float scale, const uint32_t* kTp, __m512* s) {
+  __m512 se[NH], so[NH];
+  for (int h = 0; h < NH; ++h) se[h] = so[h] = _mm512_setzero_ps();
+  for (int j = 0; j < D / 2; j += 2) {
+    const __m512bh ke = (__m512bh)_mm512_loadu_si512(kTp + j * CELL);
+    const __m512bh ko = (__m512bh)_mm512_loadu_si512(kTp + (j + 1) * CELL);
+    for (int h = 0; h < NH; ++h) {
+      const uint32_t* qh = q + h * (D / 2);
+      se[h] = _mm512_dpbf16_ps(se[h], (__m512bh)_mm512_set1_epi32(static_cast<int>(qh[j])), ke);
+      so[h] =
+          _mm512_dpbf16_ps(so[h], (__m512bh)_mm512_set1_epi32(static_cast<int>(qh[j + 1])), ko);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int h = 0; h < NH; ++h) s[h] = _mm512_mul_ps(_mm512_add_ps(se[h], so[h]), sc);
+}
+#endif
+
+// Online-softmax update of NH heads from their scores s (lanes outside `mask` ignored):
+// masked lanes set to NEG_BIG before the max and to 0 after the exp; then acc += p · V.
+template <int D, int NH>
+inline void softmax_pv(const __m512* s, const float* vb, int t0, int t1, __mmask16 mask,
+                       float* m, float* l, float* acc) {
+  alignas(64) float p[NH][CELL];
+  float corr[NH];
+  for (int h = 0; h < NH; ++h) {
+    const __m512 sm = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_BIG), mask, s[h]);
+    const float bm = std::max(m[h], _mm512_reduce_max_ps(sm));
+    corr[h] = std::exp(m[h] - bm);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sm, _mm512_set1_ps(bm))));
+    l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(e);
+    m[h] = bm;
+    _mm512_store_ps(p[h], e);
+  }
+  constexpr int C = D / 16;
+  __m512 a[NH][C];
+  for (int h = 0; h < NH; ++h) {
+    const __m512 cv = _mm512_set1_ps(corr[h]);
+    for (int c = 0; c < C; ++c) a[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * c), cv);
+  }
+  for (int t = t0; t < t1; ++t)  // NH * C independent chains over t
+    for (int c = 0; c < C; ++c) {
+      const __m512 v = _mm512_loadu_ps(vb + t * D + 16 * c);
+      for (int h = 0; h < NH; ++h) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), v, a[h][c]);
+    }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, a[h][c]);
+}
+
+inline __mmask16 lanes(int t0, int t1) {
+  return static_cast<__mmask16>(((1u << t1) - 1u) & ~((1u << t0) - 1u));
+}
+#endif
+
+// Fold lanes [t0, t1) of one cell — kT [D][CELL] (transposed keys, scaled), vb [CELL][D]
+// (values, scaled) — into the online softmax state of one query row's G heads: running
+// max `m`, sum `l`, accumulator `acc` [G][D]. `q` [G][D] is already multiplied by the
+// softmax scale. Never inlined: every caller runs exactly this code, so a row's arithmetic
+// cannot depend on the context it was called from (heads are grouped by G and D alone).
+template <int D>
+__attribute__((noinline)) void fold(const float* q, int64_t G, const float* kT, const float* vb,
+                                    int t0, int t1, float* m, float* l, float* acc) {
+#ifdef __AVX512F__
+  const __mmask16 mask = lanes(t0, t1);
+  by_heads<D>(G, [&](auto nh, int64_t g) {
+    constexpr int NH = decltype(nh)::value;
+    __m512 s[NH];
+    scores_f32<D, NH>(q + g * D, kT, s);
+    softmax_pv<D, NH>(s, vb, t0, t1, mask, m + g, l + g, acc + g * D);
+  });
+#else
+  float s[CELL];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    for (int i = 0; i < CELL; ++i) s[i] = 0.f;
+    for (int d = 0; d < D; ++d)
+#pragma omp simd
+      for (int i = 0; i < CELL; ++i) s[i] += qg[d] * kT[d * CELL + i];
+    float bm = m[g];
+    for (int t = t0; t < t1; ++t) bm = std::max(bm, s[t]);
+    const float corr = std::exp(m[g] - bm);
+    float sum = l[g] * corr;
+    for (int t = t0; t < t1; ++t) {
+      s[t] = std::exp(s[t] - bm);
+      sum += s[t];
+    }
+    l[g] = sum;
+    m[g] = bm;
+    float* ag = acc + g * D;
+    for (int d = 0; d < D; ++d) ag[d] *= corr;
+    for (int t = t0; t < t1; ++t)
+#pragma omp simd
+      for (int d = 0; d < D; ++d) ag[d] += s[t] * vb[t * D + d];
+  }
+#endif
+}
+
+#ifdef __AVX512BF16__
+constexpr bool kBf16Scores = true;
+// fold for a bf16 query against a bf16 cache: `q` [G][D / 2] bf16 pairs, unscaled (scaled
+// after the dot product); kTp [D / 2][CELL] pairs of the cell's keys, straight from the
+// cache; otherwise as fold. Never inlined, for the same reason.
+template <int D>
+__attribute__((noinline)) void fold_bf16(const uint32_t* q, int64_t G, float scale,
+                                         const uint32_t* kTp, const float* vb, int t0, int t1,
+                                         float* m, float* l, float* acc) {
+  const __mmask16 mask = lanes(t0, t1);
+  by_heads<D>(G, [&](auto nh, int64_t g) {
+    constexpr int NH = decltype(nh)::value;
+    __m512 s[NH];
+    scores_bf16<D, NH>(q + g * (D / 2), scale, kTp, s);
+    softmax_pv<D, NH>(s, vb, t0, t1, mask, m + g, l + g, acc + g * D);
+  });
+}
+#else
+constexpr bool kBf16Scores = false;
+template <int D>  // never called (kBf16Scores is false): keeps callers' code uniform
+void fold_bf16(const uint32_t*, int64_t, float, const uint32_t*, const float*, int, int, float*,
+               float*, float*) {}
+#endif
+
+}  // namespace kvserve_cell
