@@ -10,9 +10,10 @@
 // context's K/V and its position only. Its keys are visited in fixed cells of CELL
 // positions (aligned to absolute positions and to block boundaries), cell by cell in
 // position order, each key in the lane of its position % CELL, each cell folded into an
-// online softmax by one non-inlined routine (`fold`), the same machine code for a decode token, a row of a prefill chunk, a row whose
-// context came from the prefix cache, and whatever else shares the call. Which thread
-// runs a row, which rows share its tile and how many rows the batch has change nothing.
+// online softmax by one non-inlined routine (`fold`): the same machine code for a decode
+// token, a row of a prefill chunk, a row whose context came from the prefix cache, and
+// whatever else shares the call. Which thread runs a row, which rows share its tile and
+// how many rows the batch has change nothing.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
@@ -154,8 +155,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
 #pragma omp parallel num_threads(threads)
   {
     const int64_t per_head = tile * G * D;
-    std::vector<float> qf(bf16_scores ? 0 : Hkv * per_head), acc(Hkv * per_head), m(Hkv * tile * G),
-        l(Hkv * tile * G);
+    std::vector<float> qf(bf16_scores ? 0 : Hkv * per_head), acc(Hkv * per_head),
+        m(Hkv * tile * G), l(Hkv * tile * G);
     std::vector<uint32_t> qb(bf16_scores ? Hkv * per_head / 2 : 0);  // bf16 pairs
     std::vector<Visible> vis(tile);
     const std::vector<uint32_t> zero_row(D, 0u);  // lanes a cell does not fill (bf16 path)
@@ -260,9 +261,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             if constexpr (bf16_scores) {  // K pairs straight from the cache, transposed
               for (int64_t i = 0; i < CELL; ++i) {
                 const int64_t p = cell_lo + i;
-                rows[i] = p >= a && p < b
-                              ? reinterpret_cast<const uint32_t*>(kp + (slot0 + p - a) * row + h * D)
-                              : zero_row.data();
+                rows[i] = zero_row.data();
+                if (p >= a && p < b)
+                  rows[i] = reinterpret_cast<const uint32_t*>(kp + (slot0 + p - a) * row + h * D);
               }
               kvserve_cell::transpose_cell<D / 2>(rows, kth);
             } else {
