@@ -273,18 +273,17 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             }
             for (int64_t r = 0; r < nr; ++r) {
               const Visible& v = vis[r];
-              const float* qr = qf.data() + h * per_head + r * G * D;
-              const uint32_t* qbr = qb.data() + (h * per_head + r * G * D) / 2;
-              float* ar = acc.data() + h * per_head + r * G * D;
+              const int64_t qoff = h * per_head + r * G * D;  // into qb (halved) or qf
+              float* ar = acc.data() + qoff;
               float* mr = m.data() + h * tile * G + r * G;
               float* lr = l.data() + h * tile * G + r * G;
               const int64_t sb = std::min(cell_hi, v.sink_end);
               auto fold = [&](int64_t t0, int64_t t1) {  // lanes [t0, t1) of the cell
                 if constexpr (bf16_scores)
-                  kvserve_cell::fold_bf16<D>(qbr, G, static_cast<float>(scale), kth, vb(h),
-                                             t0, t1, mr, lr, ar);
+                  kvserve_cell::fold_bf16<D>(qb.data() + qoff / 2, G, static_cast<float>(scale),
+                                             kth, vb(h), t0, t1, mr, lr, ar);
                 else
-                  kvserve_cell::fold<D>(qr, G, kt(h), vb(h), t0, t1, mr, lr, ar);
+                  kvserve_cell::fold<D>(qf.data() + qoff, G, kt(h), vb(h), t0, t1, mr, lr, ar);
               };
               if (cell_lo_b < sb)  // the sinks' part of the cell, then the window's
                 fold(cell_lo_b - cell_lo, sb - cell_lo);
