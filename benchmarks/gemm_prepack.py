@@ -1,6 +1,6 @@
-"""Decode-size GEMMs of 30 SmolLM2-135M layers: ``F.linear`` vs oneDNN-prepacked weights
-(what kvserve does since issue #16) and, when run with vLLM's Python, vLLM-CPU's own
-``onednn_mm``.
+"""Decode-size GEMMs of 30 SmolLM2-135M layers: ``F.linear``, oneDNN-prepacked weights,
+kvserve's own bf16 GEMM (``csrc/bf16_gemm.cpp``, when its kernels load and the CPU has
+AVX-512-BF16) and, when run with vLLM's Python, vLLM-CPU's own ``onednn_mm``.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python benchmarks/gemm_prepack.py
     LD_PRELOAD=... /work/venvs/vllm/bin/python benchmarks/gemm_prepack.py
@@ -31,6 +31,12 @@ def main() -> None:
         from vllm import _custom_ops as vllm_ops
     except ImportError:
         vllm_ops = None
+    try:
+        from kvserve.model.cpu_kernels import load_cpu_kernels
+
+        own = load_cpu_kernels() and torch.ops.kvserve.bf16_gemm_available()
+    except ImportError:
+        own = False
     for m in (1, 8, 32, 64, 256):
         totals: dict[str, float] = {}
         for n_out, k in SHAPES.values():
@@ -44,6 +50,11 @@ def main() -> None:
                     torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ps
                 ],
             }
+            if own:
+                mine = [torch.ops.kvserve.bf16_pack_weight(w) for w in ws]
+                runs["kvserve bf16_linear"] = lambda x=x, ps=mine, n=n_out: [
+                    torch.ops.kvserve.bf16_linear(x, p, None, n) for p in ps
+                ]
             if vllm_ops is not None:
                 handles = [vllm_ops.create_onednn_mm(w.t(), 32) for w in ws]
                 runs["vllm onednn_mm"] = lambda x=x, hs=handles: [

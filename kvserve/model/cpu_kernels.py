@@ -2,9 +2,9 @@
 
 ``load_cpu_kernels()`` returns True when ``torch.ops.kvserve`` has the paged attention
 (decode and prefill rows), the fused element-wise ops (RMSNorm, add+RMSNorm, SiLU-and-mul,
-RoPE), the quantized KV writes and the shared-memory collectives of local tensor-parallel ranks.
-A machine without a working compiler/ninja gets False (and a logged reason); callers then
-fall back to the portable PyTorch path.
+RoPE), the quantized KV writes, the bf16 GEMM of the linear layers and the shared-memory
+collectives of local tensor-parallel ranks. A machine without a working compiler/ninja gets
+False (and a logged reason); callers then fall back to the portable PyTorch path.
 
 The build is cached under torch's extension directory (``TORCH_EXTENSIONS_DIR``) with a
 name keyed by a hash of the sources (``csrc/*.cpp`` and ``*.h``), the torch version, the
@@ -29,13 +29,20 @@ import torch
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
-    CSRC / n for n in ("paged_attention.cpp", "fused_ops.cpp", "kv_quant.cpp", "shm_comm.cpp")
+    CSRC / n
+    for n in (
+        "paged_attention.cpp",
+        "fused_ops.cpp",
+        "kv_quant.cpp",
+        "shm_comm.cpp",
+        "bf16_gemm.cpp",
+    )
 ]
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
-    "shm_all_reduce", "shm_gather", "quantize_kv",
+    "shm_all_reduce", "shm_gather", "quantize_kv", "bf16_linear",
 )  # fmt: skip
 
 

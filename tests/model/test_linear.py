@@ -1,8 +1,10 @@
-"""oneDNN-prepacked linear layers: same values as F.linear, batch-invariant rows, and only
-where they apply (bf16/fp16 on a CPU with native kernels)."""
+"""Prepacked linear layers (oneDNN's, and kvserve's own bf16 GEMM): same values as
+F.linear, batch-invariant rows, and only where they apply (bf16/fp16 on a CPU with native
+kernels)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import greedy, make_engine, run_to_end
@@ -10,45 +12,97 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from kvserve.model.linear import PackedLinear, prepack_linears, prepack_supported
+from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.linear import (
+    KernelLinear,
+    PackedLinear,
+    kernel_gemm_preferred,
+    prepack_linears,
+    prepack_supported,
+)
 
 BF16 = torch.bfloat16
+CLASSES = [PackedLinear, KernelLinear]
 
 
 def test_this_machine_runs_the_packed_path():
-    """CI's machines have AVX-512 (bf16): the packed path is the one that is measured."""
+    """CI's machines have AVX-512 with bf16 instructions: both packed paths run here, and
+    the one the engine picks is the one that is measured."""
     assert prepack_supported(BF16, torch.device("cpu"))
     assert not prepack_supported(torch.float32, torch.device("cpu"))
+    assert load_cpu_kernels() and torch.ops.kvserve.bf16_gemm_available()
+    assert not kernel_gemm_preferred(torch.float16, torch.device("cpu"))
+    assert not kernel_gemm_preferred(torch.float32, torch.device("cpu"))
 
 
-def test_packed_linear_matches_f_linear_with_and_without_bias():
+@pytest.mark.parametrize("cls", CLASSES)
+def test_packed_linear_matches_f_linear_with_and_without_bias(cls):
     torch.manual_seed(0)
     for bias in (False, True):
-        lin = nn.Linear(96, 160, bias=bias).to(BF16)
-        packed = PackedLinear(lin)
-        x = torch.randn(7, 96, dtype=BF16)
-        want = F.linear(
-            x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
+        for n in (160, 37):  # 37: a partial last block of 16 columns
+            lin = nn.Linear(96, n, bias=bias).to(BF16)
+            packed = cls(lin)
+            x = torch.randn(7, 96, dtype=BF16)
+            want = F.linear(
+                x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
+            )
+            got = packed(x).float()
+            assert got.shape == (7, n)
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def test_kernel_linear_takes_any_leading_shape_strided_rows_and_no_rows():
+    torch.manual_seed(1)
+    lin = nn.Linear(64, 48, bias=True).to(BF16)
+    packed = KernelLinear(lin)
+    x = torch.randn(2, 5, 64, dtype=BF16)
+    assert torch.equal(packed(x), packed(x.reshape(10, 64)).view(2, 5, 48))
+    wide = torch.randn(6, 128, dtype=BF16)
+    strided = wide[:, ::2]  # column stride 2: copied to contiguous rows first
+    assert torch.equal(packed(strided), packed(strided.contiguous()))
+    padded_rows = wide[:, :64]  # row stride 128, unit column stride: read in place
+    assert torch.equal(packed(padded_rows), packed(padded_rows.contiguous()))
+    assert packed(torch.empty(0, 64, dtype=BF16)).shape == (0, 48)
+
+
+def test_kernel_gemm_refuses_what_it_cannot_compute():
+    with pytest.raises(ValueError, match="even in_features"):
+        KernelLinear(nn.Linear(63, 16).to(BF16))
+    wp = torch.ops.kvserve.bf16_pack_weight(torch.randn(16, 64, dtype=BF16))
+    with pytest.raises(RuntimeError, match="bf16 with contiguous rows"):
+        torch.ops.kvserve.bf16_linear(torch.randn(2, 64), wp, None, 16)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.kvserve.bf16_linear(torch.randn(2, 32, dtype=BF16), wp, None, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.kvserve.bf16_linear(
+            torch.randn(2, 64, dtype=BF16), wp, torch.zeros(16, dtype=BF16), 16
         )
-        got = packed(x).float()
-        assert got.shape == (7, 160)
-        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def test_odd_in_features_keep_onednn_when_the_kernel_is_preferred(monkeypatch):
+    import kvserve.model.linear as linear
+
+    monkeypatch.setattr(linear, "kernel_gemm_preferred", lambda dtype, device: True)
+    model = nn.Sequential(nn.Linear(64, 63), nn.Linear(63, 8)).to(BF16)
+    assert prepack_linears(model) == 2
+    assert isinstance(model[0], KernelLinear) and isinstance(model[1], PackedLinear)
 
 
 @settings(max_examples=12, deadline=None)
 @given(
     k=st.sampled_from([64, 576, 1536, 2048, 3072]),
-    n=st.sampled_from([64, 576, 960]),
+    n=st.sampled_from([64, 576, 960, 200]),
     bias=st.booleans(),
     m=st.integers(2, 300),
     seed=st.integers(0, 2**16),
+    cls=st.sampled_from(CLASSES),
 )
-def test_a_row_does_not_depend_on_the_batch_it_is_in(k, n, bias, m, seed):
+def test_a_row_does_not_depend_on_the_batch_it_is_in(k, n, bias, m, seed, cls):
     """Batch-invariant rows, bit for bit: each row of an M-row batch equals the row computed
     alone (M = 1, which oneDNN runs with another kernel from K = 1536) and within a batch
     of any other size (the engine's determinism rests on this)."""
     torch.manual_seed(seed)
-    packed = PackedLinear(nn.Linear(k, n, bias=bias).to(BF16))
+    packed = cls(nn.Linear(k, n, bias=bias).to(BF16))
     x = torch.randn(m, k, dtype=BF16)
     full = packed(x)
     for i in (0, m // 2, m - 1):
@@ -68,8 +122,10 @@ def test_bf16_engine_packs_every_projection_and_the_tied_head(model_dirs):
     model = engine.runner.model
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     layer = model.layers[0]
+    picked = KernelLinear if kernel_gemm_preferred(BF16, torch.device("cpu")) else PackedLinear
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-        assert isinstance(lin, PackedLinear)
+        assert isinstance(lin, picked)
+    assert model.lm_head is not None or isinstance(model.lm_head_packed, picked)
     assert (model.lm_head is None) == (model.lm_head_packed is not None)
     torch_engine = make_engine(model_dirs["llama"], dtype="bfloat16", attention_backend="torch")
     assert isinstance(torch_engine.runner.model.layers[0].mlp.down_proj, nn.Linear)

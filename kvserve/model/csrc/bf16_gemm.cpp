@@ -1,0 +1,191 @@
+// bf16 GEMM for CPUs with AVX-512-BF16: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bf16 out.
+//
+// The weight is packed once (bf16_pack_weight) into blocks of 16 output columns by pairs of
+// K: [ceil(N/16)][K/2][16][2], so one 64-byte load is the (k, k+1) pair of 16 columns, the
+// operand layout of vdpbf16ps. A micro-kernel keeps an 8-row x 48-column tile of float
+// accumulators in 24 registers and walks K once, two K values per instruction.
+//
+// Contract (what the engine's batch invariance rests on): every output element is one
+// float accumulator that starts at zero and takes the K pairs in order 0, 1, ..., K/2 - 1;
+// bias is added after the last pair, then the value is rounded to bf16 (nearest even).
+// Nothing of that depends on M, on which rows share a tile or on how the work is split
+// over threads, so row i of an M-row product is bit for bit the row computed alone.
+//
+// Why not oneDNN: at decode sizes (M <= 64) its call costs ~20 us of fixed overhead and
+// its kernels reach 0.23-0.34 TFLOP/s here against 0.39-0.42 for this one; at prefill sizes
+// the two are at parity (benchmarks/gemm_prepack.py). On machines with AMX, oneDNN's tile
+// kernels are faster, and bf16_gemm_preferred() says so (see linear.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define KVSERVE_BF16_GEMM 1
+#endif
+
+namespace {
+
+constexpr int64_t kRowTile = 8;    // rows per micro-kernel call
+constexpr int64_t kPanel = 3;      // 16-column blocks per micro-kernel call
+constexpr int64_t kRowChunk = 64;  // rows that share one pass over a weight panel
+
+#ifdef KVSERVE_BF16_GEMM
+struct Problem {
+  const uint16_t* a;  // x, row stride lda
+  int64_t lda;
+  const uint16_t* w;  // packed weight
+  int64_t k2;         // K / 2
+  uint16_t* c;        // out, row stride n
+  int64_t n;
+  const float* bias;  // nullptr or [n] float32
+};
+
+// Rows [0, MR) of the tile at `a`/`c`, blocks [nb0, nb0 + NR). `pf` (or nullptr) is the
+// next panel, prefetched into L2 while this one is computed (the weights come from DRAM).
+template <int MR, int NR>
+inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
+                  const uint16_t* pf) {
+  const int64_t bstride = p.k2 * 32;
+  const uint16_t* b0 = p.w + nb0 * bstride;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < p.k2; ++k) {
+    if (pf != nullptr)
+      for (int j = 0; j < kPanel; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + j * bstride + k * 32), _MM_HINT_T1);
+    __m512bh b[NR];
+    for (int j = 0; j < NR; ++j)
+      b[j] = (__m512bh)_mm512_loadu_si512(b0 + j * bstride + k * 32);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * p.lda + 2 * k, sizeof(pair));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t col = (nb0 + j) * 16;
+    const int64_t left = p.n - col;  // 1..16: only the last block is partial
+    const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m512 v = p.bias ? _mm512_add_ps(acc[i][j], bv) : acc[i][j];
+      _mm256_mask_storeu_epi16(c + i * p.n + col, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+template <int NR>
+inline void tile(int64_t rows, const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
+                 const uint16_t* pf) {
+  switch (rows) {
+#define KVSERVE_ROWS(r) \
+  case r:               \
+    micro<r, NR>(p, a, c, nb0, pf); \
+    break;
+    KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
+    KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
+#undef KVSERVE_ROWS
+  }
+}
+
+// One work item: rows [m0, m1) against the panel of blocks [nb0, nb0 + nr).
+void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t nb0) {
+  const int64_t nr = std::min<int64_t>(kPanel, nblocks - nb0);
+  const uint16_t* next = nb0 + kPanel < nblocks ? p.w + (nb0 + kPanel) * p.k2 * 32 : nullptr;
+  for (int64_t m = m0; m < m1; m += kRowTile) {
+    const int64_t rows = std::min<int64_t>(kRowTile, m1 - m);
+    const uint16_t* a = p.a + m * p.lda;
+    uint16_t* c = p.c + m * p.n;
+    const uint16_t* pf = m == m0 ? next : nullptr;
+    if (nr == 3) tile<3>(rows, p, a, c, nb0, pf);
+    else if (nr == 2) tile<2>(rows, p, a, c, nb0, pf);
+    else tile<1>(rows, p, a, c, nb0, pf);
+  }
+}
+#endif
+
+bool bf16_gemm_available() {
+#ifdef KVSERVE_BF16_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool bf16_gemm_preferred() {
+#if defined(KVSERVE_BF16_GEMM) && !defined(__AMX_BF16__)
+  return true;
+#else
+  return false;  // no AVX-512-BF16, or AMX, where oneDNN's tile kernels are faster
+#endif
+}
+
+// w [N, K] bf16 (K even) -> [ceil(N/16), K/2, 32] bf16, the layout described above;
+// columns past N are zero.
+at::Tensor bf16_pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16 [N, K] weight expected");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(k % 2 == 0, "bf16_pack_weight: K must be even, got ", k);
+  const int64_t nb = (n + 15) / 16;
+  auto padded = at::zeros({nb * 16, k}, w.options());
+  padded.narrow(0, 0, n).copy_(w);
+  return padded.view({nb, 16, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({nb, k / 2, 32});
+}
+
+// x [M, K] bf16 with unit column stride; wp from bf16_pack_weight; bias [n] float32 or
+// None. Returns a new [M, n] bf16 tensor.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
+                       const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(bf16_gemm_available(), "bf16_linear needs a build with AVX-512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "bf16_linear: x must be [M, K] bf16 with contiguous rows");
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 32 && wp.is_contiguous() &&
+                  x.size(1) == 2 * wp.size(1) && (n + 15) / 16 == wp.size(0),
+              "bf16_linear: packed weight does not match x or n");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == n, "bf16_linear: bias must be [n] float32");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0);
+  auto out = at::empty({m, n}, x.options());
+#ifdef KVSERVE_BF16_GEMM
+  if (m == 0) return out;
+  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                  reinterpret_cast<const uint16_t*>(wp.data_ptr()), wp.size(1),
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), n, bp};
+  const int64_t nblocks = wp.size(0);
+  const int64_t panels = (nblocks + kPanel - 1) / kPanel;
+  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  // Items run chunk-major, so a thread's consecutive items share rows of x in cache.
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / panels, panel = item % panels;
+      const int64_t m0 = chunk * kRowChunk;
+      run_item(p, nblocks, m0, std::min(m, m0 + kRowChunk), panel * kPanel);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("bf16_gemm_available() -> bool", &bf16_gemm_available);  // no tensors: catch-all
+  m.def("bf16_gemm_preferred() -> bool", &bf16_gemm_preferred);
+  m.def("bf16_pack_weight(Tensor w) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor wp, Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("bf16_pack_weight", bf16_pack_weight);
+  m.impl("bf16_linear", bf16_linear);
+}
