@@ -45,10 +45,12 @@ struct Problem {
 };
 
 // Rows [0, MR) of the tile at `a`/`c`, blocks [nb0, nb0 + NR). `pf` (or nullptr) is the
-// next panel, prefetched into L2 while this one is computed (the weights come from DRAM).
+// next panel: the blocks of it set in `pf_blocks` are prefetched into L2 while this tile is
+// computed (the weights come from DRAM; one line per block per K pair, so the row tiles of
+// a panel share the prefetching instead of issuing it in one burst the memory cannot take).
 template <int MR, int NR>
 inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
-                  const uint16_t* pf) {
+                  const uint16_t* pf, unsigned pf_blocks) {
   const int64_t bstride = p.k2 * 32;
   const uint16_t* b0 = p.w + nb0 * bstride;
   __m512 acc[MR][NR];
@@ -57,7 +59,8 @@ inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
   for (int64_t k = 0; k < p.k2; ++k) {
     if (pf != nullptr)
       for (int j = 0; j < kPanel; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + j * bstride + k * 32), _MM_HINT_T1);
+        if (pf_blocks & (1u << j))
+          _mm_prefetch(reinterpret_cast<const char*>(pf + j * bstride + k * 32), _MM_HINT_T1);
     __m512bh b[NR];
     for (int j = 0; j < NR; ++j)
       b[j] = (__m512bh)_mm512_loadu_si512(b0 + j * bstride + k * 32);
@@ -82,11 +85,11 @@ inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
 
 template <int NR>
 inline void tile(int64_t rows, const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
-                 const uint16_t* pf) {
+                 const uint16_t* pf, unsigned pf_blocks) {
   switch (rows) {
 #define KVSERVE_ROWS(r) \
   case r:               \
-    micro<r, NR>(p, a, c, nb0, pf); \
+    micro<r, NR>(p, a, c, nb0, pf, pf_blocks); \
     break;
     KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
     KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
@@ -98,14 +101,19 @@ inline void tile(int64_t rows, const Problem& p, const uint16_t* a, uint16_t* c,
 void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t nb0) {
   const int64_t nr = std::min<int64_t>(kPanel, nblocks - nb0);
   const uint16_t* next = nb0 + kPanel < nblocks ? p.w + (nb0 + kPanel) * p.k2 * 32 : nullptr;
-  for (int64_t m = m0; m < m1; m += kRowTile) {
+  const int64_t tiles = (m1 - m0 + kRowTile - 1) / kRowTile;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m = m0 + t * kRowTile;
     const int64_t rows = std::min<int64_t>(kRowTile, m1 - m);
     const uint16_t* a = p.a + m * p.lda;
     uint16_t* c = p.c + m * p.n;
-    const uint16_t* pf = m == m0 ? next : nullptr;
-    if (nr == 3) tile<3>(rows, p, a, c, nb0, pf);
-    else if (nr == 2) tile<2>(rows, p, a, c, nb0, pf);
-    else tile<1>(rows, p, a, c, nb0, pf);
+    unsigned pf_blocks = 0;  // block j of the next panel is prefetched by tile j % tiles
+    for (int j = 0; j < kPanel; ++j)
+      if (j % tiles == t) pf_blocks |= 1u << j;
+    const uint16_t* pf = pf_blocks ? next : nullptr;
+    if (nr == 3) tile<3>(rows, p, a, c, nb0, pf, pf_blocks);
+    else if (nr == 2) tile<2>(rows, p, a, c, nb0, pf, pf_blocks);
+    else tile<1>(rows, p, a, c, nb0, pf, pf_blocks);
   }
 }
 #endif
