@@ -45,29 +45,32 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return False
 
 
-class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` in oneDNN's blocked layout (an opaque tensor).
+class _Prepacked(nn.Module):
+    """What both packed layers hold: ``packed_weight`` and ``bias`` (or None) as buffers,
+    the sizes of the ``nn.Linear`` they replace, and no plain ``weight`` (code that needs
+    the checkpoint's tensor must read it before packing)."""
 
-    The plain weight is dropped: ``weight`` is not a parameter of this module, so code
-    that needs the checkpoint's tensor must read it before packing.
-    """
-
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
-        self.register_buffer(
-            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT), False
-        )
-        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("packed_weight", packed, False)
         self.register_buffer("bias", bias, False)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> PackedLinear:
+    def from_weight(cls, weight: torch.Tensor) -> _Prepacked:
         """A bias-free packed copy of ``weight`` ``[out, in]`` (the original is kept)."""
         lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
         return cls(lin)
+
+
+class PackedLinear(_Prepacked):
+    """``y = x @ W.T + b`` with ``W`` in oneDNN's blocked layout (an opaque tensor)."""
+
+    def __init__(self, linear: nn.Linear):
+        w = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        super().__init__(linear, torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, in]`` → ``[M, out]``; row i's value does not depend on M.
@@ -97,29 +100,19 @@ def kernel_gemm_preferred(dtype: torch.dtype, device: torch.device) -> bool:
     return load_cpu_kernels() and bool(torch.ops.kvserve.bf16_gemm_preferred())
 
 
-class KernelLinear(nn.Module):
+class KernelLinear(_Prepacked):
     """``y = x @ W.T + b`` for bf16 with kvserve's CPU GEMM (``csrc/bf16_gemm.cpp``).
 
-    The weight is held only in the kernel's packed layout (``packed_weight``, its N padded
-    to a multiple of 16); the bias, if any, as float32. ``in_features`` must be even.
+    The weight is held in the kernel's packed layout (its N padded to a multiple of 16);
+    the bias, if any, as float32. ``in_features`` must be even (ValueError otherwise).
     """
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        if self.in_features % 2:
-            raise ValueError(f"KernelLinear needs an even in_features, got {self.in_features}")
+        if linear.in_features % 2:
+            raise ValueError(f"KernelLinear needs an even in_features, got {linear.in_features}")
         w = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.kvserve.bf16_pack_weight(w), False)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self.register_buffer("bias", bias, False)
-
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> KernelLinear:
-        """A bias-free packed copy of ``weight`` ``[out, in]`` (the original is kept)."""
-        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return cls(lin)
+        super().__init__(linear, torch.ops.kvserve.bf16_pack_weight(w), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` → ``[..., out]``; a row's value never depends on the others."""
