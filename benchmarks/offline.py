@@ -76,7 +76,9 @@ def worker_kvserve(a: argparse.Namespace) -> dict:
         kv_cache_dtype=a.kv_cache_dtype,
     )
     ps = prompts(a.num_prompts, a.input_len, SMOL["vocab_size"], a.seed)
-    llm.generate(ps[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    llm.generate(
+        ps[:2], SamplingParams(temperature=0, max_tokens=min(4, a.output_len), ignore_eos=True)
+    )
     params = SamplingParams(
         temperature=0, max_tokens=a.output_len, ignore_eos=True, detokenize=False
     )
