@@ -133,7 +133,7 @@ def _packed(linear: nn.Linear, own_gemm: bool) -> nn.Module:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear``, in place.
+    """Replace every ``nn.Linear`` in ``model`` by a packed layer, in place.
 
     Each becomes a ``KernelLinear`` where ``kernel_gemm_preferred`` (and its in_features
     is even), else a ``PackedLinear``. Returns how many were replaced: 0 (nothing changed)
