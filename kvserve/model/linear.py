@@ -126,10 +126,9 @@ class KernelLinear(_Prepacked):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel"
 
 
-def _packed(linear: nn.Linear, own_gemm: bool) -> nn.Module:
-    if own_gemm and linear.in_features % 2 == 0:
-        return KernelLinear(linear)
-    return PackedLinear(linear)
+def _layer_class(in_features: int, own_gemm: bool) -> type[_Prepacked]:
+    """KernelLinear where it is preferred and can take ``in_features``, else PackedLinear."""
+    return KernelLinear if own_gemm and in_features % 2 == 0 else PackedLinear
 
 
 def prepack_linears(model: nn.Module) -> int:
@@ -150,12 +149,11 @@ def prepack_linears(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, _packed(child, own))
+                setattr(parent, name, _layer_class(child.in_features, own)(child))
                 count += 1
     if hasattr(model, "lm_head_packed") and getattr(model, "lm_head", None) is None:
         emb = model.embed_tokens.weight
-        own_head = own and emb.shape[1] % 2 == 0
-        model.lm_head_packed = (KernelLinear if own_head else PackedLinear).from_weight(emb)
+        model.lm_head_packed = _layer_class(emb.shape[1], own).from_weight(emb)
     logger.info(
         "prepacked %d linear weights (%s) for %s",
         count, first.weight.dtype, "kvserve's bf16 GEMM" if own else "oneDNN",

@@ -22,10 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define KVSERVE_BF16_GEMM 1
-#endif
+#include "float_convert.h"
 
 namespace {
 
@@ -33,7 +30,7 @@ constexpr int64_t kRowTile = 8;    // rows per micro-kernel call
 constexpr int64_t kPanel = 3;      // 16-column blocks per micro-kernel call
 constexpr int64_t kRowChunk = 64;  // rows that share one pass over a weight panel
 
-#ifdef KVSERVE_BF16_GEMM
+#ifdef KVSERVE_AVX512_BF16
 struct Problem {
   const uint16_t* a;  // x, row stride lda
   int64_t lda;
@@ -74,7 +71,7 @@ inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
   for (int j = 0; j < NR; ++j) {
     const int64_t col = (nb0 + j) * 16;
     const int64_t left = p.n - col;  // 1..16: only the last block is partial
-    const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 m = kvserve_cpu::first_lanes(left);
     const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + col) : _mm512_setzero_ps();
     for (int i = 0; i < MR; ++i) {
       const __m512 v = p.bias ? _mm512_add_ps(acc[i][j], bv) : acc[i][j];
@@ -119,7 +116,7 @@ void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t
 #endif
 
 bool bf16_gemm_available() {
-#ifdef KVSERVE_BF16_GEMM
+#ifdef KVSERVE_AVX512_BF16
   return true;
 #else
   return false;
@@ -127,7 +124,7 @@ bool bf16_gemm_available() {
 }
 
 bool bf16_gemm_preferred() {
-#if defined(KVSERVE_BF16_GEMM) && !defined(__AMX_BF16__)
+#if defined(KVSERVE_AVX512_BF16) && !defined(__AMX_BF16__)
   return true;
 #else
   return false;  // no AVX-512-BF16, or AMX, where oneDNN's tile kernels are faster
@@ -164,7 +161,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
   }
   const int64_t m = x.size(0);
   auto out = at::empty({m, n}, x.options());
-#ifdef KVSERVE_BF16_GEMM
+#ifdef KVSERVE_AVX512_BF16
   if (m == 0) return out;
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                   reinterpret_cast<const uint16_t*>(wp.data_ptr()), wp.size(1),

@@ -1,6 +1,6 @@
 // Float conversions shared by the CPU kernels, written to vectorize: bf16 <-> float by bit
 // shifts (round to nearest even, the same result as c10::BFloat16; NaN stays NaN); Half
-// goes through c10 (rare on CPU).
+// goes through c10 (rare on CPU). With AVX-512-BF16 (KVSERVE_AVX512_BF16), 16-lane helpers.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,6 +8,13 @@
 
 #include <cstdint>
 #include <cstring>
+
+// AVX-512 with the bf16 instructions and the 256-bit masked forms the kernels use.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+#include <immintrin.h>
+#define KVSERVE_AVX512_BF16 1
+#endif
 
 namespace kvserve_cpu {
 
@@ -33,5 +40,17 @@ inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
   const uint16_t bits = nan ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(u >> 16);
   return c10::BFloat16(bits, c10::BFloat16::from_bits());
 }
+
+#ifdef KVSERVE_AVX512_BF16
+// The first min(n, 16) lanes (n >= 1): the mask of a row's last, partial vector.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// 16 bf16 values (as loaded, or as _mm512_cvtneps_pbh rounded them) -> float.
+inline __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
 
 }  // namespace kvserve_cpu

@@ -92,26 +92,20 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   return out;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
+#ifdef KVSERVE_AVX512_BF16
 // One row, 16 lanes at a time: the same roundings as the scalar loop below (silu rounded to
 // bf16, then the product), with the kernels' polynomial exp instead of libm's (~1 ulp).
 inline void silu_mul_row_bf16(const c10::BFloat16* g, const c10::BFloat16* u,
                               c10::BFloat16* o, int64_t inter) {
+  using kvserve_cpu::widen_bf16;
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < inter; i += 16) {
-    const int64_t left = inter - i;
-    const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 gf = load_bf16(g + i, m);
+    const __mmask16 m = kvserve_cpu::first_lanes(inter - i);
+    const __m512 gf = widen_bf16(_mm256_maskz_loadu_epi16(m, g + i));
     const __m512 e = kvserve_cell::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gf));
     const __m512 silu = _mm512_div_ps(gf, _mm512_add_ps(one, e));
-    const __m512 silu_r = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
-    const __m512 prod = _mm512_mul_ps(silu_r, load_bf16(u + i, m));
+    const __m512 silu_r = widen_bf16((__m256i)_mm512_cvtneps_pbh(silu));  // rounded to bf16
+    const __m512 prod = _mm512_mul_ps(silu_r, widen_bf16(_mm256_maskz_loadu_epi16(m, u + i)));
     _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(prod));
   }
 }
@@ -119,7 +113,7 @@ inline void silu_mul_row_bf16(const c10::BFloat16* g, const c10::BFloat16* u,
 
 template <typename T>
 void silu_mul_rows(const T* in, T* op, int64_t rows, int64_t inter) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef KVSERVE_AVX512_BF16
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r)
