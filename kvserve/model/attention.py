@@ -165,6 +165,11 @@ class TorchPagedAttention:
         return o.squeeze(2)
 
 
+def _heads_dense(*xs: torch.Tensor) -> bool:
+    """True when every ``[T, H, D]`` tensor has contiguous heads (its rows may be strided)."""
+    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in xs)
+
+
 CPU_KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # instantiated in paged_attention.cpp
 
 
@@ -190,9 +195,12 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @staticmethod
     def write(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
-        """As ``TorchPagedAttention.write``; an int8/fp8 cache quantizes in the C++ kernel."""
+        """As ``TorchPagedAttention.write``, in one C++ call: an int8/fp8 cache quantizes
+        in the kernel, a plain one of the step's dtype is copied into (``write_kv``)."""
         if isinstance(kv_cache, QuantizedKVCache):
             kv_cache.write_cpu(meta.slot_mapping, k, v)
+        elif k.dtype == kv_cache.dtype and kv_cache.is_contiguous() and _heads_dense(k, v):
+            torch.ops.kvserve.write_kv(k, v, meta.slot_mapping, kv_cache)
         else:
             TorchPagedAttention.write(k, v, kv_cache, meta)
 

@@ -42,7 +42,7 @@ _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
-    "shm_all_reduce", "shm_gather", "quantize_kv", "bf16_linear",
+    "shm_all_reduce", "shm_gather", "quantize_kv", "write_kv", "bf16_linear",
 )  # fmt: skip
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from helpers import filled_quantized_cache
 from hypothesis import given, settings
@@ -163,3 +164,41 @@ def test_bad_metadata_is_refused():
         _attend(q, k, k, tables, torch.tensor([40]), torch.tensor([0, 3]), 0, 0, 1.0)
     with pytest.raises(RuntimeError, match="span"):
         _attend(q, k, k, tables, torch.tensor([20]), torch.tensor([0, 2]), 0, 0, 1.0)
+
+
+def test_strided_query_rows_give_the_contiguous_result():
+    """q as a view of a fused QKV output (strided rows) is read in place, bit for bit."""
+    assert load_cpu_kernels()
+    g = torch.Generator().manual_seed(3)
+    bs, nb, hq, hkv, d = 16, 8, 6, 2, 64
+    k = torch.randn(nb, bs, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(nb, bs, hkv, d, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(nb, generator=g).view(2, 4).contiguous()
+    lens, starts = torch.tensor([50, 9]), torch.tensor([0, 5, 6])
+    qkv = torch.randn(6, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    q = qkv[:, : hq * d].view(6, hq, d)
+    assert not q.is_contiguous()
+    out = _attend(q, k, v, tables, lens, starts, 0, 0, d**-0.5)
+    assert out.is_contiguous()
+    assert torch.equal(out, _attend(q.contiguous(), k, v, tables, lens, starts, 0, 0, d**-0.5))
+
+
+def test_write_kv_stores_like_index_copy_and_refuses_bad_input():
+    assert load_cpu_kernels()
+    g = torch.Generator().manual_seed(4)
+    t, h, d, slots_n = 7, 3, 64, 40
+    kv = torch.randn(t, 2 * h * d + 32, generator=g).to(torch.bfloat16)
+    k, v = kv[:, : h * d].view(t, h, d), kv[:, h * d : 2 * h * d].view(t, h, d)
+    slots = torch.randperm(slots_n, generator=g)[:t]
+    cache = torch.zeros(2, slots_n, h, d, dtype=torch.bfloat16)
+    expect = cache.clone()
+    expect[0].index_copy_(0, slots, k)
+    expect[1].index_copy_(0, slots, v)
+    torch.ops.kvserve.write_kv(k, v, slots, cache)
+    assert torch.equal(cache, expect)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.kvserve.write_kv(k, v, torch.full((t,), slots_n), cache)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.kvserve.write_kv(k.float(), v.float(), slots, cache)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.kvserve.write_kv(k, v, slots, cache.transpose(2, 3))

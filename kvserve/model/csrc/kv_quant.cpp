@@ -1,7 +1,7 @@
 // Quantized KV writes for the CPU: one call per layer and K|V quantizes a step's new
 // vectors with one float16 scale per (token, KV head) and stores codes and scales at their
 // slots (replacing ~10 ATen ops and their temporaries). Registered as
-// torch.ops.kvserve.quantize_kv.
+// torch.ops.kvserve.quantize_kv; torch.ops.kvserve.write_kv stores a plain cache's K and V.
 //
 // int8: scale = max|x| / 127, code = round(x / scale) (round half to even).
 // fp8 (e4m3fn, e5m2): the scale is the one of `candidates` scales
@@ -171,9 +171,44 @@ void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data, 
   }
 }
 
+// k, v [T, H, D] (rows may be strided, heads contiguous), slots [T] int64, cache
+// [2, num_slots, H, D] of k's dtype, contiguous: cache[0][slots[t]] = k[t] and
+// cache[1][slots[t]] = v[t], as two index_copy_ calls would, in one call.
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+              at::Tensor cache) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "write_kv: k and v must be [T, H, D]");
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) &&
+                    x->scalar_type() == cache.scalar_type(),
+                "write_kv: k and v need contiguous heads and the cache's dtype");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous() &&
+                  cache.size(2) == k.size(1) && cache.size(3) == k.size(2),
+              "write_kv: cache must be contiguous [2, slots, H, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == k.size(0), "write_kv: slots must be int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t n = cache.size(1), T_ = k.size(0);
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < n, "write_kv: slot out of range");
+  const int64_t es = static_cast<int64_t>(cache.element_size()), row = k.size(1) * k.size(2) * es;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(cache.data_ptr());
+  char* vc = kc + n * row;
+  const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es;
+  at::parallel_for(0, T_, 256, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      std::memcpy(kc + sp[t] * row, kp + t * ks, row);
+      std::memcpy(vc + sp[t] * row, vp + t * vs, row);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("write_kv(Tensor k, Tensor v, Tensor slots, Tensor(a!) cache) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
   m.def("quantize_kv(Tensor x, Tensor slots, Tensor(a!) data, Tensor(b!) scale, int kind, "
         "int candidates) -> ()");
   m.impl("quantize_kv", c10::DispatchKey::CPU, TORCH_FN(quantize_kv));

@@ -16,7 +16,7 @@
 // how many rows the batch has change nothing.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -111,6 +111,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, MB = tables.size(1);
   const qt* qp = q.data_ptr<qt>();
+  const int64_t q_row = q.stride(0);  // rows may be strided (a view of the QKV output)
   const ct* kp = k_cache.data_ptr<ct>();
   const ct* vp = v_cache.data_ptr<ct>();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -182,7 +183,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t tok = qs[s] + item.r0 + r;
         for (int64_t h = h0; h < h1; ++h)
           for (int64_t g = 0; g < G; ++g) {
-            const qt* src = qp + (tok * Hq + h * G + g) * D;
+            const qt* src = qp + tok * q_row + (h * G + g) * D;
             if constexpr (bf16_scores)
               std::memcpy(qb.data() + (h * per_head + (r * G + g) * D) / 2, src, D * sizeof(qt));
             else
@@ -341,7 +342,7 @@ void dispatch_cache(KV_PARAMS) {
   }
 }
 
-// q [T, Hq, D]: the query rows of S sequences, sequence s owning rows
+// q [T, Hq, D] (rows may be strided): the query rows of S sequences, sequence s owning rows
 // query_start[s] .. query_start[s+1]-1, which are the last of its lens[s] positions (a
 // decode token is a sequence with one row). Caches [num_blocks, block_size, Hkv, D];
 // tables [S, max_blocks] int64; lens [S] int64 (context length after this step, the rows'
@@ -364,7 +365,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == lens.size(0) &&
                   query_start.numel() == lens.size(0) + 1,
               "paged_attention: tables [S, max_blocks], lens [S], query_start [S + 1]");
-  auto qc = q.contiguous();
+  // rows may be strided (q is a view of the fused QKV output); heads must be contiguous
+  auto qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   auto kc = k_cache.contiguous();
   auto vc = v_cache.contiguous();
   auto tc = tables.contiguous();
@@ -383,7 +385,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                   " needs more blocks than its table has");
     }
   }
-  auto out = at::empty_like(qc);
+  auto out = at::empty(qc.sizes(), qc.options());
   Scales scales;
   at::Tensor ksc, vsc;  // keep contiguous copies alive for the call
   if (kc.scalar_type() == at::kChar) {
