@@ -116,6 +116,9 @@ class KernelLinear(_Prepacked):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` → ``[..., out]``; a row's value never depends on the others."""
+        if x.dim() == 2 and x.stride(1) == 1:  # the engine's case: no reshapes (~6 µs a call)
+            n = self.out_features
+            return torch.ops.kvserve.bf16_linear(x, self.packed_weight, self.bias, n)
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
