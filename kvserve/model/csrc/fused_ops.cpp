@@ -2,7 +2,8 @@
 // (and their dispatch overhead and temporaries). Rounding follows the unfused PyTorch code
 // exactly: every intermediate that PyTorch would store in the input dtype is rounded to it.
 // Registered as torch.ops.kvserve.{rms_norm, add_rms_norm, silu_and_mul, rope}. bf16
-// silu_and_mul runs 16 lanes at a time on AVX-512-BF16, with the attention kernels' exp.
+// norms and silu_and_mul run 16 lanes at a time on AVX-512-BF16 (silu with the attention
+// kernels' exp).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,13 +39,60 @@ inline float rnd(float v) {  // round to T and back, as storing in a T tensor wo
     default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);           \
   }
 
-// out = w * T(x * rsqrt(mean(x^2) + eps)), statistics in float32 (HF LlamaRMSNorm).
+// out = w * T(x * rsqrt(mean(x^2) + eps)), statistics in float32 (HF LlamaRMSNorm). With
+// `add`, first x += add (rounded to T, stored in x): the residual update and the norm of a
+// row in one pass and one parallel region (x is written only then).
+#ifdef KVSERVE_AVX512_BF16
+// One bf16 row of rms_rows, 16 lanes at a time: the same roundings (the residual, then
+// x * inv, then the product with w, each to bf16); the sum of squares in 16 lanes.
+inline void rms_row_bf16(c10::BFloat16* x, const c10::BFloat16* add, const c10::BFloat16* w,
+                         c10::BFloat16* out, int64_t n, float eps) {
+  using kvserve_cpu::first_lanes;
+  using kvserve_cpu::widen_bf16;
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    __m512 xv = widen_bf16(_mm256_maskz_loadu_epi16(m, x + i));
+    if (add) {
+      const __m256i r = (__m256i)_mm512_cvtneps_pbh(
+          _mm512_add_ps(xv, widen_bf16(_mm256_maskz_loadu_epi16(m, add + i))));
+      _mm256_mask_storeu_epi16(x + i, m, r);
+      xv = widen_bf16(r);
+    }
+    ss = _mm512_fmadd_ps(xv, xv, ss);
+  }
+  const __m512 inv =
+      _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    const __m512 xv = widen_bf16(_mm256_maskz_loadu_epi16(m, x + i));
+    const __m512 normed = widen_bf16((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(xv, inv)));
+    const __m512 wv = widen_bf16(_mm256_maskz_loadu_epi16(m, w + i));
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(wv, normed)));
+  }
+}
+#endif
+
 template <typename T>
-void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+void rms_rows(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+#ifdef KVSERVE_AVX512_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        rms_row_bf16(x + r * n, add ? add + r * n : nullptr, w, out + r * n, n, eps);
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      const T* xr = x + r * n;
+      T* xr = x + r * n;
       T* orow = out + r * n;
+      if (add) {
+        const T* ar = add + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(ar[i]));
+      }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < n; ++i) {
@@ -64,17 +112,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   auto out = at::empty_like(x);
   const int64_t n = x.size(-1), rows = x.numel() / n;
   KV_DISPATCH(x.scalar_type(), "rms_norm",
-              rms_rows<T>(x.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), rows, n,
-                          static_cast<float>(eps)));
+              rms_rows<T>(const_cast<T*>(x.data_ptr<T>()), nullptr, w.data_ptr<T>(),
+                          out.data_ptr<T>(), rows, n, static_cast<float>(eps)));
   return out;
-}
-
-template <typename T>
-void add_into(T* rp, const T* xp, int64_t total) {
-  at::parallel_for(0, total, 4096, [&](int64_t b, int64_t e) {
-#pragma omp simd
-    for (int64_t i = b; i < e; ++i) rp[i] = from_f<T>(to_f(rp[i]) + to_f(xp[i]));
-  });
 }
 
 // residual += x (rounded to T), returns rms_norm(residual).
@@ -84,11 +124,9 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: shape mismatch");
   auto out = at::empty_like(x);
   const int64_t n = x.size(-1), rows = x.numel() / n;
-  KV_DISPATCH(x.scalar_type(), "add_rms_norm", {
-    add_into<T>(residual.data_ptr<T>(), x.data_ptr<T>(), rows * n);
-    rms_rows<T>(residual.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), rows, n,
-                static_cast<float>(eps));
-  });
+  KV_DISPATCH(x.scalar_type(), "add_rms_norm",
+              rms_rows<T>(residual.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<T>(),
+                          out.data_ptr<T>(), rows, n, static_cast<float>(eps)));
   return out;
 }
 
