@@ -121,6 +121,32 @@ def test_rows_are_invariant_and_correct(dtype, bs, heads, d, window, seqs, seed)
             assert torch.equal(torch.cat([first, second]), rows)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 2), (5, 5)])
+def test_bf16_rows_alone_equal_the_rows_of_a_shared_tile(d, heads):
+    """The bf16 path (bf16 dot products on the cache's own K): a row alone in its tile (a
+    decode token) gives the bits it gets among the rows of a prefill tile, for every head
+    grouping (1-4 heads a pass), head size and partial cell."""
+    assert load_cpu_kernels()
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(d * 31 + hq)
+    bs, ctx, n = 16, 77, 40  # 77: a partial last cell; the 40 rows share tiles
+    nb = -(-ctx // bs) + 2
+    k = (torch.randn(nb, bs, hkv, d, generator=g) * 2).to(torch.bfloat16)
+    v = torch.randn(nb, bs, hkv, d, generator=g).to(torch.bfloat16)
+    table = torch.randperm(nb, generator=g)[: -(-ctx // bs)].view(1, -1).contiguous()
+    q = (torch.randn(n, hq, d, generator=g) * 2).to(torch.bfloat16)
+    rows = _attend(q, k, v, table, torch.tensor([ctx]), torch.tensor([0, n]), 0, 0, d**-0.5)
+    for j in range(n):
+        alone = _attend(
+            q[j : j + 1], k, v, table, torch.tensor([ctx - n + j + 1]), torch.tensor([0, 1]),
+            0, 0, d**-0.5,
+        )  # fmt: skip
+        assert torch.equal(alone[0], rows[j]), j
+    ref = _reference(q, k, v, table[0].tolist(), ctx, n, bs, 0, 0, d**-0.5)
+    assert (rows.float() - ref).abs().max().item() < 3e-2
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3@head", "fp8_e5m2@head"]),

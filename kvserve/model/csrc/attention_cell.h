@@ -155,7 +155,7 @@ inline void softmax_pv(const __m512* s, const float* vb, int t0, int t1, __mmask
   for (int h = 0; h < NH; ++h) {
     const __m512 sm = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_BIG), mask, s[h]);
     const float bm = std::max(m[h], _mm512_reduce_max_ps(sm));
-    corr[h] = std::exp(m[h] - bm);
+    corr[h] = bm == m[h] ? 1.f : std::exp(m[h] - bm);  // exp(0) is 1: the libm call skipped
     const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sm, _mm512_set1_ps(bm))));
     l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(e);
     m[h] = bm;
@@ -163,9 +163,12 @@ inline void softmax_pv(const __m512* s, const float* vb, int t0, int t1, __mmask
   }
   constexpr int C = D / 16;
   __m512 a[NH][C];
-  for (int h = 0; h < NH; ++h) {
+  for (int h = 0; h < NH; ++h) {  // rescaled unless the max held (x * 1 is x: skipped)
     const __m512 cv = _mm512_set1_ps(corr[h]);
-    for (int c = 0; c < C; ++c) a[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * c), cv);
+    for (int c = 0; c < C; ++c) {
+      const __m512 x = _mm512_loadu_ps(acc + h * D + 16 * c);
+      a[h][c] = corr[h] == 1.f ? x : _mm512_mul_ps(x, cv);
+    }
   }
   for (int t = t0; t < t1; ++t)  // NH * C independent chains over t
     for (int c = 0; c < C; ++c) {

@@ -122,6 +122,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t tile = std::max<int64_t>(1, TILE_FLOATS / (G * D));
   // bf16 query and cache: scores by bf16 dot products on the cache's own K pairs (no
   // conversion of K, the query unscaled); every other combination converts to float.
+  // A plain (unquantized) cache has no scales: its rows are converted without the multiply
+  // by 1 (the same values, fewer instructions in the loop every key goes through).
+  constexpr bool scaled = !std::is_same_v<ct, float> && !std::is_same_v<ct, c10::BFloat16> &&
+                          !std::is_same_v<ct, c10::Half>;
   constexpr bool bf16_scores = kvserve_cell::kBf16Scores && D % 32 == 0 &&
                                std::is_same_v<qt, c10::BFloat16> &&
                                std::is_same_v<ct, c10::BFloat16>;
@@ -241,14 +245,23 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
               __builtin_prefetch(pf_v + 64 * i, 0, 1);
             }
             for (int64_t h = h0; h < h1; ++h) {
-              const float ks = scales.k ? static_cast<float>(scales.k[slot * Hkv + h])
-                                        : (scales.k_head ? scales.k_head[h] : 1.f);
-              const float vs = scales.v ? static_cast<float>(scales.v[slot * Hkv + h])
-                                        : (scales.v_head ? scales.v_head[h] : 1.f);
               const ct* ksrc = kp + slot * row + h * D;
               const ct* vsrc = vp + slot * row + h * D;
               float* kd = kr(h) + lane * D;
               float* vd = vb(h) + lane * D;
+              if constexpr (!scaled) {
+                if constexpr (!bf16_scores) {
+#pragma omp simd
+                  for (int64_t d = 0; d < D; ++d) kd[d] = load(ksrc, d);
+                }
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) vd[d] = load(vsrc, d);
+                continue;
+              }
+              const float ks = scales.k ? static_cast<float>(scales.k[slot * Hkv + h])
+                                        : (scales.k_head ? scales.k_head[h] : 1.f);
+              const float vs = scales.v ? static_cast<float>(scales.v[slot * Hkv + h])
+                                        : (scales.v_head ? scales.v_head[h] : 1.f);
               if constexpr (!bf16_scores) {
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) kd[d] = load(ksrc, d) * ks;
