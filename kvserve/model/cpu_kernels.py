@@ -43,6 +43,7 @@ _LDFLAGS = ("-fopenmp",)
 _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
     "shm_all_reduce", "shm_gather", "quantize_kv", "write_kv", "bf16_linear",
+    "bf16_linear_silu_mul",
 )  # fmt: skip
 
 

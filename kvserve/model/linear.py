@@ -129,6 +129,55 @@ class KernelLinear(_Prepacked):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel"
 
 
+class KernelGateUpSilu(_Prepacked):
+    """An MLP's fused gate/up projection and SiLU-and-mul in one kernel call:
+    ``silu(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up)``, ``[..., in]`` → ``[..., inter]``.
+
+    It replaces an ``nn.Linear`` of ``2 * inter`` outputs laid out ``[gate; up]`` (what
+    ``TorchOps.silu_and_mul`` splits), packed with gate and up blocks of 16 columns
+    interleaved. The result equals ``silu_and_mul(KernelLinear(linear)(x))`` bit for bit; it
+    never writes the ``[M, 2 * inter]`` intermediate. ``out_features`` is ``inter``.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        if not self.accepts(linear):
+            raise ValueError(
+                "KernelGateUpSilu needs an even in_features and 2 * inter outputs with inter "
+                f"a multiple of 16, got {linear.in_features} -> {linear.out_features}"
+            )
+        inter = linear.out_features // 2
+        w = linear.weight.detach()
+        w = w.view(2, inter // 16, 16, -1).transpose(0, 1).reshape(2 * inter, -1)
+        bias = None
+        if linear.bias is not None:
+            b = linear.bias.detach().float()
+            bias = b.view(2, inter // 16, 16).transpose(0, 1).reshape(-1).contiguous()
+        super().__init__(linear, torch.ops.kvserve.bf16_pack_weight(w), bias)
+        self.out_features = inter
+
+    @staticmethod
+    def accepts(linear: nn.Linear) -> bool:
+        """True when ``linear``'s shape suits the kernel (even ``in``, ``2 * inter`` outputs
+        with ``inter`` a multiple of 16)."""
+        return linear.in_features % 2 == 0 and linear.out_features % 32 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` → ``[..., inter]``; a row's value never depends on the others."""
+        if x.dim() == 2 and x.stride(1) == 1:
+            n = self.out_features
+            return torch.ops.kvserve.bf16_linear_silu_mul(x, self.packed_weight, self.bias, n)
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = torch.ops.kvserve.bf16_linear_silu_mul(
+            rows, self.packed_weight, self.bias, self.out_features
+        )
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, inter={self.out_features}, kernel + SiLU"
+
+
 def _layer_class(in_features: int, own_gemm: bool) -> type[_Prepacked]:
     """KernelLinear where it is preferred and can take ``in_features``, else PackedLinear."""
     return KernelLinear if own_gemm and in_features % 2 == 0 else PackedLinear
@@ -138,11 +187,13 @@ def prepack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` in ``model`` by a packed layer, in place.
 
     Each becomes a ``KernelLinear`` where ``kernel_gemm_preferred`` (and its in_features
-    is even), else a ``PackedLinear``. Returns how many were replaced: 0 (nothing changed)
-    when the weights' dtype or device has no native kernels here. A model whose LM head is
-    tied to its embeddings gets a packed copy of the embedding matrix as ``lm_head_packed``
-    when it has that attribute (``LlamaForCausalLM``), costing one more copy of that matrix
-    in memory.
+    is even), else a ``PackedLinear``. With kvserve's GEMM, a module that names one of its
+    linears in ``silu_fusable`` (the MLP's gate/up projection) gets a ``KernelGateUpSilu``
+    there when its shape suits, and its ``gate_up_applies_silu`` is set to True. Returns
+    how many were replaced: 0 (nothing changed) when the weights' dtype or device has no
+    native kernels here. A model whose LM head is tied to its embeddings gets a packed
+    copy of the embedding matrix as ``lm_head_packed`` when it has that attribute
+    (``LlamaForCausalLM``), costing one more copy of that matrix in memory.
     """
     first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
     if first is None or not prepack_supported(first.weight.dtype, first.weight.device):
@@ -151,9 +202,15 @@ def prepack_linears(model: nn.Module) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear):
+                continue
+            fusable = own and getattr(parent, "silu_fusable", None) == name
+            if fusable and KernelGateUpSilu.accepts(child):
+                setattr(parent, name, KernelGateUpSilu(child))
+                parent.gate_up_applies_silu = True
+            else:
                 setattr(parent, name, _layer_class(child.in_features, own)(child))
-                count += 1
+            count += 1
     if hasattr(model, "lm_head_packed") and getattr(model, "lm_head", None) is None:
         emb = model.embed_tokens.weight
         model.lm_head_packed = _layer_class(emb.shape[1], own).from_weight(emb)

@@ -85,8 +85,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # prepack_linears may swap gate_up_proj for a layer that applies SiLU-and-mul itself
+    # (KernelGateUpSilu), and then sets gate_up_applies_silu.
+    silu_fusable = "gate_up_proj"
+
     def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
         super().__init__()
+        self.gate_up_applies_silu = False
         self.inter = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
@@ -94,7 +99,10 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if not self.gate_up_applies_silu:
+            h = self.ops.silu_and_mul(h)
+        out = self.down_proj(h)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

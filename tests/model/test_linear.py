@@ -14,6 +14,7 @@ from torch import nn
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.linear import (
+    KernelGateUpSilu,
     KernelLinear,
     PackedLinear,
     kernel_gemm_preferred,
@@ -111,6 +112,69 @@ def test_a_row_does_not_depend_on_the_batch_it_is_in(k, n, bias, m, seed, cls):
     assert torch.equal(packed(x[:cut].contiguous()), full[:cut])
 
 
+@settings(max_examples=12, deadline=None)
+@given(
+    k=st.sampled_from([64, 576, 1536]),
+    inter=st.sampled_from([16, 48, 80, 1536]),
+    bias=st.booleans(),
+    m=st.integers(1, 150),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_gate_up_silu_is_the_unfused_pair_bit_for_bit(k, inter, bias, m, seed):
+    """KernelGateUpSilu = silu_and_mul(KernelLinear(gate_up)(x)) exactly, and its rows are
+    batch invariant like the plain GEMM's."""
+    from kvserve.model.ops import CpuKernelOps
+
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, 2 * inter, bias=bias).to(BF16)
+    fused, plain = KernelGateUpSilu(lin), KernelLinear(lin)
+    assert fused.out_features == inter
+    x = torch.randn(m, k, dtype=BF16) * 2
+    got = fused(x)
+    assert got.shape == (m, inter)
+    assert torch.equal(got, CpuKernelOps().silu_and_mul(plain(x)))
+    for i in (0, m // 2, m - 1):
+        assert torch.equal(fused(x[i : i + 1]), got[i : i + 1]), (k, inter, m, i)
+    assert torch.equal(fused(x.view(1, m, k)), got.view(1, m, inter))
+
+
+def test_fused_gate_up_silu_refuses_shapes_it_cannot_take():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        KernelGateUpSilu(nn.Linear(64, 2 * 40).to(BF16))
+    with pytest.raises(ValueError, match="even in_features"):
+        KernelGateUpSilu(nn.Linear(63, 64).to(BF16))
+    wp = torch.ops.kvserve.bf16_pack_weight(torch.randn(64, 64, dtype=BF16))
+    x = torch.randn(2, 64, dtype=BF16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.kvserve.bf16_linear_silu_mul(x, wp, None, 24)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.kvserve.bf16_linear_silu_mul(x, wp, None, 16)
+    with pytest.raises(RuntimeError, match="2 \\* inter"):
+        torch.ops.kvserve.bf16_linear_silu_mul(x, wp, torch.zeros(16), 32)
+
+
+def test_prepack_fuses_only_the_linear_a_module_names(monkeypatch):
+    import kvserve.model.linear as linear
+
+    class Block(nn.Module):
+        silu_fusable = "up"
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.other = nn.Linear(64, 64), nn.Linear(64, 64)
+            self.gate_up_applies_silu = False
+
+    monkeypatch.setattr(linear, "kernel_gemm_preferred", lambda dtype, device: True)
+    block = Block().to(BF16)
+    assert prepack_linears(block) == 2
+    assert isinstance(block.up, KernelGateUpSilu) and block.gate_up_applies_silu
+    assert isinstance(block.other, KernelLinear)
+    monkeypatch.setattr(linear, "kernel_gemm_preferred", lambda dtype, device: False)
+    onednn = Block().to(BF16)
+    prepack_linears(onednn)
+    assert isinstance(onednn.up, PackedLinear) and not onednn.gate_up_applies_silu
+
+
 def test_float32_models_are_left_alone():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     assert prepack_linears(model) == 0
@@ -125,6 +189,9 @@ def test_bf16_engine_packs_every_projection_and_the_tied_head(model_dirs):
     picked = KernelLinear if kernel_gemm_preferred(BF16, torch.device("cpu")) else PackedLinear
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert isinstance(lin, picked)
+    fused = picked is KernelLinear
+    assert isinstance(layer.mlp.gate_up_proj, KernelGateUpSilu if fused else PackedLinear)
+    assert layer.mlp.gate_up_applies_silu == fused
     assert model.lm_head is not None or isinstance(model.lm_head_packed, picked)
     assert (model.lm_head is None) == (model.lm_head_packed is not None)
     torch_engine = make_engine(model_dirs["llama"], dtype="bfloat16", attention_backend="torch")

@@ -5,6 +5,12 @@
 // operand layout of vdpbf16ps. A micro-kernel keeps an 8-row x 48-column tile of float
 // accumulators in 24 registers and walks K once, two K values per instruction.
 //
+// The MLP's gate/up projection can run fused with SiLU-and-mul (bf16_linear_silu_mul): its
+// weight is packed with gate and up blocks interleaved (gate block b, then up block b), a
+// micro-kernel takes 12 rows x (one gate + one up block), and its epilogue writes
+// bf16(bf16(silu(g)) * u) from the bf16-rounded g and u: bit for bit the unfused product
+// followed by silu_and_mul, without writing and re-reading the [M, 2I] intermediate.
+//
 // Contract (what the engine's batch invariance rests on): every output element is one
 // float accumulator that starts at zero and takes the K pairs in order 0, 1, ..., K/2 - 1;
 // bias is added after the last pair, then the value is rounded to bf16 (nearest even).
@@ -23,12 +29,17 @@
 #include <cstring>
 
 #include "float_convert.h"
+#include "silu16.h"
 
 namespace {
 
 constexpr int64_t kRowTile = 8;    // rows per micro-kernel call
 constexpr int64_t kPanel = 3;      // 16-column blocks per micro-kernel call
 constexpr int64_t kRowChunk = 64;  // rows that share one pass over a weight panel
+// The fused gate/up + SiLU kernel: 12 rows x (gate, up) blocks, the same 24 accumulators.
+constexpr int64_t kSiluRowTile = 12;
+constexpr int64_t kSiluPanel = 2;
+constexpr int64_t kSiluRowChunk = 60;
 
 #ifdef KVSERVE_AVX512_BF16
 struct Problem {
@@ -45,9 +56,12 @@ struct Problem {
 // next panel: the blocks of it set in `pf_blocks` are prefetched into L2 while this tile is
 // computed (the weights come from DRAM; one line per block per K pair, so the row tiles of
 // a panel share the prefetching instead of issuing it in one burst the memory cannot take).
-template <int MR, int NR>
+// With SILU (NR = 2: blocks nb0, nb0 + 1 are the gate and up halves of 16 output columns),
+// the tile's output is bf16(bf16(silu(g)) * u) at columns nb0 / 2 * 16 of a row of p.n.
+template <int MR, int NR, int NP, bool SILU>
 inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
                   const uint16_t* pf, unsigned pf_blocks) {
+  static_assert(!SILU || NR == 2, "the SiLU epilogue takes one (gate, up) pair of blocks");
   const int64_t bstride = p.k2 * 32;
   const uint16_t* b0 = p.w + nb0 * bstride;
   __m512 acc[MR][NR];
@@ -55,7 +69,7 @@ inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < p.k2; ++k) {
     if (pf != nullptr)
-      for (int j = 0; j < kPanel; ++j)
+      for (int j = 0; j < NP; ++j)
         if (pf_blocks & (1u << j))
           _mm_prefetch(reinterpret_cast<const char*>(pf + j * bstride + k * 32), _MM_HINT_T1);
     __m512bh b[NR];
@@ -67,6 +81,21 @@ inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
       const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
     }
+  }
+  if constexpr (SILU) {
+    using kvserve_cpu::widen_bf16;
+    const int64_t col = nb0 / 2 * 16;  // p.n (the SiLU output width) is a multiple of 16
+    const __m512 bg = p.bias ? _mm512_loadu_ps(p.bias + nb0 * 16) : _mm512_setzero_ps();
+    const __m512 bu = p.bias ? _mm512_loadu_ps(p.bias + nb0 * 16 + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m512 g = p.bias ? _mm512_add_ps(acc[i][0], bg) : acc[i][0];
+      const __m512 u = p.bias ? _mm512_add_ps(acc[i][1], bu) : acc[i][1];
+      const __m512 prod = kvserve_cpu::silu_mul16(widen_bf16((__m256i)_mm512_cvtneps_pbh(g)),
+                                                  widen_bf16((__m256i)_mm512_cvtneps_pbh(u)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * p.n + col),
+                          (__m256i)_mm512_cvtneps_pbh(prod));
+    }
+    return;
   }
   for (int j = 0; j < NR; ++j) {
     const int64_t col = (nb0 + j) * 16;
@@ -80,38 +109,69 @@ inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
   }
 }
 
-template <int NR>
+template <int NR, int NP, bool SILU>
 inline void tile(int64_t rows, const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
                  const uint16_t* pf, unsigned pf_blocks) {
   switch (rows) {
 #define KVSERVE_ROWS(r) \
   case r:               \
-    micro<r, NR>(p, a, c, nb0, pf, pf_blocks); \
+    micro<r, NR, NP, SILU>(p, a, c, nb0, pf, pf_blocks); \
     break;
     KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
     KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
 #undef KVSERVE_ROWS
   }
+  if constexpr (SILU) {
+    switch (rows) {
+#define KVSERVE_ROWS(r) \
+  case r:               \
+    micro<r, NR, NP, SILU>(p, a, c, nb0, pf, pf_blocks); \
+    break;
+      KVSERVE_ROWS(9) KVSERVE_ROWS(10) KVSERVE_ROWS(11) KVSERVE_ROWS(12)
+#undef KVSERVE_ROWS
+    }
+  }
 }
 
-// One work item: rows [m0, m1) against the panel of blocks [nb0, nb0 + nr).
+// One work item: rows [m0, m1) against the panel of blocks [nb0, nb0 + NP) (fewer at the
+// end), in tiles of RT rows.
+template <int NP, int RT, bool SILU>
 void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t nb0) {
-  const int64_t nr = std::min<int64_t>(kPanel, nblocks - nb0);
-  const uint16_t* next = nb0 + kPanel < nblocks ? p.w + (nb0 + kPanel) * p.k2 * 32 : nullptr;
-  const int64_t tiles = (m1 - m0 + kRowTile - 1) / kRowTile;
+  const int64_t nr = std::min<int64_t>(NP, nblocks - nb0);
+  const uint16_t* next = nb0 + NP < nblocks ? p.w + (nb0 + NP) * p.k2 * 32 : nullptr;
+  const int64_t tiles = (m1 - m0 + RT - 1) / RT;
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t m = m0 + t * kRowTile;
-    const int64_t rows = std::min<int64_t>(kRowTile, m1 - m);
+    const int64_t m = m0 + t * RT;
+    const int64_t rows = std::min<int64_t>(RT, m1 - m);
     const uint16_t* a = p.a + m * p.lda;
     uint16_t* c = p.c + m * p.n;
     unsigned pf_blocks = 0;  // block j of the next panel is prefetched by tile j % tiles
-    for (int j = 0; j < kPanel; ++j)
+    for (int j = 0; j < NP; ++j)
       if (j % tiles == t) pf_blocks |= 1u << j;
     const uint16_t* pf = pf_blocks ? next : nullptr;
-    if (nr == 3) tile<3>(rows, p, a, c, nb0, pf, pf_blocks);
-    else if (nr == 2) tile<2>(rows, p, a, c, nb0, pf, pf_blocks);
-    else tile<1>(rows, p, a, c, nb0, pf, pf_blocks);
+    if constexpr (SILU) {
+      tile<2, NP, true>(rows, p, a, c, nb0, pf, pf_blocks);
+    } else {
+      if (nr == 3) tile<3, NP, false>(rows, p, a, c, nb0, pf, pf_blocks);
+      else if (nr == 2) tile<2, NP, false>(rows, p, a, c, nb0, pf, pf_blocks);
+      else tile<1, NP, false>(rows, p, a, c, nb0, pf, pf_blocks);
+    }
   }
+}
+
+// All items of a product: chunks of RC rows x panels of NP blocks, chunk-major, so a
+// thread's consecutive items share rows of x in cache.
+template <int NP, int RT, int RC, bool SILU>
+void run_all(const Problem& p, int64_t m, int64_t nblocks) {
+  const int64_t panels = (nblocks + NP - 1) / NP;
+  const int64_t chunks = (m + RC - 1) / RC;
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / panels, panel = item % panels;
+      const int64_t m0 = chunk * RC;
+      run_item<NP, RT, SILU>(p, nblocks, m0, std::min(m, m0 + RC), panel * NP);
+    }
+  });
 }
 #endif
 
@@ -166,17 +226,40 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                   reinterpret_cast<const uint16_t*>(wp.data_ptr()), wp.size(1),
                   reinterpret_cast<uint16_t*>(out.data_ptr()), n, bp};
-  const int64_t nblocks = wp.size(0);
-  const int64_t panels = (nblocks + kPanel - 1) / kPanel;
-  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
-  // Items run chunk-major, so a thread's consecutive items share rows of x in cache.
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item / panels, panel = item % panels;
-      const int64_t m0 = chunk * kRowChunk;
-      run_item(p, nblocks, m0, std::min(m, m0 + kRowChunk), panel * kPanel);
-    }
-  });
+  run_all<kPanel, kRowTile, kRowChunk, false>(p, m, wp.size(0));
+#endif
+  return out;
+}
+
+// The gate/up projection and SiLU-and-mul in one: wp packs [2 * inter, K] with gate and up
+// blocks interleaved (gate block b at 2b, up block b at 2b + 1; bias, if any, [2 * inter]
+// float32 in the same order); inter a multiple of 16. Returns [M, inter] bf16, equal bit
+// for bit to silu_and_mul(bf16_linear(x, W_gate_up)).
+at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& wp,
+                                const c10::optional<at::Tensor>& bias, int64_t inter) {
+  TORCH_CHECK(bf16_gemm_available(), "bf16_linear_silu_mul needs a build with AVX-512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "bf16_linear_silu_mul: x must be [M, K] bf16 with contiguous rows");
+  TORCH_CHECK(inter > 0 && inter % 16 == 0, "bf16_linear_silu_mul: inter must be a positive "
+              "multiple of 16, got ", inter);
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 32 && wp.is_contiguous() &&
+                  x.size(1) == 2 * wp.size(1) && wp.size(0) == inter / 8,
+              "bf16_linear_silu_mul: packed weight does not match x or inter");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == 2 * inter, "bf16_linear_silu_mul: bias must be [2 * inter] "
+                    "float32");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0);
+  auto out = at::empty({m, inter}, x.options());
+#ifdef KVSERVE_AVX512_BF16
+  if (m == 0) return out;
+  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                  reinterpret_cast<const uint16_t*>(wp.data_ptr()), wp.size(1),
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), inter, bp};
+  run_all<kSiluPanel, kSiluRowTile, kSiluRowChunk, true>(p, m, wp.size(0));
 #endif
   return out;
 }
@@ -188,9 +271,11 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("bf16_gemm_preferred() -> bool", &bf16_gemm_preferred);
   m.def("bf16_pack_weight(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor wp, Tensor? bias, int n) -> Tensor");
+  m.def("bf16_linear_silu_mul(Tensor x, Tensor wp, Tensor? bias, int inter) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("bf16_pack_weight", bf16_pack_weight);
   m.impl("bf16_linear", bf16_linear);
+  m.impl("bf16_linear_silu_mul", bf16_linear_silu_mul);
 }

@@ -14,6 +14,7 @@
 
 #include "attention_cell.h"
 #include "float_convert.h"
+#include "silu16.h"
 
 #include <cmath>
 #include <cstdint>
@@ -136,14 +137,10 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
 inline void silu_mul_row_bf16(const c10::BFloat16* g, const c10::BFloat16* u,
                               c10::BFloat16* o, int64_t inter) {
   using kvserve_cpu::widen_bf16;
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < inter; i += 16) {
     const __mmask16 m = kvserve_cpu::first_lanes(inter - i);
-    const __m512 gf = widen_bf16(_mm256_maskz_loadu_epi16(m, g + i));
-    const __m512 e = kvserve_cell::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gf));
-    const __m512 silu = _mm512_div_ps(gf, _mm512_add_ps(one, e));
-    const __m512 silu_r = widen_bf16((__m256i)_mm512_cvtneps_pbh(silu));  // rounded to bf16
-    const __m512 prod = _mm512_mul_ps(silu_r, widen_bf16(_mm256_maskz_loadu_epi16(m, u + i)));
+    const __m512 prod = kvserve_cpu::silu_mul16(widen_bf16(_mm256_maskz_loadu_epi16(m, g + i)),
+                                                widen_bf16(_mm256_maskz_loadu_epi16(m, u + i)));
     _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(prod));
   }
 }
