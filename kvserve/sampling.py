@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.model.cpu_kernels import kernels_loaded
+
 _GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
@@ -152,12 +154,27 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return logits
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``; on the CPU, with the kernels loaded, a vectorized kernel
+    over rows in parallel (the same indices: first maximum, NaN counts as the maximum)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+        and kernels_loaded()
+    ):
+        return torch.ops.kvserve.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     """Pick one token per row of ``logits`` ``[len(rows), vocab]`` (float32)."""
     for i, r in enumerate(rows):
         if r.suppress:
             logits[i, list(r.suppress)] = float("-inf")
-    tokens = logits.argmax(dim=-1)
+    tokens = _argmax(logits)
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_idx:
         sub_rows = [rows[i] for i in random_idx]

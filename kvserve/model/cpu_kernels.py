@@ -43,7 +43,7 @@ _LDFLAGS = ("-fopenmp",)
 _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
     "shm_all_reduce", "shm_gather", "quantize_kv", "write_kv", "bf16_linear",
-    "bf16_linear_silu_mul",
+    "bf16_linear_silu_mul", "argmax_rows",
 )  # fmt: skip
 
 
@@ -93,6 +93,12 @@ def load_cpu_kernels() -> bool:
     except Exception as e:
         logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", e)
         return False
+
+
+def kernels_loaded() -> bool:
+    """True when ``load_cpu_kernels()`` already ran in this process and succeeded. Never
+    builds or loads anything (for code that only uses the kernels where they are in use)."""
+    return load_cpu_kernels.cache_info().currsize > 0 and load_cpu_kernels()
 
 
 def _report(done: threading.Event, start: float) -> None:

@@ -97,3 +97,31 @@ def test_position_seed_mixes():
 def test_invalid_sampling_params_raise(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 50, 49152])
+def test_the_cpu_argmax_kernel_picks_torch_argmax(vocab):
+    """The sampler's CPU kernel (argmax_rows) and torch.argmax agree: the first of tied
+    maxima, a NaN counts as the maximum (the first one), an all -inf row gives 0."""
+    from kvserve.model.cpu_kernels import kernels_loaded, load_cpu_kernels
+    from kvserve.sampling import _argmax
+
+    assert load_cpu_kernels() and kernels_loaded()
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = torch.randint(0, 3, (vocab,), generator=g).float()  # many ties
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")
+    x[4, -1] = float("nan")
+    x[4, 0] = float("inf")
+    x[5, vocab // 3 :] = float("nan")
+    x[6] = float("inf")
+    x[7, -1] = 1e9  # the maximum in the last, partial vector
+    want = x.argmax(dim=-1)
+    assert torch.equal(torch.ops.kvserve.argmax_rows(x), want)
+    assert torch.equal(_argmax(x), want)
+    wide = torch.randn(3, vocab + 5, generator=g)
+    assert torch.equal(torch.ops.kvserve.argmax_rows(wide[:, :vocab]), wide[:, :vocab].argmax(-1))
+    assert torch.ops.kvserve.argmax_rows(torch.empty(0, vocab)).shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.kvserve.argmax_rows(x.bfloat16())

@@ -1,7 +1,7 @@
 // Fused element-wise ops for the CPU decode/prefill path. Each replaces 5-10 small ATen ops
 // (and their dispatch overhead and temporaries). Rounding follows the unfused PyTorch code
 // exactly: every intermediate that PyTorch would store in the input dtype is rounded to it.
-// Registered as torch.ops.kvserve.{rms_norm, add_rms_norm, silu_and_mul, rope}. bf16
+// Registered as torch.ops.kvserve.{rms_norm, add_rms_norm, silu_and_mul, rope, argmax_rows}. bf16
 // norms and silu_and_mul run 16 lanes at a time on AVX-512-BF16 (silu with the attention
 // kernels' exp).
 #include <ATen/Parallel.h>
@@ -234,6 +234,63 @@ at::Tensor rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const a
   return q;
 }
 
+// NaN by its bits: the build's -ffast-math lets the compiler assume std::isnan is false.
+inline bool is_nan_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return (u & 0x7FFFFFFFu) > 0x7F800000u;
+}
+
+// Index of the first maximum of x[0, n) (n >= 1), as torch.argmax: a NaN counts as the
+// maximum (the first NaN wins); an all -inf row gives 0.
+inline int64_t argmax_row(const float* x, int64_t n) {
+#ifdef KVSERVE_AVX512_BF16
+  const __m512i step = _mm512_set1_epi32(16);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf_bits = _mm512_set1_epi32(0x7F800000);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_idx = idx;
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = kvserve_cpu::first_lanes(n - i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, x + i);
+    nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf_bits);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: first wins
+    best = _mm512_mask_mov_ps(best, gt, v);
+    best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (nan == 0) {
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    const __m512i cand = _mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX), at, best_idx);
+    return _mm512_reduce_min_epi32(cand);
+  }
+#endif
+  int64_t arg = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (is_nan_bits(x[i])) return i;
+    if (x[i] > x[arg]) arg = i;
+  }
+  return arg;
+}
+
+// x [R, V] float32 with unit column stride, V >= 1 (V < 2^31) -> int64 [R]: each row's
+// torch.argmax, rows in parallel.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "argmax_rows: x must be [R, V] float32 with contiguous rows");
+  TORCH_CHECK(x.size(1) >= 1 && x.size(1) < INT32_MAX, "argmax_rows: bad row length");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
@@ -245,4 +302,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
 }
