@@ -149,7 +149,7 @@ def test_fused_gate_up_silu_refuses_shapes_it_cannot_take():
         torch.ops.kvserve.bf16_linear_silu_mul(x, wp, None, 24)
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.kvserve.bf16_linear_silu_mul(x, wp, None, 16)
-    with pytest.raises(RuntimeError, match="2 \\* inter"):
+    with pytest.raises(RuntimeError, match="bias must be \\[64\\] float32"):
         torch.ops.kvserve.bf16_linear_silu_mul(x, wp, torch.zeros(16), 32)
 
 

@@ -112,24 +112,16 @@ inline void micro(const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
 template <int NR, int NP, bool SILU>
 inline void tile(int64_t rows, const Problem& p, const uint16_t* a, uint16_t* c, int64_t nb0,
                  const uint16_t* pf, unsigned pf_blocks) {
+  constexpr int64_t kMaxRows = SILU ? kSiluRowTile : kRowTile;  // larger tiles: not built
   switch (rows) {
-#define KVSERVE_ROWS(r) \
-  case r:               \
-    micro<r, NR, NP, SILU>(p, a, c, nb0, pf, pf_blocks); \
+#define KVSERVE_ROWS(r)                                                 \
+  case r:                                                               \
+    if constexpr (r <= kMaxRows) micro<r, NR, NP, SILU>(p, a, c, nb0, pf, pf_blocks); \
     break;
     KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
     KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
+    KVSERVE_ROWS(9) KVSERVE_ROWS(10) KVSERVE_ROWS(11) KVSERVE_ROWS(12)
 #undef KVSERVE_ROWS
-  }
-  if constexpr (SILU) {
-    switch (rows) {
-#define KVSERVE_ROWS(r) \
-  case r:               \
-    micro<r, NR, NP, SILU>(p, a, c, nb0, pf, pf_blocks); \
-    break;
-      KVSERVE_ROWS(9) KVSERVE_ROWS(10) KVSERVE_ROWS(11) KVSERVE_ROWS(12)
-#undef KVSERVE_ROWS
-    }
   }
 }
 
@@ -203,20 +195,23 @@ at::Tensor bf16_pack_weight(const at::Tensor& w) {
   return padded.view({nb, 16, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({nb, k / 2, 32});
 }
 
-// x [M, K] bf16 with unit column stride; wp from bf16_pack_weight; bias [n] float32 or
-// None. Returns a new [M, n] bf16 tensor.
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
-                       const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(bf16_gemm_available(), "bf16_linear needs a build with AVX-512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "bf16_linear: x must be [M, K] bf16 with contiguous rows");
+// What both products check and run: x [M, K] bf16 with unit column stride; wp packed
+// (bf16_pack_weight) with `blocks` blocks of 16 columns; bias [bias_n] float32 or None.
+// Returns a new [M, n] bf16 tensor.
+template <int NP, int RT, int RC, bool SILU>
+at::Tensor checked_linear(const char* name, const at::Tensor& x, const at::Tensor& wp,
+                          const c10::optional<at::Tensor>& bias, int64_t n, int64_t blocks,
+                          int64_t bias_n) {
+  TORCH_CHECK(bf16_gemm_available(), name, " needs a build with AVX-512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
+              ": x must be [M, K] bf16 with contiguous rows");
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 32 && wp.is_contiguous() &&
-                  x.size(1) == 2 * wp.size(1) && (n + 15) / 16 == wp.size(0),
-              "bf16_linear: packed weight does not match x or n");
+                  x.size(1) == 2 * wp.size(1) && wp.size(0) == blocks,
+              name, ": packed weight does not match x or n");
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == n, "bf16_linear: bias must be [n] float32");
+                    bias->numel() == bias_n, name, ": bias must be [", bias_n, "] float32");
     bp = bias->data_ptr<float>();
   }
   const int64_t m = x.size(0);
@@ -226,9 +221,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                   reinterpret_cast<const uint16_t*>(wp.data_ptr()), wp.size(1),
                   reinterpret_cast<uint16_t*>(out.data_ptr()), n, bp};
-  run_all<kPanel, kRowTile, kRowChunk, false>(p, m, wp.size(0));
+  run_all<NP, RT, RC, SILU>(p, m, blocks);
 #endif
   return out;
+}
+
+// x [M, K] bf16 with unit column stride; wp from bf16_pack_weight; bias [n] float32 or
+// None. Returns a new [M, n] bf16 tensor.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
+                       const c10::optional<at::Tensor>& bias, int64_t n) {
+  return checked_linear<kPanel, kRowTile, kRowChunk, false>("bf16_linear", x, wp, bias, n,
+                                                            (n + 15) / 16, n);
 }
 
 // The gate/up projection and SiLU-and-mul in one: wp packs [2 * inter, K] with gate and up
@@ -237,31 +240,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
 // for bit to silu_and_mul(bf16_linear(x, W_gate_up)).
 at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& wp,
                                 const c10::optional<at::Tensor>& bias, int64_t inter) {
-  TORCH_CHECK(bf16_gemm_available(), "bf16_linear_silu_mul needs a build with AVX-512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "bf16_linear_silu_mul: x must be [M, K] bf16 with contiguous rows");
   TORCH_CHECK(inter > 0 && inter % 16 == 0, "bf16_linear_silu_mul: inter must be a positive "
               "multiple of 16, got ", inter);
-  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 32 && wp.is_contiguous() &&
-                  x.size(1) == 2 * wp.size(1) && wp.size(0) == inter / 8,
-              "bf16_linear_silu_mul: packed weight does not match x or inter");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == 2 * inter, "bf16_linear_silu_mul: bias must be [2 * inter] "
-                    "float32");
-    bp = bias->data_ptr<float>();
-  }
-  const int64_t m = x.size(0);
-  auto out = at::empty({m, inter}, x.options());
-#ifdef KVSERVE_AVX512_BF16
-  if (m == 0) return out;
-  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
-                  reinterpret_cast<const uint16_t*>(wp.data_ptr()), wp.size(1),
-                  reinterpret_cast<uint16_t*>(out.data_ptr()), inter, bp};
-  run_all<kSiluPanel, kSiluRowTile, kSiluRowChunk, true>(p, m, wp.size(0));
-#endif
-  return out;
+  return checked_linear<kSiluPanel, kSiluRowTile, kSiluRowChunk, true>(
+      "bf16_linear_silu_mul", x, wp, bias, inter, inter / 8, 2 * inter);
 }
 
 }  // namespace
