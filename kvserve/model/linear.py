@@ -22,6 +22,7 @@ like with like.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -100,6 +101,21 @@ def kernel_gemm_preferred(dtype: torch.dtype, device: torch.device) -> bool:
     return load_cpu_kernels() and bool(torch.ops.kvserve.bf16_gemm_preferred())
 
 
+def _over_rows(op: Callable[..., torch.Tensor], layer: _Prepacked, x: torch.Tensor) -> torch.Tensor:
+    """``op(rows, packed_weight, bias, out_features)`` over the rows of ``x`` ``[..., in]``.
+
+    2-D input with unit column stride (the engine's case) goes straight to the kernel (no
+    reshape/view: ~6 µs a call); other shapes are viewed as rows, copied if strided.
+    """
+    if x.dim() == 2 and x.stride(1) == 1:
+        return op(x, layer.packed_weight, layer.bias, layer.out_features)
+    rows = x.reshape(-1, layer.in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = op(rows, layer.packed_weight, layer.bias, layer.out_features)
+    return y.view(*x.shape[:-1], layer.out_features)
+
+
 class KernelLinear(_Prepacked):
     """``y = x @ W.T + b`` for bf16 with kvserve's CPU GEMM (``csrc/bf16_gemm.cpp``).
 
@@ -116,14 +132,7 @@ class KernelLinear(_Prepacked):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` → ``[..., out]``; a row's value never depends on the others."""
-        if x.dim() == 2 and x.stride(1) == 1:  # the engine's case: no reshapes (~6 µs a call)
-            n = self.out_features
-            return torch.ops.kvserve.bf16_linear(x, self.packed_weight, self.bias, n)
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        y = torch.ops.kvserve.bf16_linear(rows, self.packed_weight, self.bias, self.out_features)
-        return y.view(*x.shape[:-1], self.out_features)
+        return _over_rows(torch.ops.kvserve.bf16_linear, self, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel"
@@ -163,16 +172,7 @@ class KernelGateUpSilu(_Prepacked):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` → ``[..., inter]``; a row's value never depends on the others."""
-        if x.dim() == 2 and x.stride(1) == 1:
-            n = self.out_features
-            return torch.ops.kvserve.bf16_linear_silu_mul(x, self.packed_weight, self.bias, n)
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        y = torch.ops.kvserve.bf16_linear_silu_mul(
-            rows, self.packed_weight, self.bias, self.out_features
-        )
-        return y.view(*x.shape[:-1], self.out_features)
+        return _over_rows(torch.ops.kvserve.bf16_linear_silu_mul, self, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, inter={self.out_features}, kernel + SiLU"

@@ -27,6 +27,14 @@ inline float to_f(c10::BFloat16 v) {
   return f;
 }
 
+// NaN by its bits: the build's -ffast-math lets the compiler assume std::isnan is false.
+inline bool nan_bits(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u; }
+inline bool is_nan(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return nan_bits(u);
+}
+
 template <typename T>
 inline T from_f(float v) {
   return static_cast<T>(v);
@@ -35,7 +43,7 @@ template <>
 inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
   uint32_t u;
   std::memcpy(&u, &v, sizeof(u));
-  const bool nan = (u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu);
+  const bool nan = nan_bits(u);
   u += 0x7FFFu + ((u >> 16) & 1u);
   const uint16_t bits = nan ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(u >> 16);
   return c10::BFloat16(bits, c10::BFloat16::from_bits());

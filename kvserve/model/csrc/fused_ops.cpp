@@ -234,13 +234,6 @@ at::Tensor rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const a
   return q;
 }
 
-// NaN by its bits: the build's -ffast-math lets the compiler assume std::isnan is false.
-inline bool is_nan_bits(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  return (u & 0x7FFFFFFFu) > 0x7F800000u;
-}
-
 // Index of the first maximum of x[0, n) (n >= 1), as torch.argmax: a NaN counts as the
 // maximum (the first NaN wins); an all -inf row gives 0.
 inline int64_t argmax_row(const float* x, int64_t n) {
@@ -269,7 +262,7 @@ inline int64_t argmax_row(const float* x, int64_t n) {
 #endif
   int64_t arg = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (is_nan_bits(x[i])) return i;
+    if (kvserve_cpu::is_nan(x[i])) return i;
     if (x[i] > x[arg]) arg = i;
   }
   return arg;

@@ -249,25 +249,19 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
               const ct* vsrc = vp + slot * row + h * D;
               float* kd = kr(h) + lane * D;
               float* vd = vb(h) + lane * D;
-              if constexpr (!scaled) {
-                if constexpr (!bf16_scores) {
-#pragma omp simd
-                  for (int64_t d = 0; d < D; ++d) kd[d] = load(ksrc, d);
-                }
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) vd[d] = load(vsrc, d);
-                continue;
+              float ks = 1.f, vs = 1.f;
+              if constexpr (scaled) {
+                ks = scales.k ? static_cast<float>(scales.k[slot * Hkv + h])
+                              : (scales.k_head ? scales.k_head[h] : 1.f);
+                vs = scales.v ? static_cast<float>(scales.v[slot * Hkv + h])
+                              : (scales.v_head ? scales.v_head[h] : 1.f);
               }
-              const float ks = scales.k ? static_cast<float>(scales.k[slot * Hkv + h])
-                                        : (scales.k_head ? scales.k_head[h] : 1.f);
-              const float vs = scales.v ? static_cast<float>(scales.v[slot * Hkv + h])
-                                        : (scales.v_head ? scales.v_head[h] : 1.f);
               if constexpr (!bf16_scores) {
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) kd[d] = load(ksrc, d) * ks;
+                for (int64_t d = 0; d < D; ++d) kd[d] = scaled ? load(ksrc, d) * ks : load(ksrc, d);
               }
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) vd[d] = load(vsrc, d) * vs;
+              for (int64_t d = 0; d < D; ++d) vd[d] = scaled ? load(vsrc, d) * vs : load(vsrc, d);
             }
           }
           for (int64_t h = h0; h < h1; ++h) {
