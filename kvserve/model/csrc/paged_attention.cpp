@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -89,6 +90,7 @@ inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v
 
 struct Item {  // one sequence's query rows [r0, r1) against its KV heads [h0, h1)
   int64_t seq, r0, r1, h0, h1, cost;
+  int64_t lo, hi;  // the positions some row of the item sees lie in [lo, hi)
 };
 
 // A row's visible keys: [0, sink_end) and [start, len), in position order.
@@ -145,9 +147,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     for (int64_t r0 = 0; r0 < n; r0 += tile) {
       const int64_t r1 = std::min(n, r0 + tile);
       const int64_t keys = std::min(lp[s] - n + r1, window > 0 ? window + sinks : lp[s]);
+      // a row's start is monotonic in its position: the first row sees the lowest keys
+      const Visible v0 = visible(lp[s] - n + r0 + 1, window, sinks);
+      const int64_t lo = v0.sink_end > 0 ? 0 : v0.start, hi = lp[s] - n + r1;
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t h0 = gi * Hkv / groups, h1 = (gi + 1) * Hkv / groups;
-        items.push_back({s, r0, r1, h0, h1, keys * (r1 - r0) * (h1 - h0)});
+        items.push_back({s, r0, r1, h0, h1, keys * (r1 - r0) * (h1 - h0), lo, hi});
       }
     }
   }
@@ -156,6 +161,32 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t num_items = static_cast<int64_t>(items.size());
+  // Cell k of an item (cells counted from the one holding item.lo): where its K and V rows
+  // start, and how many 64-byte lines they span (0 past the item's last cell).
+  struct Lines {
+    const char* k = nullptr;
+    const char* v = nullptr;
+    int64_t n = 0;
+  };
+  auto cell_lines = [&](const Item& item, int64_t k) {
+    const int64_t aligned = item.lo - item.lo % CELL + k * CELL;
+    const int64_t p = std::max(aligned, item.lo), end = std::min(aligned + CELL, item.hi);
+    if (p >= end) return Lines{};
+    const int64_t slot = tp[item.seq * MB + p / BS] * BS + p % BS;
+    const int64_t bytes = std::min(end - p, BS - p % BS) * row * static_cast<int64_t>(sizeof(ct));
+    return Lines{reinterpret_cast<const char*>(kp + slot * row),
+                 reinterpret_cast<const char*>(vp + slot * row), (bytes + 63) / 64};
+  };
+  auto prefetch = [](const Lines& c, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < std::min(c.n, i1); ++i) {
+      __builtin_prefetch(c.k + 64 * i, 0, 1);
+      __builtin_prefetch(c.v + 64 * i, 0, 1);
+    }
+  };
+  // Items are claimed one ahead from a shared counter: a dynamic schedule in which each
+  // thread knows its next item, so an item's last cells prefetch the next item's first
+  // ones and a new sequence does not start on a stall.
+  std::atomic<int64_t> claim{0};
 
 #pragma omp parallel num_threads(threads)
   {
@@ -174,16 +205,23 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     auto kr = [&](int64_t h) { return kv_base + h * CELL * D; };
     auto kt = [&](int64_t h) { return kv_base + (Hkv + h) * CELL * D; };
     auto vb = [&](int64_t h) { return kv_base + (2 * Hkv + h) * CELL * D; };
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < num_items; ++it) {
-      const Item item = items[it];
+    int64_t next = claim.fetch_add(1, std::memory_order_relaxed);
+    // cells [head_fetched, PREFETCH_CELLS) of the next item are prefetched already (by the
+    // item before it); a thread's first item has none
+    int64_t head_fetched = PREFETCH_CELLS;
+    while (next < num_items) {
+      const Item item = items[next];
+      next = claim.fetch_add(1, std::memory_order_relaxed);
+      const Item* after = next < num_items ? &items[next] : nullptr;
       const int64_t s = item.seq, nr = item.r1 - item.r0, h0 = item.h0, h1 = item.h1;
       const int64_t n = qs[s + 1] - qs[s], first_pos = lp[s] - n;
-      int64_t lo = INT64_MAX, hi = 0;
+      const int64_t lo = item.lo, hi = item.hi;
+      const int64_t cells = (hi - 1) / CELL - lo / CELL + 1;
+      for (int64_t k = 0; k < std::min(head_fetched, cells); ++k)  // in one burst
+        prefetch(cell_lines(item, k), 0, INT64_MAX);
+      head_fetched = std::max<int64_t>(0, PREFETCH_CELLS - cells);
       for (int64_t r = 0; r < nr; ++r) {
         vis[r] = visible(first_pos + item.r0 + r + 1, window, sinks);
-        lo = std::min(lo, vis[r].sink_end > 0 ? 0 : vis[r].start);
-        hi = std::max(hi, vis[r].len);
         const int64_t tok = qs[s] + item.r0 + r;
         for (int64_t h = h0; h < h1; ++h)
           for (int64_t g = 0; g < G; ++g) {
@@ -216,34 +254,18 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
         // K and V rows PREFETCH_CELLS cells ahead, fetched while this cell runs (a
         // sequence's blocks are scattered, so the hardware prefetcher loses the stream at
-        // every block). The cell's lines are spread over this cell's slot loop: issued in
-        // one burst, most prefetches find the miss buffers full. At the first cell, the
-        // cells in between are fetched in a burst.
-        const char* pf_k = nullptr;
-        const char* pf_v = nullptr;
-        int64_t pf_lines = 0;
-        for (int64_t p = c == lo ? cell_lo + CELL : cell_lo + PREFETCH_CELLS * CELL;
-             p <= cell_lo + PREFETCH_CELLS * CELL && p < hi; p += CELL) {
-          const int64_t pslot = tp[s * MB + p / BS] * BS + p % BS;
-          pf_k = reinterpret_cast<const char*>(kp + pslot * row);
-          pf_v = reinterpret_cast<const char*>(vp + pslot * row);
-          pf_lines = (std::min<int64_t>({CELL, hi - p, BS - p % BS}) * row *
-                          static_cast<int64_t>(sizeof(ct)) + 63) / 64;
-          if (p < cell_lo + PREFETCH_CELLS * CELL)
-            for (int64_t i = 0; i < pf_lines; ++i) {
-              __builtin_prefetch(pf_k + 64 * i, 0, 1);
-              __builtin_prefetch(pf_v + 64 * i, 0, 1);
-            }
-        }
+        // every block); past the item's last cell, the next item's first cells. The lines
+        // are spread over this cell's slot loop: issued in one burst, most prefetches find
+        // the miss buffers full.
+        const int64_t ahead = (cell_lo - lo / CELL * CELL) / CELL + PREFETCH_CELLS;
+        const Lines pf = ahead < cells ? cell_lines(item, ahead)
+                                       : (after ? cell_lines(*after, ahead - cells) : Lines{});
         if (a < b) {
           const int64_t slot0 = tp[s * MB + a / BS] * BS + a % BS;
-          const int64_t pf_step = (pf_lines + (b - a) - 1) / (b - a);
+          const int64_t pf_step = (pf.n + (b - a) - 1) / (b - a);
           for (int64_t t = 0; t < b - a; ++t) {
             const int64_t slot = slot0 + t, lane = a - cell_lo + t;
-            for (int64_t i = t * pf_step; i < std::min(pf_lines, (t + 1) * pf_step); ++i) {
-              __builtin_prefetch(pf_k + 64 * i, 0, 1);
-              __builtin_prefetch(pf_v + 64 * i, 0, 1);
-            }
+            prefetch(pf, t * pf_step, (t + 1) * pf_step);
             for (int64_t h = h0; h < h1; ++h) {
               const ct* ksrc = kp + slot * row + h * D;
               const ct* vsrc = vp + slot * row + h * D;
