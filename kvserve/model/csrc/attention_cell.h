@@ -146,38 +146,100 @@ inline void scores_bf16(const uint32_t* q, float scale, const uint32_t* kTp, __m
 #endif
 
 // Online-softmax update of NH heads from their scores s (lanes outside `mask` ignored):
-// masked lanes set to NEG_BIG before the max and to 0 after the exp; then acc += p · V.
-template <int D, int NH>
-inline void softmax_pv(const __m512* s, const float* vb, int t0, int t1, __mmask16 mask,
-                       float* m, float* l, float* acc) {
-  alignas(64) float p[NH][CELL];
-  float corr[NH];
+// masked lanes set to NEG_BIG before the max and to 0 after the exp. Updates m and l and
+// returns the weights e[h] and each head's rescale factor corr[h] for its accumulator.
+template <int NH>
+inline void softmax_weights(const __m512* s, __mmask16 mask, float* m, float* l, __m512* e,
+                            float* corr) {
   for (int h = 0; h < NH; ++h) {
     const __m512 sm = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_BIG), mask, s[h]);
     const float bm = std::max(m[h], _mm512_reduce_max_ps(sm));
     corr[h] = bm == m[h] ? 1.f : std::exp(m[h] - bm);  // exp(0) is 1: the libm call skipped
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sm, _mm512_set1_ps(bm))));
-    l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(e);
+    e[h] = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sm, _mm512_set1_ps(bm))));
+    l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(e[h]);
     m[h] = bm;
-    _mm512_store_ps(p[h], e);
   }
-  constexpr int C = D / 16;
-  __m512 a[NH][C];
-  for (int h = 0; h < NH; ++h) {  // rescaled unless the max held (x * 1 is x: skipped)
+}
+
+// acc [NH][D] into registers, rescaled unless the max held (x * 1 is x: skipped).
+template <int D, int NH>
+inline void load_rescaled(const float* acc, const float* corr, __m512 (*a)[D / 16]) {
+  for (int h = 0; h < NH; ++h) {
     const __m512 cv = _mm512_set1_ps(corr[h]);
-    for (int c = 0; c < C; ++c) {
+    for (int c = 0; c < D / 16; ++c) {
       const __m512 x = _mm512_loadu_ps(acc + h * D + 16 * c);
       a[h][c] = corr[h] == 1.f ? x : _mm512_mul_ps(x, cv);
     }
   }
-  for (int t = t0; t < t1; ++t)  // NH * C independent chains over t
-    for (int c = 0; c < C; ++c) {
+}
+
+template <int D, int NH>
+inline void store_acc(const __m512 (*a)[D / 16], float* acc) {
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, a[h][c]);
+}
+
+// The online-softmax update, then acc += p · V with V in float, vb [CELL][D].
+template <int D, int NH>
+inline void softmax_pv(const __m512* s, const float* vb, int t0, int t1, __mmask16 mask,
+                       float* m, float* l, float* acc) {
+  alignas(64) float p[NH][CELL];
+  __m512 e[NH];
+  float corr[NH];
+  softmax_weights<NH>(s, mask, m, l, e, corr);
+  for (int h = 0; h < NH; ++h) _mm512_store_ps(p[h], e[h]);
+  __m512 a[NH][D / 16];
+  load_rescaled<D, NH>(acc, corr, a);
+  for (int t = t0; t < t1; ++t)  // NH * D / 16 independent chains over t
+    for (int c = 0; c < D / 16; ++c) {
       const __m512 v = _mm512_loadu_ps(vb + t * D + 16 * c);
       for (int h = 0; h < NH; ++h) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), v, a[h][c]);
     }
-  for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, a[h][c]);
+  store_acc<D, NH>(a, acc);
 }
+
+#ifdef __AVX512BF16__
+// Key `lane`'s V row (D bf16) into its half of the cell's key pairs vp [CELL / 2][D]:
+// vp[j][d] holds keys 2j (low half) and 2j + 1 (high half) at dimension d, for vdpbf16ps
+// over key pairs. The other half of each pair is left as it is.
+template <int D>
+inline void put_v_pair(const uint16_t* src, int64_t lane, uint32_t* vp) {
+  uint32_t* dst = vp + lane / 2 * D;
+  const bool high = lane % 2;
+  const __mmask32 half = high ? 0xAAAAAAAAu : 0x55555555u;
+  for (int d = 0; d < D; d += 16) {
+    __m512i x =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
+    if (high) x = _mm512_slli_epi32(x, 16);
+    _mm512_mask_storeu_epi16(dst + d, half, x);
+  }
+}
+
+// The online-softmax update, then acc += p · V with V as bf16 key pairs (put_v_pair): the
+// weights are rounded to bf16 and each vdpbf16ps takes two keys (a masked lane's weight is
+// 0, so a pair half outside [t0, t1) adds 0 times a finite value).
+template <int D, int NH>
+inline void softmax_pv_bf16(const __m512* s, const uint32_t* vp, int t0, int t1,
+                            __mmask16 mask, float* m, float* l, float* acc) {
+  alignas(64) uint32_t p[NH][CELL / 2];  // bf16 weights, lane pairs
+  __m512 e[NH];
+  float corr[NH];
+  softmax_weights<NH>(s, mask, m, l, e, corr);
+  for (int h = 0; h < NH; ++h)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p[h]), (__m256i)_mm512_cvtneps_pbh(e[h]));
+  __m512 a[NH][D / 16];
+  load_rescaled<D, NH>(acc, corr, a);
+  for (int j = t0 / 2; j < (t1 + 1) / 2; ++j)
+    for (int c = 0; c < D / 16; ++c) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + j * D + 16 * c);
+      for (int h = 0; h < NH; ++h) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[h][j]));
+        a[h][c] = _mm512_dpbf16_ps(a[h][c], w, v);
+      }
+    }
+  store_acc<D, NH>(a, acc);
+}
+#endif
 
 inline __mmask16 lanes(int t0, int t1) {
   return static_cast<__mmask16>(((1u << t1) - 1u) & ~((1u << t0) - 1u));
@@ -230,25 +292,28 @@ __attribute__((noinline)) void fold(const float* q, int64_t G, const float* kT, 
 #ifdef __AVX512BF16__
 constexpr bool kBf16Scores = true;
 // fold for a bf16 query against a bf16 cache: `q` [G][D / 2] bf16 pairs, unscaled (scaled
-// after the dot product); kTp [D / 2][CELL] pairs of the cell's keys, straight from the
-// cache; otherwise as fold. Never inlined, for the same reason.
+// after the dot product); kTp [D / 2][CELL] pairs of the cell's keys and vp [CELL / 2][D]
+// key pairs of its values (put_v_pair), both straight from the cache; weights rounded to
+// bf16 for P·V; otherwise as fold. Never inlined, for the same reason.
 template <int D>
 __attribute__((noinline)) void fold_bf16(const uint32_t* q, int64_t G, float scale,
-                                         const uint32_t* kTp, const float* vb, int t0, int t1,
-                                         float* m, float* l, float* acc) {
+                                         const uint32_t* kTp, const uint32_t* vp, int t0,
+                                         int t1, float* m, float* l, float* acc) {
   const __mmask16 mask = lanes(t0, t1);
   by_heads<D>(G, [&](auto nh, int64_t g) {
     constexpr int NH = decltype(nh)::value;
     __m512 s[NH];
     scores_bf16<D, NH>(q + g * (D / 2), scale, kTp, s);
-    softmax_pv<D, NH>(s, vb, t0, t1, mask, m + g, l + g, acc + g * D);
+    softmax_pv_bf16<D, NH>(s, vp, t0, t1, mask, m + g, l + g, acc + g * D);
   });
 }
 #else
 constexpr bool kBf16Scores = false;
 template <int D>  // never called (kBf16Scores is false): keeps callers' code uniform
-void fold_bf16(const uint32_t*, int64_t, float, const uint32_t*, const float*, int, int, float*,
-               float*, float*) {}
+void fold_bf16(const uint32_t*, int64_t, float, const uint32_t*, const uint32_t*, int, int,
+               float*, float*, float*) {}
+template <int D>
+void put_v_pair(const uint16_t*, int64_t, uint32_t*) {}
 #endif
 
 }  // namespace kvserve_cell

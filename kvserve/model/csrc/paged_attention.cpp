@@ -2,9 +2,11 @@
 // query row attends to its sequence's K/V read in place from the block cache (no gathered
 // copy, no dense mask), float accumulation, GQA-aware (a KV head's rows are converted once
 // for every query head and query row that shares them). A cell's K is transposed once so
-// its scores are computed lane-parallel over keys (attention_cell.h); a bf16 query against
-// a bf16 cache scores with bf16 dot products on the cache's own K, every other combination
-// converts K to float first. Registered as torch.ops.kvserve.paged_attention.
+// its scores are computed lane-parallel over keys (attention_cell.h). A bf16 query against
+// a bf16 cache scores with bf16 dot products on the cache's own K and sums P·V with bf16
+// dot products over key pairs of V (the weights rounded to bf16, as FlashAttention rounds
+// P; float sums). Every other combination converts K and V to float first. Registered as
+// torch.ops.kvserve.paged_attention.
 //
 // Determinism rule (README, "Determinism"): a row's result is a function of its query, its
 // context's K/V and its position only. Its keys are visited in fixed cells of CELL
@@ -199,7 +201,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     const uint32_t* rows[CELL];
     // One cell for every KV head, in float, 64-byte aligned: K as converted [Hkv][CELL][D],
     // K transposed [Hkv][D][CELL] and V [Hkv][CELL][D]; a key's lane is its position % CELL.
-    // Zeroed once: lanes a cell does not fill hold finite stale values, always masked.
+    // (bf16 scores: K pairs transposed [Hkv][D / 2][CELL] and V key pairs [Hkv][CELL / 2][D]
+    // in the same space.) Zeroed once: lanes a cell does not fill hold finite stale values
+    // (cache values of earlier cells), always masked, with weight 0.
     std::vector<float> kv_buf(3 * Hkv * CELL * D + 16, 0.f);
     float* kv_base = kv_buf.data() + (16 - reinterpret_cast<uintptr_t>(kv_buf.data()) / 4 % 16) % 16;
     auto kr = [&](int64_t h) { return kv_base + h * CELL * D; };
@@ -281,9 +285,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
               if constexpr (!bf16_scores) {
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) kd[d] = scaled ? load(ksrc, d) * ks : load(ksrc, d);
-              }
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) vd[d] = scaled ? load(vsrc, d) * vs : load(vsrc, d);
+                for (int64_t d = 0; d < D; ++d) vd[d] = scaled ? load(vsrc, d) * vs : load(vsrc, d);
+              } else {  // V as bf16 key pairs, here where the slot loop spaces the prefetches
+                kvserve_cell::put_v_pair<D>(reinterpret_cast<const uint16_t*>(vsrc), lane,
+                                            reinterpret_cast<uint32_t*>(vb(h)));
+              }
             }
           }
           for (int64_t h = h0; h < h1; ++h) {
@@ -311,7 +318,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
               auto fold = [&](int64_t t0, int64_t t1) {  // lanes [t0, t1) of the cell
                 if constexpr (bf16_scores)
                   kvserve_cell::fold_bf16<D>(qb.data() + qoff / 2, G, static_cast<float>(scale),
-                                             kth, vb(h), t0, t1, mr, lr, ar);
+                                             kth, reinterpret_cast<const uint32_t*>(vb(h)), t0,
+                                             t1, mr, lr, ar);
                 else
                   kvserve_cell::fold<D>(qf.data() + qoff, G, kt(h), vb(h), t0, t1, mr, lr, ar);
               };
