@@ -147,14 +147,16 @@ def test_bf16_rows_alone_equal_the_rows_of_a_shared_tile(d, heads):
     assert (rows.float() - ref).abs().max().item() < 3e-2
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3@head", "fp8_e5m2@head"]),
+    qdtype=st.sampled_from(["float32", "bfloat16"]),
     seed=st.integers(0, 2**16),
 )
-def test_quantized_cache_rows_are_invariant_and_match_dequantized(fmt, seed):
+def test_quantized_cache_rows_are_invariant_and_match_dequantized(fmt, qdtype, seed):
     """8-bit K/V read in place (scales in registers) equal the dequantized cache's result
-    and stay invariant."""
+    and stay invariant. A float query takes the float path (to 1e-4); a bf16 one the bf16
+    dot products over the codes, its weights rounded to bf16 (to bf16's precision)."""
     assert load_cpu_kernels()
     g = torch.Generator().manual_seed(seed)
     bs, nb, hq, hkv, d = 16, 12, 6, 2, 64
@@ -167,14 +169,37 @@ def test_quantized_cache_rows_are_invariant_and_match_dequantized(fmt, seed):
     vf = cache.read_slots(1, slots, torch.float32).view(nb, bs, hkv, d)
     tables = torch.randperm(nb, generator=g)[:12].view(2, 6).contiguous()
     lens, starts = torch.tensor([70, 41]), torch.tensor([0, 30, 31])
-    q = torch.randn(31, hq, d, generator=g)
+    q = torch.randn(31, hq, d, generator=g).to(DTYPES[qdtype])
     got = _attend(q, kq, vq, tables, lens, starts, 0, 0, 0.125, scales)
-    want = _attend(q, kf, vf, tables, lens, starts, 0, 0, 0.125)
-    assert (got - want).abs().max().item() < 1e-4
+    want = _attend(q.float(), kf, vf, tables, lens, starts, 0, 0, 0.125)
+    tol = 1e-4 if qdtype == "float32" else 2e-2
+    assert (got.float() - want).abs().max().item() < tol
     alone = _attend(
         q[29:30], kq, vq, tables[:1], torch.tensor([70]), torch.tensor([0, 1]), 0, 0, 0.125, scales
     )
     assert torch.equal(alone[0], got[29])
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_8bit_code_is_read_exactly_by_the_bf16_path(dtype):
+    """A bf16 query reads 8-bit codes as bf16 (exact for every finite code): with one key
+    per sequence, scale 1 and V rows holding one code, the output is that code's value."""
+    assert load_cpu_kernels()
+    if dtype == torch.int8:
+        codes = torch.arange(-128, 128, dtype=torch.int8)
+        ones = torch.ones(256, 1, dtype=torch.float16)
+        scales = (ones, ones)
+    else:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+        codes = codes[codes.float().isfinite()]
+        scales = (torch.ones(1), torch.ones(1))
+    n, d = codes.numel(), 64
+    v = codes.view(n, 1, 1, 1).expand(n, 1, 1, d).contiguous()
+    k = torch.zeros(n, 1, 1, d, dtype=torch.int8).view(dtype)
+    q = torch.zeros(n, 1, d, dtype=torch.bfloat16)
+    tables, lens = torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.long)
+    out = _attend(q, k, v, tables, lens, torch.arange(n + 1), 0, 0, 1.0, scales)
+    assert torch.equal(out[:, 0, :].float(), codes.float().view(n, 1).expand(n, d))
 
 
 def test_bad_metadata_is_refused():

@@ -216,17 +216,20 @@ inline void put_v_pair(const uint16_t* src, int64_t lane, uint32_t* vp) {
 }
 
 // The online-softmax update, then acc += p · V with V as bf16 key pairs (put_v_pair): the
-// weights are rounded to bf16 and each vdpbf16ps takes two keys (a masked lane's weight is
-// 0, so a pair half outside [t0, t1) adds 0 times a finite value).
-template <int D, int NH>
-inline void softmax_pv_bf16(const __m512* s, const uint32_t* vp, int t0, int t1,
+// weights (times the keys' V scales `vs` with kVScaled) are rounded to bf16 and each
+// vdpbf16ps takes two keys (a masked lane's weight is 0, so a pair half outside [t0, t1)
+// adds 0 times a finite value).
+template <int D, int NH, bool kVScaled>
+inline void softmax_pv_bf16(const __m512* s, const uint32_t* vp, __m512 vs, int t0, int t1,
                             __mmask16 mask, float* m, float* l, float* acc) {
   alignas(64) uint32_t p[NH][CELL / 2];  // bf16 weights, lane pairs
   __m512 e[NH];
   float corr[NH];
   softmax_weights<NH>(s, mask, m, l, e, corr);
-  for (int h = 0; h < NH; ++h)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(p[h]), (__m256i)_mm512_cvtneps_pbh(e[h]));
+  for (int h = 0; h < NH; ++h) {
+    const __m512 w = kVScaled ? _mm512_mul_ps(e[h], vs) : e[h];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p[h]), (__m256i)_mm512_cvtneps_pbh(w));
+  }
   __m512 a[NH][D / 16];
   load_rescaled<D, NH>(acc, corr, a);
   for (int j = t0 / 2; j < (t1 + 1) / 2; ++j)
@@ -291,27 +294,34 @@ __attribute__((noinline)) void fold(const float* q, int64_t G, const float* kT, 
 
 #ifdef __AVX512BF16__
 constexpr bool kBf16Scores = true;
-// fold for a bf16 query against a bf16 cache: `q` [G][D / 2] bf16 pairs, unscaled (scaled
-// after the dot product); kTp [D / 2][CELL] pairs of the cell's keys and vp [CELL / 2][D]
-// key pairs of its values (put_v_pair), both straight from the cache; weights rounded to
-// bf16 for P·V; otherwise as fold. Never inlined, for the same reason.
-template <int D>
+// fold for a bf16 query against bf16 keys and values: `q` [G][D / 2] bf16 pairs, unscaled
+// (scaled after the dot product); kTp [D / 2][CELL] pairs of the cell's keys and vp
+// [CELL / 2][D] key pairs of its values (put_v_pair); weights rounded to bf16 for P·V;
+// otherwise as fold. With kLaneScales (an 8-bit cache, its codes exact in bf16), key
+// lane i's scores are multiplied by ks[i] and its weights by vs[i] (the dequantization
+// scales); without, ks and vs are not read. Never inlined, for the same reason.
+template <int D, bool kLaneScales>
 __attribute__((noinline)) void fold_bf16(const uint32_t* q, int64_t G, float scale,
-                                         const uint32_t* kTp, const uint32_t* vp, int t0,
-                                         int t1, float* m, float* l, float* acc) {
+                                         const uint32_t* kTp, const uint32_t* vp,
+                                         const float* ks, const float* vs, int t0, int t1,
+                                         float* m, float* l, float* acc) {
   const __mmask16 mask = lanes(t0, t1);
+  const __m512 ksv = kLaneScales ? _mm512_loadu_ps(ks) : _mm512_setzero_ps();
+  const __m512 vsv = kLaneScales ? _mm512_loadu_ps(vs) : _mm512_setzero_ps();
   by_heads<D>(G, [&](auto nh, int64_t g) {
     constexpr int NH = decltype(nh)::value;
     __m512 s[NH];
     scores_bf16<D, NH>(q + g * (D / 2), scale, kTp, s);
-    softmax_pv_bf16<D, NH>(s, vp, t0, t1, mask, m + g, l + g, acc + g * D);
+    if constexpr (kLaneScales)
+      for (int h = 0; h < NH; ++h) s[h] = _mm512_mul_ps(s[h], ksv);
+    softmax_pv_bf16<D, NH, kLaneScales>(s, vp, vsv, t0, t1, mask, m + g, l + g, acc + g * D);
   });
 }
 #else
 constexpr bool kBf16Scores = false;
-template <int D>  // never called (kBf16Scores is false): keeps callers' code uniform
-void fold_bf16(const uint32_t*, int64_t, float, const uint32_t*, const uint32_t*, int, int,
-               float*, float*, float*) {}
+template <int D, bool kLaneScales>  // never called (kBf16Scores is false): keeps callers uniform
+void fold_bf16(const uint32_t*, int64_t, float, const uint32_t*, const uint32_t*, const float*,
+               const float*, int, int, float*, float*, float*) {}
 template <int D>
 void put_v_pair(const uint16_t*, int64_t, uint32_t*) {}
 #endif

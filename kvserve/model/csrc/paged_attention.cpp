@@ -86,6 +86,68 @@ inline float load(const c10::Float8_e4m3fn* p, int64_t i) {
 inline float load(const c10::Float8_e5m2* p, int64_t i) {
   return fp8_to_f<2, 15>(reinterpret_cast<const uint8_t*>(p)[i]);
 }
+// The bf16 bits of a float that bf16 holds exactly (an 8-bit code: int8, e4m3, e5m2).
+inline uint16_t exact_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// bf16 bits of k * 2^-s for 0 <= k < 128 (exact: k has at most 7 significant bits).
+constexpr uint16_t scaled_int_bf16(int k, int s) {
+  if (k == 0) return 0;
+  int e = 0;
+  while ((k >> (e + 1)) != 0) ++e;  // k = 2^e * 1.f
+  const int mant = ((k - (1 << e)) << (7 - e)) & 0x7F;
+  return static_cast<uint16_t>(((e - s + 127) << 7) | mant);
+}
+
+// A row of D cache codes as bf16 bits (exact). With AVX-512, 32 at a time: int8 codes
+// through float (two conversions, one pack); fp8 codes by bit arithmetic, a normal code's
+// exponent rebased by one add, a subnormal one (exponent field 0) looked up.
+template <int D, typename ct>
+inline void codes_to_bf16(const ct* src, uint16_t* dst) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<ct, int8_t> && D % 32 == 0) {
+    for (int d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d + 16))));
+      _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    return;
+  }
+#endif
+#ifdef __AVX512BW__
+  if constexpr (std::is_same_v<ct, c10::Float8_e4m3fn> || std::is_same_v<ct, c10::Float8_e5m2>) {
+    constexpr int M = std::is_same_v<ct, c10::Float8_e4m3fn> ? 3 : 2;
+    constexpr int B = std::is_same_v<ct, c10::Float8_e4m3fn> ? 7 : 15;
+    alignas(64) static constexpr uint16_t kSub[32] = {
+        scaled_int_bf16(0, B - 1 + M), scaled_int_bf16(1, B - 1 + M),
+        scaled_int_bf16(2, B - 1 + M), scaled_int_bf16(3, B - 1 + M),
+        scaled_int_bf16(4, B - 1 + M), scaled_int_bf16(5, B - 1 + M),
+        scaled_int_bf16(6, B - 1 + M), scaled_int_bf16(7, B - 1 + M)};  // e5m2 uses 0..3
+    const __m512i sub_table = _mm512_load_si512(kSub);
+    const auto* codes = reinterpret_cast<const uint8_t*>(src);
+    for (int d = 0; d < D; d += 32) {
+      const __m512i c =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + d)));
+      const __m512i em = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
+      const __m512i normal =
+          _mm512_add_epi16(_mm512_slli_epi16(em, 7 - M), _mm512_set1_epi16((127 - B) << 7));
+      const __mmask32 is_sub = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(1 << M));
+      const __m512i mag =
+          _mm512_mask_mov_epi16(normal, is_sub, _mm512_permutexvar_epi16(em, sub_table));
+      const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
+      _mm512_storeu_si512(dst + d, _mm512_or_si512(mag, sign));
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dst[d] = exact_bf16(load(src, d));
+}
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
 inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
@@ -124,15 +186,16 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   qt* op = out.data_ptr<qt>();
   const int64_t row = Hkv * D;  // elements per cache slot
   const int64_t tile = std::max<int64_t>(1, TILE_FLOATS / (G * D));
-  // bf16 query and cache: scores by bf16 dot products on the cache's own K pairs (no
-  // conversion of K, the query unscaled); every other combination converts to float.
+  // A bf16 query against a bf16 or 8-bit cache: scores and P·V by bf16 dot products, on
+  // the cache's own K pairs (a bf16 cache) or on the 8-bit codes as bf16 (exact), their
+  // scales applied per key lane (fold_bf16); every other combination converts to float.
   // A plain (unquantized) cache has no scales: its rows are converted without the multiply
   // by 1 (the same values, fewer instructions in the loop every key goes through).
   constexpr bool scaled = !std::is_same_v<ct, float> && !std::is_same_v<ct, c10::BFloat16> &&
                           !std::is_same_v<ct, c10::Half>;
   constexpr bool bf16_scores = kvserve_cell::kBf16Scores && D % 32 == 0 &&
                                std::is_same_v<qt, c10::BFloat16> &&
-                               std::is_same_v<ct, c10::BFloat16>;
+                               (std::is_same_v<ct, c10::BFloat16> || scaled);
 
   // A thread takes all KV heads of a (sequence, tile): slot rows are [Hkv, D], so an item
   // reads each cell in one contiguous sweep instead of Hkv strided ones (measured: decode
@@ -205,6 +268,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     // in the same space.) Zeroed once: lanes a cell does not fill hold finite stale values
     // (cache values of earlier cells), always masked, with weight 0.
     std::vector<float> kv_buf(3 * Hkv * CELL * D + 16, 0.f);
+    // an 8-bit cell's scales per key lane [Hkv][CELL], K's then V's (bf16 scores)
+    std::vector<float> lane_scales(2 * Hkv * CELL, 0.f);
     float* kv_base = kv_buf.data() + (16 - reinterpret_cast<uintptr_t>(kv_buf.data()) / 4 % 16) % 16;
     auto kr = [&](int64_t h) { return kv_base + h * CELL * D; };
     auto kt = [&](int64_t h) { return kv_base + (Hkv + h) * CELL * D; };
@@ -288,18 +353,29 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) vd[d] = scaled ? load(vsrc, d) * vs : load(vsrc, d);
               } else {  // V as bf16 key pairs, here where the slot loop spaces the prefetches
-                kvserve_cell::put_v_pair<D>(reinterpret_cast<const uint16_t*>(vsrc), lane,
-                                            reinterpret_cast<uint32_t*>(vb(h)));
+                const uint16_t* vrow = reinterpret_cast<const uint16_t*>(vsrc);
+                alignas(64) uint16_t v16[D];
+                if constexpr (scaled) {  // 8-bit codes as bf16 rows, K's in kr(h)
+                  codes_to_bf16<D>(ksrc, reinterpret_cast<uint16_t*>(kr(h)) + lane * D);
+                  codes_to_bf16<D>(vsrc, v16);
+                  lane_scales[h * CELL + lane] = ks;
+                  lane_scales[(Hkv + h) * CELL + lane] = vs;
+                  vrow = v16;
+                }
+                kvserve_cell::put_v_pair<D>(vrow, lane, reinterpret_cast<uint32_t*>(vb(h)));
               }
             }
           }
           for (int64_t h = h0; h < h1; ++h) {
             uint32_t* kth = reinterpret_cast<uint32_t*>(kt(h));
-            if constexpr (bf16_scores) {  // K pairs straight from the cache, transposed
+            if constexpr (bf16_scores) {  // K pairs (from the cache, or as converted) transposed
               for (int64_t i = 0; i < CELL; ++i) {
                 const int64_t p = cell_lo + i;
                 rows[i] = zero_row.data();
-                if (p >= a && p < b)
+                if (p >= a && p < b && scaled)
+                  rows[i] = reinterpret_cast<const uint32_t*>(
+                      reinterpret_cast<const uint16_t*>(kr(h)) + i * D);
+                else if (p >= a && p < b)
                   rows[i] = reinterpret_cast<const uint32_t*>(kp + (slot0 + p - a) * row + h * D);
               }
               kvserve_cell::transpose_cell<D / 2>(rows, kth);
@@ -317,9 +393,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
               const int64_t sb = std::min(cell_hi, v.sink_end);
               auto fold = [&](int64_t t0, int64_t t1) {  // lanes [t0, t1) of the cell
                 if constexpr (bf16_scores)
-                  kvserve_cell::fold_bf16<D>(qb.data() + qoff / 2, G, static_cast<float>(scale),
-                                             kth, reinterpret_cast<const uint32_t*>(vb(h)), t0,
-                                             t1, mr, lr, ar);
+                  kvserve_cell::fold_bf16<D, scaled>(
+                      qb.data() + qoff / 2, G, static_cast<float>(scale), kth,
+                      reinterpret_cast<const uint32_t*>(vb(h)), lane_scales.data() + h * CELL,
+                      lane_scales.data() + (Hkv + h) * CELL, t0, t1, mr, lr, ar);
                 else
                   kvserve_cell::fold<D>(qf.data() + qoff, G, kt(h), vb(h), t0, t1, mr, lr, ar);
               };
