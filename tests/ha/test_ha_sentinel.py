@@ -41,12 +41,6 @@ def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
         wait_until(lambda: sentinel.master_port() != old_master, 30, "Sentinel promoted")
         assert sentinel.master_port() == sentinel.replica.port
 
-        # on the promoted master: a stream whose worker is killed mid-way fails over exactly
-        spec["extra_body"]["session_id"] = "after"
-        progress, result = [0], {}
-        t = threading.Thread(target=lambda: result.update(r=stream_via(client, spec, progress)))
-        t.start()
-        wait_until(lambda: progress[0] >= 20, 60, "stream under way")
         coord = c.coord
 
         def owner(session: str):  # Sentinel may still be settling: retry, bounded
@@ -55,18 +49,29 @@ def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
             except redis.RedisError:
                 return None
 
+        def finished(session: str) -> bool:  # its last record (published asynchronously)
+            own = owner(session)
+            return own is not None and own.state is not None and json.loads(own.state)["finished"]
+
+        # Workers write through the promoted master before the next stream starts: had its
+        # claim waited on Sentinel, the stream could end before its worker is killed (then
+        # nothing fails over, and a final record still in the publisher's retry is lost).
+        wait_until(lambda: finished("during"), 30, "the first stream's final record")
+
+        # on the promoted master: a stream whose worker is killed mid-way fails over exactly
+        spec["extra_body"]["session_id"] = "after"
+        progress, result = [0], {}
+        t = threading.Thread(target=lambda: result.update(r=stream_via(client, spec, progress)))
+        t.start()
         wait_until(lambda: owner("after") is not None, 30, "session claimed")
+        wait_until(lambda: progress[0] >= 20, 60, "stream under way")
         primary = owner("after").node
         c.workers[primary].proc.send_signal(signal.SIGKILL)
         t.join(60)
         worker, text = result["r"]
         assert worker == primary and text == want
 
-        def final() -> bool:  # the standby's last record (published asynchronously)
-            own = owner("after")
-            return own is not None and own.state is not None and json.loads(own.state)["finished"]
-
-        wait_until(final, 10, "the final record")
+        wait_until(lambda: finished("after"), 10, "the standby's final record")
         assert owner("after").node != primary
         with sentinel.replica.client() as r:  # the state is on the promoted master
             assert r.exists("kvserve:ha:session:after")
