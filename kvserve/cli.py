@@ -171,7 +171,9 @@ def _eval_perplexity(ns: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs.from_cli(ns))
     result = perplexity(engine, files, ns.context, max_tokens_per_file=ns.max_tokens_per_file)
     if ns.json:
-        print(json.dumps(dataclasses.asdict(result) | {"engine": engine.info()}, indent=2))
+        fields = dataclasses.asdict(result)
+        del fields["token_logprobs"]  # one number per token: not for a terminal
+        print(json.dumps(fields | {"engine": engine.info()}, indent=2))
     else:
         print(
             f"perplexity {result.perplexity:.3f} (NLL {result.nll:.4f} nats/token) over "

@@ -72,6 +72,8 @@ class CacheConfig:
     a model's own window). Blocks outside the window are freed as a sequence grows.
     ``swap_space`` (bytes) bounds the host memory holding swapped-out requests' K/V; it is
     taken only while requests are swapped out (0 disables swapping).
+    ``kv_cache_smooth_k``: an int8 or token-scale fp8 cache stores keys less their layer's
+    mean key, calibrated at start (``kvserve.kv.smoothing``); no effect on other caches.
     """
 
     block_size: int = 16
@@ -85,6 +87,7 @@ class CacheConfig:
     attention_sinks: int | None = None
     swap_space: int = 4 * 1024**3
     kv_cache_scales: str = "auto"
+    kv_cache_smooth_k: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_scales not in KV_CACHE_SCALES:
@@ -279,6 +282,11 @@ class EngineArgs:
         "auto: head when the checkpoint has scales or --calculate-kv-scales, else token",
         KV_CACHE_SCALES,
     )
+    kv_cache_smooth_k: bool = _arg(
+        True,
+        "int8 / token-scale fp8 KV: store keys less their layer's mean key (calibrated at "
+        "start on a text shipped with kvserve; softmax ignores the shift)",
+    )
     enable_prefix_caching: bool = _arg(True, "share full KV blocks between equal prefixes")
     prefix_cache_isolation: str = _arg(
         "none", "tenant: share prefix blocks only within a tenant", PREFIX_CACHE_ISOLATION
@@ -368,6 +376,7 @@ class EngineArgs:
             self.attention_sinks,
             parse_size(self.swap_space),
             self.kv_cache_scales,
+            self.kv_cache_smooth_k,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

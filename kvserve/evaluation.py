@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -28,6 +28,18 @@ class PerplexityResult:
     num_windows: int
     context: int
     files: tuple[str, ...]
+    # each scored token's log-probability, windows in order (for ``logprob_change``)
+    token_logprobs: tuple[float, ...] = field(default=(), repr=False)
+
+
+def logprob_change(a: PerplexityResult, b: PerplexityResult) -> float:
+    """Mean absolute change of a scored token's log-probability from ``a`` to ``b``
+    (nats): how far one KV option moves each prediction, which perplexity alone hides
+    where changes of both signs cancel. ValueError unless both scored the same tokens."""
+    if len(a.token_logprobs) != len(b.token_logprobs) or not a.token_logprobs:
+        raise ValueError("the two results did not score the same tokens")
+    diffs = (abs(x - y) for x, y in zip(a.token_logprobs, b.token_logprobs, strict=True))
+    return sum(diffs) / len(a.token_logprobs)
 
 
 def windows(token_ids: Sequence[int], context: int) -> list[list[int]]:
@@ -62,19 +74,28 @@ def perplexity(
     for rid, chunk in prompts.items():
         engine.add_request(rid, chunk, params)
     total_nll, count = 0.0, 0
+    per_window: dict[str, list[float]] = {}
     bar = tqdm(total=len(chunks), desc="perplexity", unit="window", disable=not use_tqdm)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if not out.finished:
                 continue
+            scored = per_window.setdefault(out.request_id, [])
             for entry, target in zip(
                 out.prompt_logprobs[1:], prompts[out.request_id][1:], strict=True
             ):
                 total_nll -= entry[target].logprob
+                scored.append(entry[target].logprob)
                 count += 1
             bar.update(1)
     bar.close()
     nll = total_nll / count
     return PerplexityResult(
-        math.exp(nll), nll, count, len(chunks), context, tuple(str(f) for f in files)
+        math.exp(nll),
+        nll,
+        count,
+        len(chunks),
+        context,
+        tuple(str(f) for f in files),
+        tuple(x for rid in ids for x in per_window[rid]),
     )

@@ -21,6 +21,7 @@ from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import KVOffloader
 from kvserve.kv.quant import kv_format
+from kvserve.kv.smoothing import calibration_ids
 from kvserve.kv.swap import SwapSpace
 from kvserve.model.gguf import resolve_model
 from kvserve.model.llama import LlamaForCausalLM
@@ -33,7 +34,7 @@ from kvserve.sched.scheduler import Scheduler
 from kvserve.utils import format_size, resolve_device
 from kvserve.worker.executor import MultiprocExecutor
 from kvserve.worker.inputs import InputBuilder
-from kvserve.worker.loading import ShardBuilder, ShardInputs
+from kvserve.worker.loading import ShardBuilder, ShardInputs, smooth_k_applies
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
 from kvserve.worker.parallel import ShardingError, check_shardable
@@ -95,6 +96,7 @@ class EngineBuilder:
             self.scheduler_config.max_num_batched_tokens,
             self.window,
             self.attention_sinks,
+            self._calibration_ids(),
         )
         shard: ShardBuilder | None = None
         executor: MultiprocExecutor | None = None
@@ -276,6 +278,14 @@ class EngineBuilder:
         return Replicator(
             coord, node, config.replicate_every, self.kv.block_size, pusher, checkpointer
         )
+
+    def _calibration_ids(self) -> tuple[int, ...]:
+        """K smoothing's calibration tokens when this engine's KV format takes it, else ()."""
+        cache = self.cache_config
+        fmt = kv_format(cache.kv_cache_dtype, self.dtype, cache.kv_cache_scales)
+        if not smooth_k_applies(cache, fmt):
+            return ()
+        return calibration_ids(self.tokenizer, self.spec.vocab_size)
 
     def _resolve_kv_scales(self, cache: CacheConfig) -> CacheConfig:
         """``kv_cache_scales`` ``auto`` → ``head`` for an fp8 cache whose checkpoint has

@@ -14,6 +14,13 @@ model dtype.
 - with head scales: one float32 scale per (layer, K|V, KV head), taken from the
   checkpoint's ``k_scale``/``v_scale`` when present, else 1.0, or calibrated from the first
   forward pass (``calculate_kv_scales``: ``scale = max|x| / fp8_max``).
+
+K smoothing (token scales only, ``kvserve.kv.smoothing``): a cache with a ``k_shift``
+(``[H, D]`` float32, the layer's mean key) stores ``k - k_shift`` in place of ``k``. A
+query's scores then all move by the same ``q · k_shift``, which softmax ignores, while
+the stored vectors lose the large per-channel offsets that set their scales. Readers of
+K (``read_slots``, ``gather_blocks``) return the stored, shifted keys: what attention
+needs, not the model's keys.
 """
 
 from __future__ import annotations
@@ -92,6 +99,17 @@ class QuantizedKVCache:
             self.scale = torch.ones(2, num_heads, dtype=torch.float32, device=device)
         self.calibrating = False
         self.candidates = FP8_SCALE_CANDIDATES.get(fmt.storage, 1)  # token-scale fp8 only
+        self.k_shift: torch.Tensor | None = None  # K smoothing: [H, D] float32
+
+    def set_k_shift(self, shift: torch.Tensor) -> None:
+        """Store every later key as ``k - shift`` (``[H, D]``; K smoothing). Token
+        scales only (ValueError otherwise); must precede any write."""
+        if self.fmt.scale != "token":
+            raise ValueError(f"K smoothing needs per-token scales, {self.fmt.name} has none")
+        _, _, h, d = self.data.shape
+        if tuple(shift.shape) != (h, d):
+            raise ValueError(f"k_shift must be [{h}, {d}], got {list(shift.shape)}")
+        self.k_shift = shift.detach().to(self.data.device, torch.float32).contiguous()
 
     def set_head_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Per-head fp8 scales (scalars broadcast); must precede any write."""
@@ -101,8 +119,11 @@ class QuantizedKVCache:
         self.scale[1] = v_scale.to(self.scale)
 
     def quantize(self, which: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` ``[T, H, D]`` → (stored values, per-token scales or None)."""
+        """``x`` ``[T, H, D]`` → (stored values, per-token scales or None); keys (``which``
+        0) less ``k_shift`` when it is set."""
         xf = x.float()
+        if which == 0 and self.k_shift is not None:
+            xf = xf - self.k_shift
         if self.fmt.scale == "token":
             amax = xf.abs().amax(-1)
             if self.fmt.storage == torch.int8:
@@ -170,6 +191,7 @@ class QuantizedKVCache:
                 self.scale[which],
                 kind,
                 self.candidates,
+                self.k_shift if which == 0 else None,
             )
 
     @staticmethod

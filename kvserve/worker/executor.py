@@ -86,6 +86,7 @@ class MultiprocExecutor:
         self.procs: list[subprocess.Popen] = []
         self._held: set[str] = set()
         self._parts: list[tuple] = []  # each rank's block parts (start_cache)
+        self._digest: str | None = None  # the ranks' scales/shift digests (start_cache)
         self._store_names = ("", "")  # enable_store
         self.comm_seconds = 0.0  # rank 0's time in collectives, after the last step
         self._closed = False
@@ -186,12 +187,16 @@ class MultiprocExecutor:
         self.builder = builder
         self._send(InitCache(num_blocks, swap, store))
         parts: dict[int, tuple] = {}
+        digests: dict[int, str | None] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(parts) < self.size:
             msg = self._recv(deadline, "allocating their KV caches")
             if isinstance(msg, CacheReady):
                 parts[msg.rank] = msg.parts
+                digests[msg.rank] = msg.digest
         self._parts = [parts[r] for r in range(self.size)]
+        ranks = [digests[r] for r in range(self.size)]
+        self._digest = None if all(d is None for d in ranks) else "/".join(map(str, ranks))
 
     # ---- the KV store -----------------------------------------------------------------
     def enable_store(self, model_fingerprint: str, kv_dtype: str) -> None:
@@ -210,6 +215,7 @@ class MultiprocExecutor:
             self.kv_spec.block_size,
             self.kv_spec.num_layers,
             parts,
+            scales_digest=self._digest,
         )
 
     def save_blocks(self, saves: list[KVSave], store: TieredStore) -> int:

@@ -20,6 +20,7 @@ from kvserve.config import CacheConfig, ModelConfig
 from kvserve.engine.errors import EngineError
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.quant import KVFormat, kv_format
+from kvserve.kv.smoothing import key_means
 from kvserve.model.attention import (
     CPU_KERNEL_HEAD_DIMS,
     AttentionMetadata,
@@ -55,6 +56,7 @@ class ShardInputs:
     max_num_batched_tokens: int
     window: int | None
     attention_sinks: int
+    calibration_ids: tuple[int, ...] = ()  # K smoothing's calibration text (kv/smoothing.py)
 
 
 def select_kernels(
@@ -81,6 +83,11 @@ def select_kernels(
             f"the model has {spec.head_dim}"
         )
     return TorchPagedAttention(block_size), CpuKernelOps()
+
+
+def smooth_k_applies(cache: CacheConfig, fmt: KVFormat) -> bool:
+    """True when ``fmt`` gets K smoothing: asked for, and per-token scales."""
+    return cache.kv_cache_smooth_k and fmt.scale == "token"
 
 
 def rank_kv_spec(inp: ShardInputs, fmt: KVFormat, rank: int, world: int) -> KVCacheSpec:
@@ -115,6 +122,7 @@ class ShardBuilder:
             prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
         self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype, cache.kv_cache_scales)
         self.kv_spec = rank_kv_spec(inp, self.kv_format, plan.rank, plan.size)
+        self.smooth_k = smooth_k_applies(inp.cache_config, self.kv_format)
 
     @property
     def weight_bytes(self) -> int:
@@ -139,8 +147,23 @@ class ShardBuilder:
         return blocks
 
     def allocate(self, num_blocks: int) -> list:
-        """Per-layer caches; fp8 caches get the checkpoint's scales or calibrate."""
+        """Per-layer caches; fp8 caches get the checkpoint's scales or calibrate; token-scale
+        caches get their K smoothing shift (a forward pass: a collective under TP)."""
         caches = self.kv_spec.allocate(num_blocks, self.device, self.kv_format)
+        if self.smooth_k:
+            means = key_means(
+                self.model,
+                self.inp.calibration_ids,
+                self.kv_spec.block_size,
+                self.inp.max_model_len,
+                self.inp.dtype,
+                self.device,
+                self.kv_spec.num_kv_heads,
+                self.kv_spec.head_dim,
+            )
+            for cache, mean in zip(caches, means, strict=True):
+                cache.set_k_shift(mean)
+            logger.info("K smoothing: keys stored less their mean key per layer")
         if self.kv_format.scale == "head":
             scales = load_kv_scales(self.inp.model_dir, self.inp.spec.num_layers)
             calibrate = self.inp.cache_config.calculate_kv_scales

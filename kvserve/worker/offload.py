@@ -1,8 +1,8 @@
 """The worker's side of the KV store: block bytes in and out of the KV tensors.
 
 - ``block_format()``: the format this worker's blocks are stored in (model, KV dtype,
-  shapes; fp8 per-head scales by digest, recomputed per use: they may be calibrated after
-  start).
+  shapes; fp8 per-head scales and K smoothing's shifts by digest, recomputed per use: the
+  scales may be calibrated after start).
 - ``load(loads)``: each ``KVLoad``'s fetched payload rows into its device blocks. The
   engine runs it before the step's forward pass (from the ``SchedulerOutput``), so a
   request scheduled in the step its load finished reads its restored blocks.
@@ -49,11 +49,19 @@ class KVTransfer:
         self.row_slice: tuple[int, int] | None = None  # (offset, bytes) under TP
 
     def block_format(self) -> serde.BlockFormat:
+        """The stored format; its digest covers fp8 per-head scales and K smoothing's
+        shifts (blocks written under other ones are a miss)."""
         digest = None
-        if isinstance(self.caches[0], QuantizedKVCache) and self.caches[0].fmt.scale == "head":
+        first = self.caches[0]
+        if isinstance(first, QuantizedKVCache) and (
+            first.fmt.scale == "head" or first.k_shift is not None
+        ):
             h = hashlib.blake2b(digest_size=8)
             for c in self.caches:
-                h.update(c.scale.detach().cpu().numpy().tobytes())
+                if c.fmt.scale == "head":
+                    h.update(c.scale.detach().cpu().numpy().tobytes())
+                if c.k_shift is not None:
+                    h.update(b"k_shift" + c.k_shift.detach().cpu().numpy().tobytes())
             digest = h.hexdigest()
         return serde.BlockFormat(*self._base, scales_digest=digest)
 

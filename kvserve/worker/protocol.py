@@ -59,6 +59,7 @@ class InitCache:
 class CacheReady:
     rank: int
     parts: tuple  # per layer, (dtype name, shape) of each part of one block (serde)
+    digest: str | None = None  # its blocks' scales/shift digest (KVTransfer.block_format)
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,8 @@ def _loop(wa: WorkerArgs, store, sub: zmq.Socket, push: zmq.Socket, shard: Shard
             if msg.store:
                 transfer.row_slice = _row_slice(shard, wa.rank, wa.world_size)
                 runner.kv_transfer = transfer
-            push.send(pickle.dumps(CacheReady(wa.rank, transfer.parts)))
+            digest = transfer.block_format().scales_digest
+            push.send(pickle.dumps(CacheReady(wa.rank, transfer.parts, digest)))
             continue
         assert runner is not None, "a step before InitCache"
         if isinstance(msg, SaveBlocks):

@@ -11,6 +11,9 @@
 // shifting the whole vector by a fraction of a binade picks the placement that rounds it
 // best; the stored meaning (value = code * scale) is the same as with the plain scale.
 //
+// With a shift ([H, D] float32, K smoothing: kvserve/kv/smoothing.py) each vector is
+// quantized as x - shift[h], the difference taken in float.
+//
 // Each (token, head) vector is quantized on its own: the result never depends on the
 // batch, the chunking or the thread (the determinism rule of paged_attention.cpp).
 #include <ATen/Parallel.h>
@@ -25,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -111,7 +115,7 @@ float int8_vector(const float* x, int64_t D, float amax, uint8_t* out) {
 
 template <typename T>
 void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10::Half* scale,
-                   int64_t kind, int64_t candidates) {
+                   int64_t kind, int64_t candidates, const float* shift) {
   const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), stride = x.stride(0);
   const T* xp = x.data_ptr<T>();
   std::vector<float> steps(candidates);  // the scale multipliers 2^(i / candidates)
@@ -124,10 +128,10 @@ void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10
       const int64_t t = i / H, h = i % H;
       const T* src = xp + t * stride + h * D;
       float amax = 0.f;
-      for (int64_t d = 0; d < D; ++d) {
-        xf[d] = to_f(src[d]);
-        amax = std::max(amax, std::fabs(xf[d]));
-      }
+      for (int64_t d = 0; d < D; ++d) xf[d] = to_f(src[d]);
+      if (shift != nullptr)
+        for (int64_t d = 0; d < D; ++d) xf[d] -= shift[h * D + d];
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(xf[d]));
       uint8_t* dst = data + (slots[t] * H + h) * D;
       float sf;
       if (kind == 0)
@@ -144,9 +148,10 @@ void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10
 // x [T, H, D] (float, bfloat16 or float16; rows may be strided, heads contiguous), slots
 // [T] int64; data [num_slots, H, D] uint8 (a view of the int8/fp8 cache), scale
 // [num_slots, H] float16. kind: 0 int8, 1 fp8_e4m3fn, 2 fp8_e5m2; candidates: the number
-// of fp8 scales tried (1 = max|x| / fp8_max only). Writes data[slots] and scale[slots].
+// of fp8 scales tried (1 = max|x| / fp8_max only); shift: None, or float32 [H, D]
+// subtracted from every vector first. Writes data[slots] and scale[slots].
 void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data, at::Tensor scale,
-                 int64_t kind, int64_t candidates) {
+                 int64_t kind, int64_t candidates, const std::optional<at::Tensor>& shift) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "quantize_kv: x must be [T, H, D] with contiguous heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
@@ -158,15 +163,22 @@ void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data, 
                   scale.numel() == data.size(0) * data.size(1),
               "quantize_kv: scale must be float16 [slots, H]");
   TORCH_CHECK(kind >= 0 && kind <= 2 && candidates >= 1, "quantize_kv: bad kind/candidates");
+  const float* shp = nullptr;
+  if (shift.has_value()) {
+    TORCH_CHECK(shift->scalar_type() == at::kFloat && shift->is_contiguous() &&
+                    shift->dim() == 2 && shift->size(0) == x.size(1) && shift->size(1) == x.size(2),
+                "quantize_kv: shift must be float32 [H, D]");
+    shp = shift->data_ptr<float>();
+  }
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.numel(); ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < data.size(0), "quantize_kv: slot out of range");
   uint8_t* dp = data.data_ptr<uint8_t>();
   c10::Half* scp = scale.data_ptr<c10::Half>();
   switch (x.scalar_type()) {
-    case at::kFloat: return quantize_rows<float>(x, sp, dp, scp, kind, candidates);
-    case at::kBFloat16: return quantize_rows<c10::BFloat16>(x, sp, dp, scp, kind, candidates);
-    case at::kHalf: return quantize_rows<c10::Half>(x, sp, dp, scp, kind, candidates);
+    case at::kFloat: return quantize_rows<float>(x, sp, dp, scp, kind, candidates, shp);
+    case at::kBFloat16: return quantize_rows<c10::BFloat16>(x, sp, dp, scp, kind, candidates, shp);
+    case at::kHalf: return quantize_rows<c10::Half>(x, sp, dp, scp, kind, candidates, shp);
     default: TORCH_CHECK(false, "quantize_kv: unsupported dtype ", x.scalar_type());
   }
 }
@@ -210,6 +222,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor slots, Tensor(a!) cache) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
   m.def("quantize_kv(Tensor x, Tensor slots, Tensor(a!) data, Tensor(b!) scale, int kind, "
-        "int candidates) -> ()");
+        "int candidates, Tensor? shift=None) -> ()");
   m.impl("quantize_kv", c10::DispatchKey::CPU, TORCH_FN(quantize_kv));
 }
