@@ -29,6 +29,7 @@
 #include <cstring>
 
 #include "float_convert.h"
+#include "ops.h"
 #include "silu16.h"
 
 namespace {
@@ -247,6 +248,18 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& wp,
 }
 
 }  // namespace
+
+
+namespace kvserve {  // entry points for C++ callers (ops.h)
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  return ::bf16_linear(x, wp, bias, n);
+}
+at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& wp,
+                                const std::optional<at::Tensor>& bias, int64_t inter) {
+  return ::bf16_linear_silu_mul(x, wp, bias, inter);
+}
+}  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("bf16_gemm_available() -> bool", &bf16_gemm_available);  // no tensors: catch-all

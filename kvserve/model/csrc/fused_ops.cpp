@@ -14,6 +14,7 @@
 
 #include "attention_cell.h"
 #include "float_convert.h"
+#include "ops.h"
 #include "silu16.h"
 
 #include <cmath>
@@ -285,6 +286,21 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }
 
 }  // namespace
+
+
+namespace kvserve {  // entry points for C++ callers (ops.h)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return ::rms_norm(x, w, eps);
+}
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w,
+                        double eps) {
+  return ::add_rms_norm(x, std::move(residual), w, eps);
+}
+void rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::Tensor& cos,
+          const at::Tensor& sin) {
+  ::rope(positions, std::move(q), std::move(k), cos, sin);
+}
+}  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

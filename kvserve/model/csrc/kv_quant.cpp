@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "float_convert.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -217,6 +218,19 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
 }
 
 }  // namespace
+
+
+namespace kvserve {  // entry points for C++ callers (ops.h)
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+              at::Tensor cache) {
+  ::write_kv(k, v, slots, std::move(cache));
+}
+void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data,
+                 at::Tensor scale, int64_t kind, int64_t candidates,
+                 const std::optional<at::Tensor>& shift) {
+  ::quantize_kv(x, slots, std::move(data), std::move(scale), kind, candidates, shift);
+}
+}  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor slots, Tensor(a!) cache) -> ()");

@@ -35,6 +35,8 @@
 #include <vector>
 
 #include "attention_cell.h"
+#include "kv_codes.h"
+#include "ops.h"
 
 namespace {
 
@@ -43,114 +45,7 @@ using kvserve_cell::NEG_BIG;  // finite "minus infinity" (the build uses -ffast-
 constexpr int64_t PREFETCH_CELLS = 4;  // how far ahead a sequence's K/V are prefetched
 constexpr int64_t TILE_FLOATS = 4096;  // query rows per work item: this many floats of q
 
-// Quantized caches: int8 has float16 scales per (slot, KV head); fp8 has float32 scales per
-// KV head. Null pointers for a plain cache.
-struct Scales {
-  const c10::Half* k = nullptr;  // per token (int8)
-  const c10::Half* v = nullptr;
-  const float* k_head = nullptr;  // per head (fp8)
-  const float* v_head = nullptr;
-};
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-inline float load(const c10::BFloat16* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
-// fp8 code -> float by bit arithmetic (vectorizes; c10's conversion does not): a normal
-// code's exponent is rebased from bias B to 127, a subnormal one is a multiple of
-// 2^(1-B-M). Exact for every code but NaN (never stored: writes clamp to the max).
-template <int M, int B>
-inline float fp8_to_f(uint8_t c) {
-  constexpr float kSubUnit = 1.f / static_cast<float>(1u << (B - 1 + M));
-  const uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
-  const uint32_t em = c & 0x7Fu;
-  const uint32_t nbits = (em << (23 - M)) + (static_cast<uint32_t>(127 - B) << 23);
-  float normal, sub = static_cast<float>(em) * kSubUnit;
-  std::memcpy(&normal, &nbits, sizeof(normal));
-  uint32_t mag;
-  const float v = em >= (1u << M) ? normal : sub;
-  std::memcpy(&mag, &v, sizeof(mag));
-  mag |= sign;
-  float out;
-  std::memcpy(&out, &mag, sizeof(out));
-  return out;
-}
-inline float load(const c10::Float8_e4m3fn* p, int64_t i) {
-  return fp8_to_f<3, 7>(reinterpret_cast<const uint8_t*>(p)[i]);
-}
-inline float load(const c10::Float8_e5m2* p, int64_t i) {
-  return fp8_to_f<2, 15>(reinterpret_cast<const uint8_t*>(p)[i]);
-}
-// The bf16 bits of a float that bf16 holds exactly (an 8-bit code: int8, e4m3, e5m2).
-inline uint16_t exact_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// bf16 bits of k * 2^-s for 0 <= k < 128 (exact: k has at most 7 significant bits).
-constexpr uint16_t scaled_int_bf16(int k, int s) {
-  if (k == 0) return 0;
-  int e = 0;
-  while ((k >> (e + 1)) != 0) ++e;  // k = 2^e * 1.f
-  const int mant = ((k - (1 << e)) << (7 - e)) & 0x7F;
-  return static_cast<uint16_t>(((e - s + 127) << 7) | mant);
-}
-
-// A row of D cache codes as bf16 bits (exact). With AVX-512, 32 at a time: int8 codes
-// through float (two conversions, one pack); fp8 codes by bit arithmetic, a normal code's
-// exponent rebased by one add, a subnormal one (exponent field 0) looked up.
-template <int D, typename ct>
-inline void codes_to_bf16(const ct* src, uint16_t* dst) {
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<ct, int8_t> && D % 32 == 0) {
-    for (int d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
-      const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d + 16))));
-      _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-    return;
-  }
-#endif
-#ifdef __AVX512BW__
-  if constexpr (std::is_same_v<ct, c10::Float8_e4m3fn> || std::is_same_v<ct, c10::Float8_e5m2>) {
-    constexpr int M = std::is_same_v<ct, c10::Float8_e4m3fn> ? 3 : 2;
-    constexpr int B = std::is_same_v<ct, c10::Float8_e4m3fn> ? 7 : 15;
-    alignas(64) static constexpr uint16_t kSub[32] = {
-        scaled_int_bf16(0, B - 1 + M), scaled_int_bf16(1, B - 1 + M),
-        scaled_int_bf16(2, B - 1 + M), scaled_int_bf16(3, B - 1 + M),
-        scaled_int_bf16(4, B - 1 + M), scaled_int_bf16(5, B - 1 + M),
-        scaled_int_bf16(6, B - 1 + M), scaled_int_bf16(7, B - 1 + M)};  // e5m2 uses 0..3
-    const __m512i sub_table = _mm512_load_si512(kSub);
-    const auto* codes = reinterpret_cast<const uint8_t*>(src);
-    for (int d = 0; d < D; d += 32) {
-      const __m512i c =
-          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + d)));
-      const __m512i em = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
-      const __m512i normal =
-          _mm512_add_epi16(_mm512_slli_epi16(em, 7 - M), _mm512_set1_epi16((127 - B) << 7));
-      const __mmask32 is_sub = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(1 << M));
-      const __m512i mag =
-          _mm512_mask_mov_epi16(normal, is_sub, _mm512_permutexvar_epi16(em, sub_table));
-      const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
-      _mm512_storeu_si512(dst + d, _mm512_or_si512(mag, sign));
-    }
-    return;
-  }
-#endif
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) dst[d] = exact_bf16(load(src, d));
-}
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
-inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
+using namespace kvserve_codes;  // load, store, codes_to_bf16, Scales
 
 struct Item {  // one sequence's query rows [r0, r1) against its KV heads [h0, h1)
   int64_t seq, r0, r1, h0, h1, cost;
@@ -556,3 +451,15 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
+
+namespace kvserve {  // entry point for C++ callers (ops.h)
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& tables,
+                           const at::Tensor& lens, const at::Tensor& query_start, double scale,
+                           int64_t window, int64_t sinks,
+                           const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
+  return ::paged_attention(q, k_cache, v_cache, tables, lens, query_start, scale, window, sinks,
+                           k_scale, v_scale);
+}
+}  // namespace kvserve
