@@ -173,6 +173,11 @@ class QuantizedKVCache:
             if s is not None:
                 self.scale[which].index_copy_(0, slots, s)
 
+    @property
+    def kernel_kind(self) -> int:
+        """The storage type as the C++ kernels number it (``quantize_kv``'s ``kind``)."""
+        return _KINDS[self.fmt.storage]
+
     def write_cpu(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``write`` through the C++ kernel (``torch.ops.kvserve.quantize_kv``, one call
         each for K and V; the same codes and scales): for a CPU cache with per-token
@@ -180,7 +185,7 @@ class QuantizedKVCache:
         if self.fmt.scale != "token" or not self.data.is_cpu:
             self.write(slots, k, v)
             return
-        kind = _KINDS[self.fmt.storage]
+        kind = self.kernel_kind
         for which, x in ((0, k), (1, v)):
             if x.stride(-1) != 1 or x.stride(1) != x.shape[2]:
                 x = x.contiguous()

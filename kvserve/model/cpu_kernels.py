@@ -2,9 +2,10 @@
 
 ``load_cpu_kernels()`` returns True when ``torch.ops.kvserve`` has the paged attention
 (decode and prefill rows), the fused element-wise ops (RMSNorm, add+RMSNorm, SiLU-and-mul,
-RoPE), the quantized KV writes, the bf16 GEMM of the linear layers and the shared-memory
-collectives of local tensor-parallel ranks. A machine without a working compiler/ninja gets
-False (and a logged reason); callers then fall back to the portable PyTorch path.
+RoPE), the quantized KV writes, the bf16 GEMM of the linear layers, the decoder stack in one
+call and the shared-memory collectives of local tensor-parallel ranks. A machine without a
+working compiler/ninja gets False (and a logged reason); callers then fall back to the
+portable PyTorch path.
 
 The build is cached under torch's extension directory (``TORCH_EXTENSIONS_DIR``) with a
 name keyed by a hash of the sources (``csrc/*.cpp`` and ``*.h``), the torch version, the
@@ -36,6 +37,7 @@ _SOURCES = [
         "kv_quant.cpp",
         "shm_comm.cpp",
         "bf16_gemm.cpp",
+        "decoder_stack.cpp",
     )
 ]
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -43,7 +45,7 @@ _LDFLAGS = ("-fopenmp",)
 _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
     "shm_all_reduce", "shm_gather", "quantize_kv", "write_kv", "bf16_linear",
-    "bf16_linear_silu_mul", "argmax_rows",
+    "bf16_linear_silu_mul", "argmax_rows", "decoder_stack",
 )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.fused_stack import FusedStack
 from kvserve.model.ops import TorchOps
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.model.spec import ModelSpec
@@ -182,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         # a packed copy of the tied embeddings for the LM head (``model.linear``)
         self.lm_head_packed: nn.Module | None = None
+        # the layers in one C++ call (``model.fused_stack``), set after prepacking
+        self.fused_stack: FusedStack | None = None
 
     def init_rope(self, device: torch.device, max_positions: int) -> None:
         self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, device)
@@ -196,9 +199,15 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "init_rope() must be called before forward()"
         x = self._embed(input_ids)
         tables = self.rope.tables(x.dtype, meta.max_position)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, tables, cache, meta)
+        fused = None
+        if self.fused_stack is not None:
+            fused = self.fused_stack(x, positions, tables, kv_caches, meta)
+        if fused is not None:
+            x, residual = fused
+        else:
+            residual = None
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(positions, x, residual, tables, cache, meta)
         assert residual is not None
         return self.norm.add_forward(x, residual)[0]
 

@@ -29,6 +29,7 @@ from kvserve.model.attention import (
     TorchPagedAttention,
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.fused_stack import FusedStack
 from kvserve.model.linear import prepack_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
@@ -120,6 +121,7 @@ class ShardBuilder:
         )
         if inp.model_config.attention_backend != "torch":
             prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
+            self.model.fused_stack = FusedStack.build(self.model)  # None unless all kernels
         self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype, cache.kv_cache_scales)
         self.kv_spec = rank_kv_spec(inp, self.kv_format, plan.rank, plan.size)
         self.smooth_k = smooth_k_applies(inp.cache_config, self.kv_format)

@@ -1,0 +1,126 @@
+// Every decoder layer of a Llama-family model in one call (torch.ops.kvserve.decoder_stack):
+// the same kernels, in the same order and on the same tensors, as the Python layers call one
+// by one (kvserve/model/llama.py with CpuKernelOps, CpuPagedAttention and kvserve's bf16
+// GEMM), so the result is equal bit for bit. What it saves is the Python between them: per
+// layer ~10 op calls from Python, their views and the nn.Module calls (~70 µs a layer).
+//
+// Per layer l: h = add_rms_norm(x, residual, in_norm) (layer 0: residual = x,
+// h = rms_norm(x)); qkv = bf16_linear(h); rope on q, k; K/V written to the cache (copied,
+// or quantized with per-token scales and K's shift); o = paged_attention;
+// h = add_rms_norm(bf16_linear(o), residual, post_norm); x = down(gate_up_silu(h)).
+// Returns (x, residual); the stack's output is norm(x + residual), left to the caller.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kWeightsPerLayer = 6;  // in_norm, qkv, o, post_norm, gate_up, down
+constexpr int64_t kBiasesPerLayer = 4;   // qkv, o, gate_up, down (each may be None)
+
+// dims: {num_heads, num_kv_heads, head_dim, hidden, inter, block_size}
+struct Dims {
+  int64_t heads, kv_heads, head_dim, hidden, inter, block_size;
+  int64_t q_size() const { return heads * head_dim; }
+  int64_t kv_size() const { return kv_heads * head_dim; }
+};
+
+Dims read_dims(c10::IntArrayRef d) {
+  TORCH_CHECK(d.size() == 6, "decoder_stack: dims must be [heads, kv_heads, head_dim, hidden, "
+              "inter, block_size]");
+  for (int64_t v : d) TORCH_CHECK(v > 0, "decoder_stack: dims must be positive");
+  return Dims{d[0], d[1], d[2], d[3], d[4], d[5]};
+}
+
+// One layer's K/V: a plain cache [2, slots, H, D] of the activations' dtype (kind < 0), or
+// the codes [2, slots, H, D] of a token-scale int8/fp8 cache with scales [2, slots, H]
+// float16, quantize_kv's kind and candidates, and K's shift (None, or [H, D] float32).
+void write_layer(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                 const at::Tensor& cache, const std::optional<at::Tensor>& scales,
+                 const std::optional<at::Tensor>& shift, int64_t kind, int64_t candidates) {
+  if (kind < 0) {
+    kvserve::write_kv(k, v, slots, cache);
+    return;
+  }
+  TORCH_CHECK(scales.has_value(), "decoder_stack: a quantized cache needs its scales");
+  kvserve::quantize_kv(k, slots, cache.select(0, 0).view(at::kByte), scales->select(0, 0), kind,
+                       candidates, shift);
+  kvserve::quantize_kv(v, slots, cache.select(0, 1).view(at::kByte), scales->select(0, 1), kind,
+                       candidates, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_stack(
+    const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList weights,
+    const c10::List<std::optional<at::Tensor>>& biases, at::TensorList caches,
+    const c10::List<std::optional<at::Tensor>>& scales,
+    const c10::List<std::optional<at::Tensor>>& k_shifts, const at::Tensor& slots,
+    const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& query_start,
+    c10::IntArrayRef dims, double eps, double scale, int64_t window, int64_t sinks,
+    int64_t kv_kind, int64_t candidates) {
+  const Dims dm = read_dims(dims);
+  const int64_t layers = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(layers > 0, "decoder_stack: no layers");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers &&
+                  static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers &&
+                  static_cast<int64_t>(scales.size()) == layers &&
+                  static_cast<int64_t>(k_shifts.size()) == layers,
+              "decoder_stack: ", layers, " caches need ", kWeightsPerLayer * layers,
+              " weights, ", kBiasesPerLayer * layers, " biases and ", layers,
+              " scales and shifts");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == dm.hidden && x_in.is_contiguous(),
+              "decoder_stack: x must be contiguous [tokens, hidden]");
+  TORCH_CHECK(kv_kind >= -1 && kv_kind <= 2, "decoder_stack: kv_kind must be -1, 0, 1 or 2");
+  const int64_t t = x_in.size(0), qs = dm.q_size(), kvs = dm.kv_size();
+  const int64_t nqkv = qs + 2 * kvs;
+  at::Tensor x = x_in, residual, h;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = &weights[kWeightsPerLayer * l];
+    const int64_t b = kBiasesPerLayer * l;
+    if (l == 0) {
+      residual = x;
+      h = kvserve::rms_norm(x, w[0], eps);
+    } else {
+      h = kvserve::add_rms_norm(x, residual, w[0], eps);
+    }
+    at::Tensor qkv = kvserve::bf16_linear(h, w[1], biases.get(b), nqkv);
+    at::Tensor q = qkv.narrow(1, 0, qs).view({t, dm.heads, dm.head_dim});
+    at::Tensor k = qkv.narrow(1, qs, kvs).view({t, dm.kv_heads, dm.head_dim});
+    at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({t, dm.kv_heads, dm.head_dim});
+    kvserve::rope(positions, q, k, cos, sin);
+    const at::Tensor& cache = caches[l];
+    const std::optional<at::Tensor> sc = scales.get(l);
+    write_layer(k, v, slots, cache, sc, k_shifts.get(l), kv_kind, candidates);
+    std::optional<at::Tensor> ks, vs;
+    if (kv_kind >= 0) {
+      ks = sc->select(0, 0);
+      vs = sc->select(0, 1);
+    }
+    const auto blocks = cache.select(0, 0).view({-1, dm.block_size, dm.kv_heads, dm.head_dim});
+    const auto vblocks = cache.select(0, 1).view({-1, dm.block_size, dm.kv_heads, dm.head_dim});
+    at::Tensor o = kvserve::paged_attention(q, blocks, vblocks, tables, lens, query_start, scale,
+                                            window, sinks, ks, vs);
+    o = kvserve::bf16_linear(o.view({t, qs}), w[2], biases.get(b + 1), dm.hidden);
+    h = kvserve::add_rms_norm(o, residual, w[3], eps);
+    at::Tensor g = kvserve::bf16_linear_silu_mul(h, w[4], biases.get(b + 2), dm.inter);
+    x = kvserve::bf16_linear(g, w[5], biases.get(b + 3), dm.hidden);
+  }
+  return {x, residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("decoder_stack(Tensor(c!) x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
+        "Tensor?[] biases, Tensor(a!)[] caches, Tensor(b!)?[] scales, Tensor?[] k_shifts, "
+        "Tensor slots, Tensor tables, Tensor lens, Tensor query_start, int[] dims, float eps, "
+        "float scale, int window, int sinks, int kv_kind, int candidates) -> (Tensor, Tensor)");
+  m.impl("decoder_stack", c10::DispatchKey::CPU, TORCH_FN(decoder_stack));
+}

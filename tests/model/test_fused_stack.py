@@ -1,0 +1,107 @@
+"""The decoder stack in one C++ call (``model.fused_stack``) equals the Python layer loop bit
+for bit, on every step an engine runs (prefill chunks, decodes, prefix-cache hits), for
+plain, int8 and fp8 caches, with QKV bias and a sliding window; models and caches it cannot
+run take the Python loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import greedy, make_engine, random_prompts, run_to_end
+
+from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.fused_stack import FusedStack
+from kvserve.model.linear import kernel_gemm_preferred
+
+BF16 = torch.bfloat16
+OWN_GEMM = kernel_gemm_preferred(BF16, torch.device("cpu"))  # else oneDNN: nothing to fuse
+
+
+def _check_every_forward(model) -> list[int]:
+    """Make ``model.forward`` run the Python loop, then the fused stack, on each step's
+    inputs and assert that the stack ran and gave the same output; returns the list that
+    collects each step's token count."""
+    fused, forward, steps = model.fused_stack, model.forward, []
+
+    def stack(*args):
+        out = fused(*args)
+        assert out is not None, "the fused stack refused a step"
+        return out
+
+    def checked(ids, positions, caches, meta):
+        model.fused_stack = None
+        ref = forward(ids, positions, caches, meta)
+        model.fused_stack = stack
+        got = forward(ids, positions, caches, meta)
+        assert torch.equal(ref, got), f"step {len(steps)} of {ids.numel()} tokens differs"
+        steps.append(ids.numel())
+        return got
+
+    model.forward = checked
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("kind", "kv"),
+    [("llama", "auto"), ("llama", "int8"), ("mistral", "fp8_e4m3"), ("qwen2", "auto")],
+)
+def test_fused_stack_equals_the_python_loop_on_every_step(model_dirs, kind, kv):
+    """Chunked prefills beside decodes (16-token budget), then prompts that share a cached
+    prefix; mistral has a sliding window of 12 and one KV head, qwen2 has QKV biases."""
+    engine = make_engine(
+        model_dirs[kind], dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=16
+    )
+    model = engine.runner.model
+    if not OWN_GEMM:  # oneDNN's linears: the stack stays in Python
+        assert model.fused_stack is None
+        return
+    assert model.fused_stack is not None
+    steps = _check_every_forward(model)
+    prompts = random_prompts([5, 30, 17, 40], seed=3)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", p, greedy(6))
+    first = run_to_end(engine)
+    for i, p in enumerate(prompts[1:3]):  # same prefix, new tails: cache hits
+        engine.add_request(f"b{i}", [*p[:16], 7, 8, 9], greedy(4))
+    second = run_to_end(engine)
+    assert all(len(v) == 6 for v in first.values()) and all(len(v) == 4 for v in second.values())
+    assert len(steps) > 10 and max(steps) == 16 and min(steps) < 16
+
+
+def test_models_and_caches_it_cannot_run_take_the_python_loop(model_dirs):
+    assert load_cpu_kernels()
+    qwen3 = make_engine(model_dirs["qwen3"], dtype="bfloat16")  # q/k norms
+    assert qwen3.runner.model.fused_stack is None
+    fp32 = make_engine(model_dirs["llama"], dtype="float32")  # no packed GEMM
+    assert fp32.runner.model.fused_stack is None
+    head = make_engine(
+        model_dirs["llama"], dtype="bfloat16", kv_cache_dtype="fp8_e4m3", kv_cache_scales="head"
+    )
+    stack = head.runner.model.fused_stack
+    assert (stack is not None) == OWN_GEMM
+    if stack is not None:  # head scales are written by Python: the step falls back
+        assert stack.cache_args(head.runner.kv_caches) is None
+    for e in (qwen3, fp32, head):
+        e.add_request("r", list(range(3, 20)), greedy(3))
+        assert len(run_to_end(e)["r"]) == 3
+
+
+def test_bad_arguments_are_refused_with_a_clear_error():
+    assert load_cpu_kernels()
+    x = torch.zeros(2, 64, dtype=BF16)
+    cache = torch.zeros(2, 16, 2, 16, dtype=BF16)
+    idx = torch.zeros(2, dtype=torch.long)
+    args = [x, idx, x, x, [x] * 5, [None] * 4, [cache], [None], [None], idx]
+    rest = [torch.zeros(1, 1, dtype=torch.long), idx[:1], torch.tensor([0, 2])]
+    with pytest.raises(RuntimeError, match="decoder_stack: 1 caches need 6 weights"):
+        torch.ops.kvserve.decoder_stack(
+            *args, *rest, [4, 2, 16, 64, 96, 16], 1e-5, 0.25, 0, 0, -1, 1
+        )
+    args[4] = [x] * 6
+    with pytest.raises(RuntimeError, match="decoder_stack: dims must be"):
+        torch.ops.kvserve.decoder_stack(*args, *rest, [4, 2, 16], 1e-5, 0.25, 0, 0, -1, 1)
+    with pytest.raises(RuntimeError, match="kv_kind"):
+        torch.ops.kvserve.decoder_stack(
+            *args, *rest, [4, 2, 16, 64, 96, 16], 1e-5, 0.25, 0, 0, 5, 1
+        )
+    assert FusedStack.build(torch.nn.Linear(2, 2)) is None
