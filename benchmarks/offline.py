@@ -216,8 +216,10 @@ def machine_roofline() -> dict:
     return {"copy_bandwidth_GBps": bw / 1e9, "bf16_matmul_TFLOPs": flops / 1e12}
 
 
-def model_costs(a: argparse.Namespace) -> dict:
-    h, i, layers, v = SMOL["hidden_size"], SMOL["intermediate_size"], 30, SMOL["vocab_size"]
+def model_costs(a: argparse.Namespace, vocab: int) -> dict:
+    """Parameters, bytes and FLOPs of the SmolLM2-135M shape with a ``vocab`` rows' LM head
+    (8,192 for the random-weight model, 49,152 for the real checkpoint)."""
+    h, i, layers, v = SMOL["hidden_size"], SMOL["intermediate_size"], 30, vocab
     hd = h // SMOL["num_attention_heads"]
     kv = SMOL["num_key_value_heads"] * hd
     params = layers * (2 * h * h + 2 * h * kv + 3 * h * i) + v * h
@@ -229,7 +231,9 @@ def model_costs(a: argparse.Namespace) -> dict:
         "kv_bytes_per_token": kv_bytes_per_token,
         "decode_step_kv_bytes": int(a.num_prompts * avg_ctx * kv_bytes_per_token),
         "decode_step_flops": 2 * params * a.num_prompts,
-        "prefill_flops": 2 * params * a.num_prompts * a.input_len,
+        # every prompt token through the layers, one logits row per prompt
+        "prefill_flops": 2 * (params - v * h) * a.num_prompts * a.input_len
+        + 2 * v * h * a.num_prompts,
     }
 
 
@@ -300,7 +304,8 @@ def main() -> None:
     for e, rs in runs.items():
         tps = [r["output_tok_s"] for r in rs]
         summary[e] = {"median_output_tok_s": statistics.median(tps), "runs": rs}
-    costs = model_costs(a)
+    vocab = json.loads((Path(a.model_dir) / "config.json").read_text())["vocab_size"]
+    costs = model_costs(a, vocab)
     roof = machine_roofline()
     step_bytes = costs["weight_bytes"] + costs["decode_step_kv_bytes"]
     # a copy moves 2x its size; streaming reads alone run at about the copy's traffic rate

@@ -16,7 +16,7 @@ with the same model, kvserve and device type. Blocks written under another ``μ`
 foreign: the KV store's block format carries a digest of it (``worker/offload.py``).
 
 On SmolLM2-135M-Instruct (BENCHMARKS.md, ninth round) it cut the mean per-token change of
-log-likelihood against a bf16 cache by 11–13 % for int8 and fp8_e4m3.
+log-likelihood against a bf16 cache by 12 % for int8 and for fp8_e4m3.
 """
 
 from __future__ import annotations
