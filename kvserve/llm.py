@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.config import EngineArgs
+from kvserve.engine.gc_heap import freeze_startup_heap, unfreeze_heap
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output import OutputProcessor
 from kvserve.request import RequestOutput
@@ -53,13 +54,16 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self.outputs = OutputProcessor(self.engine.tokenizer)
         self._counter = itertools.count()
+        freeze_startup_heap()  # no full collections walking the model (close() undoes it)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
     def close(self) -> None:
-        """Flush queued KV store writes and close the store (``kv_store=`` only)."""
+        """Flush queued KV store writes and close the store (``kv_store=`` only); give the
+        process's frozen startup objects back to the garbage collector."""
         self.engine.close()
+        unfreeze_heap()
 
     def __enter__(self) -> LLM:
         return self

@@ -42,6 +42,7 @@ import zmq
 from kvserve.config import EngineArgs
 from kvserve.engine import kv_metrics
 from kvserve.engine.errors import EngineError
+from kvserve.engine.gc_heap import freeze_startup_heap
 from kvserve.engine.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -326,6 +327,7 @@ def run_engine_core(
         sys.exit(1)
     if engine.replicator is not None and engine.replicator.pusher is not None:
         engine.replicator.pusher.secret = cluster_secret
+    freeze_startup_heap()  # this process serves until it exits: never unfrozen
     out.send(enc.encode(engine_info(engine)))
     loop = CoreLoop(engine, inp, out, parent_pid)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import subprocess
 import sys
@@ -173,3 +174,12 @@ def test_cli_reports_bad_model_dir_cleanly(tmp_path):
     )
     assert proc.returncode == 2
     assert "config.json: not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_startup_heap_is_frozen_until_close(llama_dir):
+    """The objects an LLM builds are kept out of full collections (``gc.freeze``) and
+    handed back to the collector by ``close``."""
+    with LLM(model=str(llama_dir), kv_cache_memory="8MiB") as llm:
+        assert gc.get_freeze_count() > 1000
+        assert llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert gc.get_freeze_count() == 0
