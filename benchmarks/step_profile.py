@@ -46,6 +46,12 @@ def main() -> None:
     ap.add_argument("--prefill-prompts", type=int, default=8, help="prompts in the prefill step")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument(
+        "--python-layers",
+        action="store_true",
+        help="run the layers through the Python loop, one profiler row per kernel, instead "
+        "of the fused C++ stack (one row, decoder_stack, for all of them)",
+    )
     ap.add_argument("--json-out")
     a = ap.parse_args()
 
@@ -57,6 +63,8 @@ def main() -> None:
         kv_cache_dtype=a.kv_cache_dtype,
     )
     engine = llm.engine
+    if a.python_layers:
+        engine.runner.model.fused_stack = None
     vocab = engine.runner.model.spec.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True, detokenize=False)
@@ -105,6 +113,7 @@ def main() -> None:
         "prefill_prompts": a.prefill_prompts,
         "threads": torch.get_num_threads(),
         "kv_cache_dtype": a.kv_cache_dtype,
+        "fused_stack": engine.runner.model.fused_stack is not None,
         "decode_ops": decode,
         "prefill_ops": prefill,
     }
