@@ -73,29 +73,21 @@ def perplexity(
     prompts = dict(zip(ids, chunks, strict=True))
     for rid, chunk in prompts.items():
         engine.add_request(rid, chunk, params)
-    total_nll, count = 0.0, 0
     per_window: dict[str, list[float]] = {}
     bar = tqdm(total=len(chunks), desc="perplexity", unit="window", disable=not use_tqdm)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if not out.finished:
                 continue
-            scored = per_window.setdefault(out.request_id, [])
-            for entry, target in zip(
-                out.prompt_logprobs[1:], prompts[out.request_id][1:], strict=True
-            ):
-                total_nll -= entry[target].logprob
-                scored.append(entry[target].logprob)
-                count += 1
+            targets = prompts[out.request_id][1:]
+            per_window[out.request_id] = [
+                entry[target].logprob
+                for entry, target in zip(out.prompt_logprobs[1:], targets, strict=True)
+            ]
             bar.update(1)
     bar.close()
-    nll = total_nll / count
+    scored = tuple(x for rid in ids for x in per_window[rid])  # windows in order
+    nll = -math.fsum(scored) / len(scored)
     return PerplexityResult(
-        math.exp(nll),
-        nll,
-        count,
-        len(chunks),
-        context,
-        tuple(str(f) for f in files),
-        tuple(x for rid in ids for x in per_window[rid]),
+        math.exp(nll), nll, len(scored), len(chunks), context, tuple(str(f) for f in files), scored
     )

@@ -15,12 +15,11 @@ from __future__ import annotations
 import gc
 
 
-def freeze_startup_heap() -> int:
-    """Collect every generation, then freeze what is left; returns how many objects are
-    now frozen (all of the process's, not only this engine's)."""
+def freeze_startup_heap() -> None:
+    """Collect every generation, then freeze what is left (all of the process's tracked
+    objects, not only this engine's)."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 def unfreeze_heap() -> None:
