@@ -1,0 +1,135 @@
+"""Paired A/B in one process: this tree's paged attention kernel vs another checkout's.
+
+Whole-run throughput on this 2-core machine moves ±10 % between runs, more than a change of a
+few percent in one kernel. This benchmark pairs the two kernels call against call instead.
+The baseline checkout's ``paged_attention.cpp`` (and the headers beside it) is copied, its op
+registered as ``torch.ops.kvattn_ab.paged_attention`` and built with the same flags. The
+tree's op, ``torch.ops.kvserve.paged_attention``, is the other side.
+
+The workload is the decode step of ``offline.py``: 32 sequences at context 320, 30 layers'
+bf16 caches of SmolLM2-135M's shape (9 query heads on 3 KV heads of 64), 16-token blocks.
+Each sequence's first 16 blocks are contiguous and the rest interleaved across sequences, as
+the engine allocates them. Every iteration times all 30 layers from DRAM on both sides, in
+alternating order. Every third iteration also times an 8 x 256-token prefill chunk. The
+medians of the per-iteration ratios (this tree / baseline; below 1 is faster) are printed.
+Both kernels must give equal outputs.
+
+    git worktree add /tmp/old HEAD~1
+    python benchmarks/attention_ab.py --baseline /tmp/old
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+from kvserve.model.cpu_kernels import _CFLAGS, _LDFLAGS, load_cpu_kernels
+
+L, B, HKV, HQ, D, BS = 30, 32, 3, 9, 64, 16
+
+
+def build_baseline(checkout: Path) -> None:
+    """Builds the checkout's attention kernel as ``torch.ops.kvattn_ab.paged_attention``."""
+    src = checkout / "kvserve" / "model" / "csrc"
+    text = (src / "paged_attention.cpp").read_text()
+    text = text.replace("FRAGMENT(kvserve, m)", "FRAGMENT(kvattn_ab, m)")
+    # its C++ entry point would clash with the tree's kvserve::paged_attention
+    text = re.sub(r"\nnamespace kvserve \{(?=  // entry point)", "\nnamespace kvattn_ab {", text)
+    out = Path(tempfile.mkdtemp(prefix="kvattn_ab_"))
+    for h in src.glob("*.h"):
+        (out / h.name).write_bytes(h.read_bytes())
+    (out / "paged_attention.cpp").write_text(text)
+    digest = hashlib.sha256(text.encode() + b"".join(h.read_bytes() for h in src.glob("*.h")))
+    load(
+        name=f"kvattn_ab_{digest.hexdigest()[:12]}",
+        sources=[str(out / "paged_attention.cpp")],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
+        is_python_module=False,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", type=Path, required=True, help="a kvserve checkout")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--out", help="write the result as JSON here")
+    a = ap.parse_args()
+    assert load_cpu_kernels(), "the tree's CPU kernels did not build"
+    build_baseline(a.baseline)
+    torch.manual_seed(0)
+    nbs = (a.context + BS - 1) // BS
+    caches = torch.randn(L, 2, 2048, BS, HKV, D).bfloat16()
+    tables = torch.zeros(B, nbs, dtype=torch.long)
+    nxt = 0
+    for s in range(B):  # a prefill's blocks are contiguous, a decode's interleaved
+        for j in range(min(16, nbs)):
+            tables[s, j], nxt = nxt, nxt + 1
+    for j in range(16, nbs):
+        for s in range(B):
+            tables[s, j], nxt = nxt, nxt + 1
+    lens = torch.full((B,), a.context, dtype=torch.long)
+    starts = torch.arange(B + 1, dtype=torch.long)
+    q = torch.randn(B, HQ, D).bfloat16()
+    P, T = 8, 256  # prefill: 8 prompts of 256 tokens in one chunk
+    p_tables = torch.arange(P * 16).view(P, 16).long() + nxt
+    p_lens = torch.full((P,), T, dtype=torch.long)
+    p_starts = torch.arange(P + 1, dtype=torch.long) * T
+    p_q = torch.randn(P * T, HQ, D).bfloat16()
+    ops = {
+        "tree": torch.ops.kvserve.paged_attention,
+        "baseline": torch.ops.kvattn_ab.paged_attention,
+    }
+
+    def decode(op) -> float:
+        t = time.perf_counter()
+        for layer in range(L):
+            k, v = caches[layer, 0], caches[layer, 1]
+            op(q, k, v, tables, lens, starts, D**-0.5, 0, 0, None, None)
+        return time.perf_counter() - t
+
+    def prefill(op) -> float:
+        t = time.perf_counter()
+        for layer in range(3):
+            op(p_q, caches[layer, 0], caches[layer, 1], p_tables, p_lens, p_starts, D**-0.5, 0, 0,
+               None, None)  # fmt: skip
+        return (time.perf_counter() - t) * L / 3
+
+    outs = [op(q, caches[0, 0], caches[0, 1], tables, lens, starts, D**-0.5, 0, 0, None, None)
+            for op in ops.values()]  # fmt: skip
+    assert torch.equal(outs[0], outs[1]), "the two kernels disagree"
+    times: dict[str, list[float]] = {"tree": [], "baseline": []}
+    ratios, p_ratios = [], []
+    for i in range(a.iters):
+        order = ["tree", "baseline"] if i % 2 else ["baseline", "tree"]
+        got = {k: decode(ops[k]) for k in order}
+        for k in got:
+            times[k].append(got[k])
+        ratios.append(got["tree"] / got["baseline"])
+        if i % 3 == 0:
+            p_ratios.append(prefill(ops["tree"]) / prefill(ops["baseline"]))
+    q1, _, q3 = statistics.quantiles(ratios)
+    result = {
+        "decode_ms_per_step": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "decode_ratio_median": statistics.median(ratios),
+        "decode_ratio_quartiles": [q1, q3],
+        "prefill_ratio_median": statistics.median(p_ratios),
+        "workload": vars(a) | {"baseline": str(a.baseline)},
+    }
+    print(json.dumps(result, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
