@@ -1,4 +1,11 @@
-"""KV tensor shapes, bytes per token and capacity in blocks."""
+"""KV tensor shapes, bytes per token and capacity in blocks.
+
+A plain per-layer cache is ``[2, slots, H, D]`` (rows: slot = block * block_size + offset)
+or, for the CPU kernels' bf16 path, ``[2, slots / 16, H, 16, D]`` (tiles: each group of 16
+slots and head in the order the attention kernel reads it, ``csrc/kv_tiles.h``). Both hold
+a block as one contiguous run per K and V part, so swap, the host tier and the KV store
+move blocks the same way; only the kernels that write and read tokens know the order.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import torch
 from kvserve.kv.quant import KVFormat, QuantizedKVCache
 
 _TOKEN_SCALE_BYTES = 2  # float16 per (token, KV head) for int8
+TILE = 16  # slots per tile of a tiled cache (csrc/kv_tiles.h)
 
 
 @dataclass(frozen=True)
@@ -26,12 +34,27 @@ class KVCacheSpec:
     dtype: torch.dtype
     block_size: int
     scale: str = "none"
+    tiled: bool = False  # plain caches only: [2, slots / TILE, H, TILE, D] (module docstring)
+
+    def __post_init__(self) -> None:
+        if self.tiled and (self.scale != "none" or self.block_size % TILE or self.head_dim % 2):
+            raise ValueError(
+                f"a tiled KV cache needs a plain cache, block_size a multiple of {TILE} and an "
+                f"even head_dim (got scale {self.scale}, block_size {self.block_size}, "
+                f"head_dim {self.head_dim})"
+            )
 
     @classmethod
     def for_format(
-        cls, num_layers: int, num_kv_heads: int, head_dim: int, fmt: KVFormat, block_size: int
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        fmt: KVFormat,
+        block_size: int,
+        tiled: bool = False,
     ) -> KVCacheSpec:
-        return cls(num_layers, num_kv_heads, head_dim, fmt.storage, block_size, fmt.scale)
+        return cls(num_layers, num_kv_heads, head_dim, fmt.storage, block_size, fmt.scale, tiled)
 
     @property
     def bytes_per_token(self) -> int:
@@ -51,21 +74,18 @@ class KVCacheSpec:
         self, num_blocks: int, device: torch.device, fmt: KVFormat | None = None
     ) -> list[torch.Tensor] | list[QuantizedKVCache]:
         """Per-layer caches of ``num_blocks`` blocks: ``[2, slots, H, D]`` tensor views of one
-        zeroed allocation, or ``QuantizedKVCache`` objects for a quantized ``fmt``."""
+        zeroed allocation (``[2, slots / TILE, H, TILE, D]`` when ``tiled``), or
+        ``QuantizedKVCache`` objects for a quantized ``fmt``."""
         slots = num_blocks * self.block_size
         if fmt is not None and fmt.quantized:
             return [
                 QuantizedKVCache(fmt, slots, self.num_kv_heads, self.head_dim, device)
                 for _ in range(self.num_layers)
             ]
+        h = self.num_kv_heads
+        rows = (slots // TILE, h, TILE) if self.tiled else (slots, h)
         full = torch.zeros(
-            self.num_layers,
-            2,
-            slots,
-            self.num_kv_heads,
-            self.head_dim,
-            dtype=self.dtype,
-            device=device,
+            self.num_layers, 2, *rows, self.head_dim, dtype=self.dtype, device=device
         )
         return list(full.unbind(0))
 
@@ -82,5 +102,25 @@ def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
             if cache.fmt.scale == "token":
                 parts.append(cache.scale)
         for t in parts:
-            out.append(t.view(2, -1, block_size, *t.shape[2:]))
+            if t.dim() == 5:  # tiles [2, slots / TILE, H, TILE, D]
+                out.append(t.view(2, -1, block_size // TILE, *t.shape[2:]))
+            else:
+                out.append(t.view(2, -1, block_size, *t.shape[2:]))
     return out
+
+
+def tiles_from_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A plain cache ``[2, slots, H, D]`` in the tiled layout ``[2, slots / TILE, H, TILE, D]``
+    (a new tensor): K as dimension pairs with key lanes side by side, V as key pairs."""
+    _, slots, h, d = cache.shape
+    k = cache[0].reshape(slots // TILE, TILE, h, d // 2, 2).permute(0, 2, 3, 1, 4)
+    v = cache[1].reshape(slots // TILE, TILE // 2, 2, h, d).permute(0, 3, 1, 4, 2)
+    return torch.stack([k.reshape(-1, h, TILE, d), v.reshape(-1, h, TILE, d)])
+
+
+def rows_from_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``tiles_from_rows``: ``[2, slots, H, D]`` (a new tensor)."""
+    n, h, d = tiles.shape[1], tiles.shape[2], tiles.shape[4]
+    k = tiles[0].reshape(n, h, d // 2, TILE, 2).permute(0, 3, 1, 2, 4)
+    v = tiles[1].reshape(n, h, TILE // 2, d, 2).permute(0, 2, 4, 1, 3)
+    return torch.stack([k.reshape(n * TILE, h, d), v.reshape(n * TILE, h, d)])

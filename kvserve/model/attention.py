@@ -86,6 +86,7 @@ class TorchPagedAttention:
     """
 
     dense_masks = True  # reads ``decode_mask`` and ``PrefillChunk.mask``
+    tiled = False  # reads caches of rows only (kv/cache.py)
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -184,14 +185,21 @@ class CpuPagedAttention(TorchPagedAttention):
     determinism rule, ``csrc/paged_attention.cpp``). Needs ``seq_block_tables``,
     ``seq_lens`` and ``query_start`` in the metadata. Construct only after
     ``load_cpu_kernels()`` returned True, for a head dim in ``CPU_KERNEL_HEAD_DIMS``.
+    ``tiled``: the engine allocates plain caches in the tiled layout (``kv/cache.py``), which
+    the kernel reads without re-laying out a cell's K and V on every step; either layout is
+    written and read by shape, so the flag only tells the allocator.
     """
 
     dense_masks = False  # the model runner need not build masks for this backend
 
-    def __init__(self, block_size: int, sliding_window: int | None, sinks: int = 0):
+    def __init__(
+        self, block_size: int, sliding_window: int | None, sinks: int = 0, tiled: bool = False
+    ):
         super().__init__(block_size)
         self.window = sliding_window or 0
         self.sinks = sinks
+        # plain caches in the tiled layout (kv/cache.py): bf16, read in place by the kernel
+        self.tiled = tiled
 
     @staticmethod
     def write(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
@@ -199,6 +207,10 @@ class CpuPagedAttention(TorchPagedAttention):
         in the kernel, a plain one of the step's dtype is copied into (``write_kv``)."""
         if isinstance(kv_cache, QuantizedKVCache):
             kv_cache.write_cpu(meta.slot_mapping, k, v)
+        elif kv_cache.dim() == 5:  # tiles: only the kernel knows their order
+            if not _heads_dense(k, v):
+                k, v = k.contiguous(), v.contiguous()
+            torch.ops.kvserve.write_kv(k, v, meta.slot_mapping, kv_cache)
         elif k.dtype == kv_cache.dtype and kv_cache.is_contiguous() and _heads_dense(k, v):
             torch.ops.kvserve.write_kv(k, v, meta.slot_mapping, kv_cache)
         else:
@@ -244,11 +256,15 @@ class CpuPagedAttention(TorchPagedAttention):
             data = kv_cache.data
         else:
             data = kv_cache
-        _, _, h, d = data.shape
+        h, d = data.shape[2], data.shape[-1]
+        if data.dim() == 5:  # tiles [2, slots / 16, H, 16, D]
+            blocks: tuple[int, ...] = (-1, self.block_size // 16, h, 16, d)
+        else:
+            blocks = (-1, self.block_size, h, d)
         return torch.ops.kvserve.paged_attention(
             q,
-            data[0].view(-1, self.block_size, h, d),
-            data[1].view(-1, self.block_size, h, d),
+            data[0].view(blocks),
+            data[1].view(blocks),
             tables,
             lens,
             query_start,

@@ -18,7 +18,7 @@ import torch
 
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.engine.errors import EngineError
-from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.cache import TILE, KVCacheSpec
 from kvserve.kv.quant import KVFormat, kv_format
 from kvserve.kv.smoothing import key_means
 from kvserve.model.attention import (
@@ -61,12 +61,20 @@ class ShardInputs:
 
 
 def select_kernels(
-    choice: str, device: torch.device, spec: ModelSpec, block_size: int, window, sinks: int
+    choice: str,
+    device: torch.device,
+    spec: ModelSpec,
+    block_size: int,
+    window,
+    sinks: int,
+    plain_bf16_kv: bool = False,
 ) -> tuple[TorchPagedAttention, TorchOps]:
     """Attention backend and element-wise ops for ``attention_backend`` ``choice``.
 
     ``cpu`` (and ``auto`` on a CPU device) uses the C++ kernels: paged attention (for head
-    dims it is built for) and the fused RMSNorm/RoPE/SiLU ops.
+    dims it is built for) and the fused RMSNorm/RoPE/SiLU ops. With ``plain_bf16_kv`` (a
+    bf16 model with a plain bf16 cache) the C++ backend takes the tiled cache layout where
+    the kernels read it (block_size a multiple of 16, head_dim of 32, AVX-512-BF16).
     """
     if choice == "torch" or (choice == "auto" and device.type != "cpu"):
         return TorchPagedAttention(block_size), TorchOps()
@@ -77,7 +85,13 @@ def select_kernels(
             raise EngineError("attention_backend 'cpu': the C++ kernels failed to build")
         return TorchPagedAttention(block_size), TorchOps()
     if spec.head_dim in CPU_KERNEL_HEAD_DIMS:
-        return CpuPagedAttention(block_size, window, sinks), CpuKernelOps()
+        tiled = (
+            plain_bf16_kv
+            and block_size % TILE == 0
+            and spec.head_dim % 32 == 0
+            and bool(torch.ops.kvserve.tiled_kv_supported())
+        )
+        return CpuPagedAttention(block_size, window, sinks, tiled), CpuKernelOps()
     if choice == "cpu":
         raise EngineError(
             f"attention_backend 'cpu' supports head_dim {CPU_KERNEL_HEAD_DIMS}, "
@@ -91,11 +105,14 @@ def smooth_k_applies(cache: CacheConfig, fmt: KVFormat) -> bool:
     return cache.kv_cache_smooth_k and fmt.scale == "token"
 
 
-def rank_kv_spec(inp: ShardInputs, fmt: KVFormat, rank: int, world: int) -> KVCacheSpec:
-    """The KV spec of rank ``rank`` of ``world``: its KV heads' share of every block."""
+def rank_kv_spec(
+    inp: ShardInputs, fmt: KVFormat, rank: int, world: int, tiled: bool = False
+) -> KVCacheSpec:
+    """The KV spec of rank ``rank`` of ``world``: its KV heads' share of every block (in
+    the tiled layout when ``tiled``; the bytes are the same)."""
     heads = ShardPlan.for_rank(inp.spec, rank, world).num_kv_heads
     return KVCacheSpec.for_format(
-        inp.spec.num_layers, heads, inp.spec.head_dim, fmt, inp.cache_config.block_size
+        inp.spec.num_layers, heads, inp.spec.head_dim, fmt, inp.cache_config.block_size, tiled
     )
 
 
@@ -108,6 +125,7 @@ class ShardBuilder:
         self.device = device
         plan = tp.plan if tp is not None else ShardPlan.single(inp.spec)
         cache = inp.cache_config
+        self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype, cache.kv_cache_scales)
         self.backend, ops = select_kernels(
             inp.model_config.attention_backend,
             device,
@@ -115,6 +133,9 @@ class ShardBuilder:
             cache.block_size,
             inp.window,
             inp.attention_sinks,
+            plain_bf16_kv=inp.dtype == torch.bfloat16
+            and not self.kv_format.quantized
+            and self.kv_format.storage == torch.bfloat16,
         )
         self.model: LlamaForCausalLM = load_model(
             inp.model_dir, inp.spec, inp.dtype, device, self.backend, ops, inp.max_model_len, tp
@@ -122,8 +143,9 @@ class ShardBuilder:
         if inp.model_config.attention_backend != "torch":
             prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
             self.model.fused_stack = FusedStack.build(self.model)  # None unless all kernels
-        self.kv_format = kv_format(cache.kv_cache_dtype, inp.dtype, cache.kv_cache_scales)
-        self.kv_spec = rank_kv_spec(inp, self.kv_format, plan.rank, plan.size)
+        self.kv_spec = rank_kv_spec(
+            inp, self.kv_format, plan.rank, plan.size, tiled=self.backend.tiled
+        )
         self.smooth_k = smooth_k_applies(inp.cache_config, self.kv_format)
 
     @property

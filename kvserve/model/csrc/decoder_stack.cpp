@@ -39,9 +39,10 @@ Dims read_dims(c10::IntArrayRef d) {
   return Dims{d[0], d[1], d[2], d[3], d[4], d[5]};
 }
 
-// One layer's K/V: a plain cache [2, slots, H, D] of the activations' dtype (kind < 0), or
-// the codes [2, slots, H, D] of a token-scale int8/fp8 cache with scales [2, slots, H]
-// float16, quantize_kv's kind and candidates, and K's shift (None, or [H, D] float32).
+// One layer's K/V: a plain cache [2, slots, H, D] (or its tiles, kv_tiles.h) of the
+// activations' dtype (kind < 0), or the codes [2, slots, H, D] of a token-scale int8/fp8
+// cache with scales [2, slots, H] float16, quantize_kv's kind and candidates, and K's shift
+// (None, or [H, D] float32).
 void write_layer(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                  const at::Tensor& cache, const std::optional<at::Tensor>& scales,
                  const std::optional<at::Tensor>& shift, int64_t kind, int64_t candidates) {
@@ -103,8 +104,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
       ks = sc->select(0, 0);
       vs = sc->select(0, 1);
     }
-    const auto blocks = cache.select(0, 0).view({-1, dm.block_size, dm.kv_heads, dm.head_dim});
-    const auto vblocks = cache.select(0, 1).view({-1, dm.block_size, dm.kv_heads, dm.head_dim});
+    // rows [2, slots, H, D] or tiles [2, slots / 16, H, 16, D] (kv_tiles.h), as blocks
+    const std::vector<int64_t> shape =
+        cache.dim() == 5 ? std::vector<int64_t>{-1, dm.block_size / 16, dm.kv_heads, 16, dm.head_dim}
+                         : std::vector<int64_t>{-1, dm.block_size, dm.kv_heads, dm.head_dim};
+    const auto blocks = cache.select(0, 0).view(shape);
+    const auto vblocks = cache.select(0, 1).view(shape);
     at::Tensor o = kvserve::paged_attention(q, blocks, vblocks, tables, lens, query_start, scale,
                                             window, sinks, ks, vs);
     o = kvserve::bf16_linear(o.view({t, qs}), w[2], biases.get(b + 1), dm.hidden);

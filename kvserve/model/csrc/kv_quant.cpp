@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kv_tiles.h"
 #include "float_convert.h"
 #include "ops.h"
 
@@ -187,6 +188,9 @@ void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data, 
 // k, v [T, H, D] (rows may be strided, heads contiguous), slots [T] int64, cache
 // [2, num_slots, H, D] of k's dtype, contiguous: cache[0][slots[t]] = k[t] and
 // cache[1][slots[t]] = v[t], as two index_copy_ calls would, in one call.
+// A plain cache's K and V rows: cache [2, slots, H, D] (rows, copied) or
+// [2, slots / 16, H, 16, D] of 16-bit elements (tiles: each slot's elements scattered into
+// its tile's order, kv_tiles.h).
 void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
               at::Tensor cache) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "write_kv: k and v must be [T, H, D]");
@@ -194,13 +198,17 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) &&
                     x->scalar_type() == cache.scalar_type(),
                 "write_kv: k and v need contiguous heads and the cache's dtype");
-  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous() &&
-                  cache.size(2) == k.size(1) && cache.size(3) == k.size(2),
-              "write_kv: cache must be contiguous [2, slots, H, D]");
+  const bool tiled = cache.dim() == 5;
+  TORCH_CHECK((cache.dim() == 4 || (tiled && cache.size(3) == kvserve_tiles::TILE &&
+                                    cache.element_size() == 2 && k.size(2) % 2 == 0)) &&
+                  cache.size(0) == 2 && cache.is_contiguous() && cache.size(2) == k.size(1) &&
+                  cache.size(-1) == k.size(2),
+              "write_kv: cache must be contiguous [2, slots, H, D] or 16-bit "
+              "[2, slots / 16, H, 16, D] (tiles, D even)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == k.size(0), "write_kv: slots must be int64 [T]");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t n = cache.size(1), T_ = k.size(0);
+  const int64_t n = cache.size(1) * (tiled ? kvserve_tiles::TILE : 1), T_ = k.size(0);
   for (int64_t t = 0; t < T_; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < n, "write_kv: slot out of range");
   const int64_t es = static_cast<int64_t>(cache.element_size()), row = k.size(1) * k.size(2) * es;
@@ -208,11 +216,19 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(cache.data_ptr());
   char* vc = kc + n * row;
-  const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es;
+  const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es, H = k.size(1), D = k.size(2);
   at::parallel_for(0, T_, 256, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      std::memcpy(kc + sp[t] * row, kp + t * ks, row);
-      std::memcpy(vc + sp[t] * row, vp + t * vs, row);
+      if (!tiled) {
+        std::memcpy(kc + sp[t] * row, kp + t * ks, row);
+        std::memcpy(vc + sp[t] * row, vp + t * vs, row);
+        continue;
+      }
+      const auto* ksrc = reinterpret_cast<const uint16_t*>(kp + t * ks);
+      const auto* vsrc = reinterpret_cast<const uint16_t*>(vp + t * vs);
+      for (int64_t h = 0; h < H; ++h)
+        kvserve_tiles::put_slot(ksrc + h * D, vsrc + h * D, sp[t], h, H, D,
+                                reinterpret_cast<uint16_t*>(kc), reinterpret_cast<uint16_t*>(vc));
     }
   });
 }

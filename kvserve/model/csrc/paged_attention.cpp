@@ -36,12 +36,14 @@
 
 #include "attention_cell.h"
 #include "kv_codes.h"
+#include "kv_tiles.h"
 #include "ops.h"
 
 namespace {
 
 using kvserve_cell::CELL;     // keys per cell (and per online-softmax update)
 using kvserve_cell::NEG_BIG;  // finite "minus infinity" (the build uses -ffast-math)
+static_assert(kvserve_tiles::TILE == CELL, "a tile is one cell");
 constexpr int64_t PREFETCH_CELLS = 4;  // how far ahead a sequence's K/V are prefetched
 constexpr int64_t TILE_FLOATS = 4096;  // query rows per work item: this many floats of q
 
@@ -68,8 +70,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const at::Tensor& query_start, at::Tensor& out, double scale,
                       int64_t window, int64_t sinks, Scales scales) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  // A tiled cache ([blocks, BS / CELL, Hkv, CELL, D], kv_tiles.h) holds each cell's K and V
+  // in the order the bf16 folds read them: no per-step transpose or pairing of its rows.
+  const bool tiled = k_cache.dim() == 5;
   const int64_t S = lens.size(0), Hq = q.size(1);
-  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t BS = k_cache.size(1) * (tiled ? CELL : 1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, MB = tables.size(1);
   const qt* qp = q.data_ptr<qt>();
   const int64_t q_row = q.stride(0);  // rows may be strided (a view of the QKV output)
@@ -91,6 +96,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   constexpr bool bf16_scores = kvserve_cell::kBf16Scores && D % 32 == 0 &&
                                std::is_same_v<qt, c10::BFloat16> &&
                                (std::is_same_v<ct, c10::BFloat16> || scaled);
+  constexpr bool tiles_ok = bf16_scores && std::is_same_v<ct, c10::BFloat16>;
+  TORCH_CHECK(!tiled || tiles_ok, "paged_attention: a tiled cache needs a bf16 query and cache, "
+              "head_dim a multiple of 32 and AVX-512-BF16 (tiled_kv_supported())");
 
   // A thread takes all KV heads of a (sequence, tile): slot rows are [Hkv, D], so an item
   // reads each cell in one contiguous sweep instead of Hkv strided ones (measured: decode
@@ -132,8 +140,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     const int64_t aligned = item.lo - item.lo % CELL + k * CELL;
     const int64_t p = std::max(aligned, item.lo), end = std::min(aligned + CELL, item.hi);
     if (p >= end) return Lines{};
-    const int64_t slot = tp[item.seq * MB + p / BS] * BS + p % BS;
-    const int64_t bytes = std::min(end - p, BS - p % BS) * row * static_cast<int64_t>(sizeof(ct));
+    const int64_t first = tiled ? aligned : p;  // a tile is read whole
+    const int64_t slot = tp[item.seq * MB + first / BS] * BS + first % BS;
+    const int64_t bytes = (tiled ? CELL : std::min(end - p, BS - p % BS)) * row *
+                          static_cast<int64_t>(sizeof(ct));
     return Lines{reinterpret_cast<const char*>(kp + slot * row),
                  reinterpret_cast<const char*>(vp + slot * row), (bytes + 63) / 64};
   };
@@ -231,7 +241,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         if (a < b) {
           const int64_t slot0 = tp[s * MB + a / BS] * BS + a % BS;
           const int64_t pf_step = (pf.n + (b - a) - 1) / (b - a);
-          for (int64_t t = 0; t < b - a; ++t) {
+          for (int64_t t = 0; t < (tiled ? 0 : b - a); ++t) {
             const int64_t slot = slot0 + t, lane = a - cell_lo + t;
             prefetch(pf, t * pf_step, (t + 1) * pf_step);
             for (int64_t h = h0; h < h1; ++h) {
@@ -266,8 +276,15 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             }
           }
           for (int64_t h = h0; h < h1; ++h) {
-            uint32_t* kth = reinterpret_cast<uint32_t*>(kt(h));
-            if constexpr (bf16_scores) {  // K pairs (from the cache, or as converted) transposed
+            const uint32_t* kth = reinterpret_cast<const uint32_t*>(kt(h));
+            const uint32_t* vph = reinterpret_cast<const uint32_t*>(vb(h));
+            if (tiles_ok && tiled) {  // the cell's tile, read in place; prefetches spread over heads
+              const int64_t tile = (slot0 - (a - cell_lo)) * row + h * CELL * D;
+              kth = reinterpret_cast<const uint32_t*>(kp + tile);
+              vph = reinterpret_cast<const uint32_t*>(vp + tile);
+              const int64_t step = (pf.n + (h1 - h0) - 1) / (h1 - h0);
+              prefetch(pf, (h - h0) * step, (h - h0 + 1) * step);
+            } else if constexpr (bf16_scores) {  // K pairs (from the cache, or as converted) transposed
               for (int64_t i = 0; i < CELL; ++i) {
                 const int64_t p = cell_lo + i;
                 rows[i] = zero_row.data();
@@ -277,11 +294,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
                 else if (p >= a && p < b)
                   rows[i] = reinterpret_cast<const uint32_t*>(kp + (slot0 + p - a) * row + h * D);
               }
-              kvserve_cell::transpose_cell<D / 2>(rows, kth);
+              kvserve_cell::transpose_cell<D / 2>(rows, reinterpret_cast<uint32_t*>(kt(h)));
             } else {
               for (int64_t i = 0; i < CELL; ++i)
                 rows[i] = reinterpret_cast<const uint32_t*>(kr(h) + i * D);
-              kvserve_cell::transpose_cell<D>(rows, kth);
+              kvserve_cell::transpose_cell<D>(rows, reinterpret_cast<uint32_t*>(kt(h)));
             }
             for (int64_t r = 0; r < nr; ++r) {
               const Visible& v = vis[r];
@@ -293,8 +310,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
               auto fold = [&](int64_t t0, int64_t t1) {  // lanes [t0, t1) of the cell
                 if constexpr (bf16_scores)
                   kvserve_cell::fold_bf16<D, scaled>(
-                      qb.data() + qoff / 2, G, static_cast<float>(scale), kth,
-                      reinterpret_cast<const uint32_t*>(vb(h)), lane_scales.data() + h * CELL,
+                      qb.data() + qoff / 2, G, static_cast<float>(scale), kth, vph,
+                      lane_scales.data() + h * CELL,
                       lane_scales.data() + (Hkv + h) * CELL, t0, t1, mr, lr, ar);
                 else
                   kvserve_cell::fold<D>(qf.data() + qoff, G, kt(h), vb(h), t0, t1, mr, lr, ar);
@@ -368,8 +385,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& lens, const at::Tensor& query_start, double scale,
                            int64_t window, int64_t sinks, const std::optional<at::Tensor>& k_scale,
                            const std::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "paged_attention: bad rank");
+  TORCH_CHECK(q.dim() == 3 && (k_cache.dim() == 4 || k_cache.dim() == 5) &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(-1) == q.size(2),
+              "paged_attention: caches must be [blocks, block_size, kv_heads, head_dim] (rows) "
+              "or [blocks, block_size / 16, kv_heads, 16, head_dim] (tiles)");
+  TORCH_CHECK(k_cache.dim() == 4 || k_cache.size(3) == kvserve_cell::CELL,
+              "paged_attention: a tile holds ", kvserve_cell::CELL, " slots");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention: CPU only");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads not divisible");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
@@ -388,7 +409,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   {
     const int64_t* qs = qsc.data_ptr<int64_t>();
     const int64_t* lp = lc.data_ptr<int64_t>();
-    const int64_t S = lc.size(0), BS = kc.size(1);
+    const int64_t S = lc.size(0), BS = kc.size(1) * (kc.dim() == 5 ? kvserve_cell::CELL : 1);
     TORCH_CHECK(qs[0] == 0 && qs[S] == qc.size(0), "paged_attention: query_start must span q");
     for (int64_t s = 0; s < S; ++s) {
       const int64_t n = qs[s + 1] - qs[s];
@@ -447,9 +468,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+// True when this build reads tiled caches (a bf16 query and cache, head_dim % 32 == 0).
+bool tiled_kv_supported() { return kvserve_cell::kBf16Scores; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("tiled_kv_supported() -> bool", TORCH_FN(tiled_kv_supported));
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor lens, Tensor query_start, float scale, int window, int sinks=0, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
