@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -103,3 +104,24 @@ def filled_quantized_cache(fmt: str, num_slots: int, g: torch.Generator):
         torch.randn(num_slots, hkv, d, generator=g),
     )
     return cache
+
+
+def attention_reference(q, k, v, table, ctx, n, bs, window, sinks, scale):
+    """float32 softmax attention of the last ``n`` of ``ctx`` positions, from a block table."""
+    hkv, d = k.shape[2], k.shape[3]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
+    kk = k.reshape(-1, hkv, d)[slots].float()
+    vv = v.reshape(-1, hkv, d)[slots].float()
+    g = q.shape[1] // hkv
+    kk, vv = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)
+    out = torch.empty(n, q.shape[1], d)
+    for j in range(n):
+        p = ctx - n + j
+        keys = torch.arange(ctx)
+        ok = keys <= p
+        if window:
+            ok &= (keys > p - window) | (keys < sinks)
+        s = torch.einsum("hd,thd->ht", q[j].float(), kk) * scale
+        s = s.masked_fill(~ok, -math.inf).softmax(-1)
+        out[j] = torch.einsum("ht,thd->hd", s, vv)
+    return out

@@ -33,6 +33,7 @@ _SOURCES = [
     CSRC / n
     for n in (
         "paged_attention.cpp",
+        "paged_attention_tiles.cpp",
         "fused_ops.cpp",
         "kv_quant.cpp",
         "shm_comm.cpp",

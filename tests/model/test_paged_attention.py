@@ -4,11 +4,9 @@ alone as a decode token, inside a prefill chunk of any split, or beside other se
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from helpers import filled_quantized_cache
+from helpers import attention_reference, filled_quantized_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,27 +19,6 @@ def _attend(q, k, v, tables, lens, starts, window, sinks, scale, scales=(None, N
     return torch.ops.kvserve.paged_attention(
         q, k, v, tables, lens, starts, scale, window, sinks, *scales
     )
-
-
-def _reference(q, k, v, table, ctx, n, bs, window, sinks, scale):
-    """float32 softmax attention of the last ``n`` of ``ctx`` positions, from a block table."""
-    hkv, d = k.shape[2], k.shape[3]
-    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
-    kk = k.reshape(-1, hkv, d)[slots].float()
-    vv = v.reshape(-1, hkv, d)[slots].float()
-    g = q.shape[1] // hkv
-    kk, vv = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)
-    out = torch.empty(n, q.shape[1], d)
-    for j in range(n):
-        p = ctx - n + j
-        keys = torch.arange(ctx)
-        ok = keys <= p
-        if window:
-            ok &= (keys > p - window) | (keys < sinks)
-        s = torch.einsum("hd,thd->ht", q[j].float(), kk) * scale
-        s = s.masked_fill(~ok, -math.inf).softmax(-1)
-        out[j] = torch.einsum("ht,thd->hd", s, vv)
-    return out
 
 
 @settings(max_examples=25, deadline=None)
@@ -76,7 +53,7 @@ def test_rows_are_invariant_and_correct(dtype, bs, heads, d, window, seqs, seed)
     tol = 2e-5 if dt == torch.float32 else 3e-2
     for s, (ctx, n) in enumerate(seqs):
         rows = out[starts[s] : starts[s + 1]]
-        ref = _reference(
+        ref = attention_reference(
             q[starts[s] : starts[s + 1]], k, v, tables[s].tolist(), ctx, n, bs, win, sinks, scale
         )
         assert (rows.float() - ref).abs().max().item() < tol
@@ -143,7 +120,7 @@ def test_bf16_rows_alone_equal_the_rows_of_a_shared_tile(d, heads):
             0, 0, d**-0.5,
         )  # fmt: skip
         assert torch.equal(alone[0], rows[j]), j
-    ref = _reference(q, k, v, table[0].tolist(), ctx, n, bs, 0, 0, d**-0.5)
+    ref = attention_reference(q, k, v, table[0].tolist(), ctx, n, bs, 0, 0, d**-0.5)
     assert (rows.float() - ref).abs().max().item() < 3e-2
 
 

@@ -37,32 +37,23 @@
 #include "attention_cell.h"
 #include "kv_codes.h"
 #include "kv_tiles.h"
+#include "paged_items.h"
 #include "ops.h"
 
 namespace {
 
 using kvserve_cell::CELL;     // keys per cell (and per online-softmax update)
 using kvserve_cell::NEG_BIG;  // finite "minus infinity" (the build uses -ffast-math)
-static_assert(kvserve_tiles::TILE == CELL, "a tile is one cell");
-constexpr int64_t PREFETCH_CELLS = 4;  // how far ahead a sequence's K/V are prefetched
-constexpr int64_t TILE_FLOATS = 4096;  // query rows per work item: this many floats of q
+static_assert(kvserve_items::CELL == CELL, "one cell size");
+using kvserve_items::Item;
+using kvserve_items::Lines;
+using kvserve_items::PREFETCH_CELLS;
+using kvserve_items::TILE_FLOATS;
+using kvserve_items::Visible;
+using kvserve_items::prefetch;
+using kvserve_items::visible;
 
 using namespace kvserve_codes;  // load, store, codes_to_bf16, Scales
-
-struct Item {  // one sequence's query rows [r0, r1) against its KV heads [h0, h1)
-  int64_t seq, r0, r1, h0, h1, cost;
-  int64_t lo, hi;  // the positions some row of the item sees lie in [lo, hi)
-};
-
-// A row's visible keys: [0, sink_end) and [start, len), in position order.
-struct Visible {
-  int64_t sink_end, start, len;
-};
-
-inline Visible visible(int64_t len, int64_t window, int64_t sinks) {
-  const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-  return {std::min(sinks, start), start, len};
-}
 
 template <int D, typename qt, typename ct>
 void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -70,11 +61,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const at::Tensor& query_start, at::Tensor& out, double scale,
                       int64_t window, int64_t sinks, Scales scales) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  // A tiled cache ([blocks, BS / CELL, Hkv, CELL, D], kv_tiles.h) holds each cell's K and V
-  // in the order the bf16 folds read them: no per-step transpose or pairing of its rows.
-  const bool tiled = k_cache.dim() == 5;
   const int64_t S = lens.size(0), Hq = q.size(1);
-  const int64_t BS = k_cache.size(1) * (tiled ? CELL : 1), Hkv = k_cache.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, MB = tables.size(1);
   const qt* qp = q.data_ptr<qt>();
   const int64_t q_row = q.stride(0);  // rows may be strided (a view of the QKV output)
@@ -96,67 +84,15 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   constexpr bool bf16_scores = kvserve_cell::kBf16Scores && D % 32 == 0 &&
                                std::is_same_v<qt, c10::BFloat16> &&
                                (std::is_same_v<ct, c10::BFloat16> || scaled);
-  constexpr bool tiles_ok = bf16_scores && std::is_same_v<ct, c10::BFloat16>;
-  TORCH_CHECK(!tiled || tiles_ok, "paged_attention: a tiled cache needs a bf16 query and cache, "
-              "head_dim a multiple of 32 and AVX-512-BF16 (tiled_kv_supported())");
 
-  // A thread takes all KV heads of a (sequence, tile): slot rows are [Hkv, D], so an item
-  // reads each cell in one contiguous sweep instead of Hkv strided ones (measured: decode
-  // attention ~20 % faster from DRAM). With fewer such items than twice the threads (one
-  // sequence decoding alone), the heads are split into groups so every thread has work.
   const int threads = at::get_num_threads();
-  int64_t tiles = 0;
-  for (int64_t s = 0; s < S; ++s) tiles += (qs[s + 1] - qs[s] + tile - 1) / tile;
-  const int64_t groups =
-      std::min<int64_t>(Hkv, std::max<int64_t>(1, (2 * threads + tiles - 1) / tiles));
-  std::vector<Item> items;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t n = qs[s + 1] - qs[s];
-    for (int64_t r0 = 0; r0 < n; r0 += tile) {
-      const int64_t r1 = std::min(n, r0 + tile);
-      const int64_t keys = std::min(lp[s] - n + r1, window > 0 ? window + sinks : lp[s]);
-      // a row's start is monotonic in its position: the first row sees the lowest keys
-      const Visible v0 = visible(lp[s] - n + r0 + 1, window, sinks);
-      const int64_t lo = v0.sink_end > 0 ? 0 : v0.start, hi = lp[s] - n + r1;
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t h0 = gi * Hkv / groups, h1 = (gi + 1) * Hkv / groups;
-        items.push_back({s, r0, r1, h0, h1, keys * (r1 - r0) * (h1 - h0), lo, hi});
-      }
-    }
-  }
-  // longest first, so the dynamic schedule ends with short items (results do not depend
-  // on the order: every item writes its own rows)
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const std::vector<Item> items =
+      kvserve_items::make_items(S, qs, lp, tile, Hkv, window, sinks, threads);
   const int64_t num_items = static_cast<int64_t>(items.size());
-  // Cell k of an item (cells counted from the one holding item.lo): where its K and V rows
-  // start, and how many 64-byte lines they span (0 past the item's last cell).
-  struct Lines {
-    const char* k = nullptr;
-    const char* v = nullptr;
-    int64_t n = 0;
-  };
-  auto cell_lines = [&](const Item& item, int64_t k) {
-    const int64_t aligned = item.lo - item.lo % CELL + k * CELL;
-    const int64_t p = std::max(aligned, item.lo), end = std::min(aligned + CELL, item.hi);
-    if (p >= end) return Lines{};
-    const int64_t first = tiled ? aligned : p;  // a tile is read whole
-    const int64_t slot = tp[item.seq * MB + first / BS] * BS + first % BS;
-    const int64_t bytes = (tiled ? CELL : std::min(end - p, BS - p % BS)) * row *
-                          static_cast<int64_t>(sizeof(ct));
-    return Lines{reinterpret_cast<const char*>(kp + slot * row),
-                 reinterpret_cast<const char*>(vp + slot * row), (bytes + 63) / 64};
-  };
-  // Into L1 (locality 3, prefetcht0), although 4 cells of K and V are as large as a Zen 5
-  // L1 for 3 KV heads of 64 (48 KiB). Measured against locality 1 (L2) on that machine:
-  // decode attention from DRAM 5-8 % faster, prefill unchanged; 2 cells ahead gave the
-  // same, 6 less (BENCHMARKS.md, tenth round).
-  auto prefetch = [](const Lines& c, int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < std::min(c.n, i1); ++i) {
-      __builtin_prefetch(c.k + 64 * i, 0, 3);
-      __builtin_prefetch(c.v + 64 * i, 0, 3);
-    }
-  };
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(ct));
+  const kvserve_items::CellLines cell_lines{reinterpret_cast<const char*>(kp),
+                                            reinterpret_cast<const char*>(vp), tp, MB, BS,
+                                            row_bytes, false};
   // Items are claimed one ahead from a shared counter: a dynamic schedule in which each
   // thread knows its next item, so an item's last cells prefetch the next item's first
   // ones and a new sequence does not start on a stall.
@@ -241,7 +177,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         if (a < b) {
           const int64_t slot0 = tp[s * MB + a / BS] * BS + a % BS;
           const int64_t pf_step = (pf.n + (b - a) - 1) / (b - a);
-          for (int64_t t = 0; t < (tiled ? 0 : b - a); ++t) {
+          for (int64_t t = 0; t < b - a; ++t) {
             const int64_t slot = slot0 + t, lane = a - cell_lo + t;
             prefetch(pf, t * pf_step, (t + 1) * pf_step);
             for (int64_t h = h0; h < h1; ++h) {
@@ -278,13 +214,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for (int64_t h = h0; h < h1; ++h) {
             const uint32_t* kth = reinterpret_cast<const uint32_t*>(kt(h));
             const uint32_t* vph = reinterpret_cast<const uint32_t*>(vb(h));
-            if (tiles_ok && tiled) {  // the cell's tile, read in place; prefetches spread over heads
-              const int64_t tile = (slot0 - (a - cell_lo)) * row + h * CELL * D;
-              kth = reinterpret_cast<const uint32_t*>(kp + tile);
-              vph = reinterpret_cast<const uint32_t*>(vp + tile);
-              const int64_t step = (pf.n + (h1 - h0) - 1) / (h1 - h0);
-              prefetch(pf, (h - h0) * step, (h - h0 + 1) * step);
-            } else if constexpr (bf16_scores) {  // K pairs (from the cache, or as converted) transposed
+            if constexpr (bf16_scores) {  // K pairs (from the cache, or as converted) transposed
               for (int64_t i = 0; i < CELL; ++i) {
                 const int64_t p = cell_lo + i;
                 rows[i] = zero_row.data();
@@ -374,7 +304,8 @@ void dispatch_cache(KV_PARAMS) {
 
 // q [T, Hq, D] (rows may be strided): the query rows of S sequences, sequence s owning rows
 // query_start[s] .. query_start[s+1]-1, which are the last of its lens[s] positions (a
-// decode token is a sequence with one row). Caches [num_blocks, block_size, Hkv, D];
+// decode token is a sequence with one row). Caches [num_blocks, block_size, Hkv, D] (rows),
+// or bf16 [num_blocks, block_size / 16, Hkv, 16, D] (tiles, kv_tiles.h);
 // tables [S, max_blocks] int64; lens [S] int64 (context length after this step, the rows'
 // own K/V already written); window <= 0 means no window; with a window, the first `sinks`
 // positions are attended as well. An int8 cache comes with float16 scales [slots, kv_heads]
@@ -420,6 +351,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     }
   }
   auto out = at::empty(qc.sizes(), qc.options());
+  if (kc.dim() == 5) {  // tiles: paged_attention_tiles.cpp
+    TORCH_CHECK(kvserve_tiles::tiles_readable(qc.scalar_type(), kc.scalar_type(), qc.size(2)),
+                "paged_attention: a tiled cache needs a bf16 query and cache, head_dim a "
+                "multiple of 32 and AVX-512-BF16 (tiled_kv_supported())");
+    kvserve_tiles::attention_tiles(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks);
+    return out;
+  }
   Scales scales;
   at::Tensor ksc, vsc;  // keep contiguous copies alive for the call
   if (kc.scalar_type() == at::kChar) {
@@ -469,7 +407,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // True when this build reads tiled caches (a bf16 query and cache, head_dim % 32 == 0).
-bool tiled_kv_supported() { return kvserve_cell::kBf16Scores; }
+bool tiled_kv_supported() { return kvserve_tiles::tiles_readable(at::kBFloat16, at::kBFloat16, 64); }
 
 }  // namespace
 
