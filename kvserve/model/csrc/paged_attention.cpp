@@ -47,7 +47,6 @@ using kvserve_cell::NEG_BIG;  // finite "minus infinity" (the build uses -ffast-
 static_assert(kvserve_items::CELL == CELL, "one cell size");
 using kvserve_items::Item;
 using kvserve_items::Lines;
-using kvserve_items::PREFETCH_CELLS;
 using kvserve_items::TILE_FLOATS;
 using kvserve_items::Visible;
 using kvserve_items::prefetch;
@@ -88,15 +87,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int threads = at::get_num_threads();
   const std::vector<Item> items =
       kvserve_items::make_items(S, qs, lp, tile, Hkv, window, sinks, threads);
-  const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(ct));
   const kvserve_items::CellLines cell_lines{reinterpret_cast<const char*>(kp),
                                             reinterpret_cast<const char*>(vp), tp, MB, BS,
                                             row_bytes, false};
-  // Items are claimed one ahead from a shared counter: a dynamic schedule in which each
-  // thread knows its next item, so an item's last cells prefetch the next item's first
-  // ones and a new sequence does not start on a stall.
-  std::atomic<int64_t> claim{0};
+  std::atomic<int64_t> counter{0};  // items claimed one ahead (kvserve_items::Claims)
 
 #pragma omp parallel num_threads(threads)
   {
@@ -119,21 +114,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     auto kr = [&](int64_t h) { return kv_base + h * CELL * D; };
     auto kt = [&](int64_t h) { return kv_base + (Hkv + h) * CELL * D; };
     auto vb = [&](int64_t h) { return kv_base + (2 * Hkv + h) * CELL * D; };
-    int64_t next = claim.fetch_add(1, std::memory_order_relaxed);
-    // cells [head_fetched, PREFETCH_CELLS) of the next item are prefetched already (by the
-    // item before it); a thread's first item has none
-    int64_t head_fetched = PREFETCH_CELLS;
-    while (next < num_items) {
-      const Item item = items[next];
-      next = claim.fetch_add(1, std::memory_order_relaxed);
-      const Item* after = next < num_items ? &items[next] : nullptr;
+    kvserve_items::Claims claims(items, counter, cell_lines);
+    while (const Item* it = claims.next()) {
+      const Item& item = *it;
       const int64_t s = item.seq, nr = item.r1 - item.r0, h0 = item.h0, h1 = item.h1;
       const int64_t n = qs[s + 1] - qs[s], first_pos = lp[s] - n;
       const int64_t lo = item.lo, hi = item.hi;
-      const int64_t cells = (hi - 1) / CELL - lo / CELL + 1;
-      for (int64_t k = 0; k < std::min(head_fetched, cells); ++k)  // in one burst
-        prefetch(cell_lines(item, k), 0, INT64_MAX);
-      head_fetched = std::max<int64_t>(0, PREFETCH_CELLS - cells);
       for (int64_t r = 0; r < nr; ++r) {
         vis[r] = visible(first_pos + item.r0 + r + 1, window, sinks);
         const int64_t tok = qs[s] + item.r0 + r;
@@ -171,9 +157,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // every block); past the item's last cell, the next item's first cells. The lines
         // are spread over this cell's slot loop: issued in one burst, most prefetches find
         // the miss buffers full.
-        const int64_t ahead = (cell_lo - lo / CELL * CELL) / CELL + PREFETCH_CELLS;
-        const Lines pf = ahead < cells ? cell_lines(item, ahead)
-                                       : (after ? cell_lines(*after, ahead - cells) : Lines{});
+        const Lines pf = claims.ahead((cell_lo - lo / CELL * CELL) / CELL);
         if (a < b) {
           const int64_t slot0 = tp[s * MB + a / BS] * BS + a % BS;
           const int64_t pf_step = (pf.n + (b - a) - 1) / (b - a);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -99,6 +100,50 @@ struct CellLines {
     const int64_t bytes = (whole ? CELL : std::min(end - p, bs - p % bs)) * row_bytes;
     return Lines{kp + slot * row_bytes, vp + slot * row_bytes, (bytes + 63) / 64};
   }
+};
+
+// One thread's items, claimed one ahead from a counter shared by the threads of a call: a
+// dynamic schedule in which each thread knows its next item, so an item's last cells
+// prefetch the next item's first ones and a new sequence does not start on a stall.
+class Claims {
+ public:
+  Claims(const std::vector<Item>& items, std::atomic<int64_t>& counter, const CellLines& lines)
+      : items_(items), counter_(counter), lines_(lines),
+        next_(counter.fetch_add(1, std::memory_order_relaxed)) {}
+
+  // The thread's next item, or nullptr when none is left. The first cells of it that the
+  // item before did not prefetch (all of them, for a thread's first item) are fetched now,
+  // in one burst.
+  const Item* next() {
+    const int64_t n = static_cast<int64_t>(items_.size());
+    if (next_ >= n) return nullptr;
+    cur_ = items_[next_];
+    next_ = counter_.fetch_add(1, std::memory_order_relaxed);
+    after_ = next_ < n ? &items_[next_] : nullptr;
+    cells_ = (cur_.hi - 1) / CELL - cur_.lo / CELL + 1;
+    for (int64_t k = 0; k < std::min(head_fetched_, cells_); ++k)
+      prefetch(lines_(cur_, k), 0, INT64_MAX);
+    head_fetched_ = std::max<int64_t>(0, PREFETCH_CELLS - cells_);
+    return &cur_;
+  }
+
+  // What to prefetch while cell k of the current item runs: its cell k + PREFETCH_CELLS,
+  // or past its last cell the next item's first ones (Lines{} after the last item).
+  Lines ahead(int64_t k) const {
+    const int64_t a = k + PREFETCH_CELLS;
+    if (a < cells_) return lines_(cur_, a);
+    return after_ ? lines_(*after_, a - cells_) : Lines{};
+  }
+
+ private:
+  const std::vector<Item>& items_;
+  std::atomic<int64_t>& counter_;
+  const CellLines& lines_;
+  int64_t next_;
+  Item cur_{};
+  const Item* after_ = nullptr;
+  int64_t cells_ = 0;
+  int64_t head_fetched_ = PREFETCH_CELLS;  // cells of the next item prefetched already
 };
 
 }  // namespace kvserve_items
