@@ -102,11 +102,14 @@ def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
             if cache.fmt.scale == "token":
                 parts.append(cache.scale)
         for t in parts:
-            if t.dim() == 5:  # tiles [2, slots / TILE, H, TILE, D]
-                out.append(t.view(2, -1, block_size // TILE, *t.shape[2:]))
-            else:
-                out.append(t.view(2, -1, block_size, *t.shape[2:]))
+            out.append(t.view(2, -1, rows_per_block(t, block_size), *t.shape[2:]))
     return out
+
+
+def rows_per_block(cache: torch.Tensor, block_size: int) -> int:
+    """How many of ``cache``'s rows (dim 1 of ``[2, …]``) one block holds: ``block_size``
+    slots, or ``block_size / TILE`` tiles for a tiled cache (the only 5-dim one)."""
+    return block_size // TILE if cache.dim() == 5 else block_size
 
 
 def tiles_from_rows(cache: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.cache import rows_per_block
 from kvserve.kv.quant import QuantizedKVCache
 
 KVCache = torch.Tensor | QuantizedKVCache  # one layer's cache
@@ -256,11 +257,7 @@ class CpuPagedAttention(TorchPagedAttention):
             data = kv_cache.data
         else:
             data = kv_cache
-        h, d = data.shape[2], data.shape[-1]
-        if data.dim() == 5:  # tiles [2, slots / 16, H, 16, D]
-            blocks: tuple[int, ...] = (-1, self.block_size // 16, h, 16, d)
-        else:
-            blocks = (-1, self.block_size, h, d)
+        blocks = (-1, rows_per_block(data, self.block_size), *data.shape[2:])
         return torch.ops.kvserve.paged_attention(
             q,
             data[0].view(blocks),

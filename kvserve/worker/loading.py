@@ -74,7 +74,8 @@ def select_kernels(
     ``cpu`` (and ``auto`` on a CPU device) uses the C++ kernels: paged attention (for head
     dims it is built for) and the fused RMSNorm/RoPE/SiLU ops. With ``plain_bf16_kv`` (a
     bf16 model with a plain bf16 cache) the C++ backend takes the tiled cache layout where
-    the kernels read it (block_size a multiple of 16, head_dim of 32, AVX-512-BF16).
+    the kernels read it (block_size a multiple of 16; the kernel build says which head
+    dims: ``tiled_kv_supported``).
     """
     if choice == "torch" or (choice == "auto" and device.type != "cpu"):
         return TorchPagedAttention(block_size), TorchOps()
@@ -88,8 +89,7 @@ def select_kernels(
         tiled = (
             plain_bf16_kv
             and block_size % TILE == 0
-            and spec.head_dim % 32 == 0
-            and bool(torch.ops.kvserve.tiled_kv_supported())
+            and bool(torch.ops.kvserve.tiled_kv_supported(spec.head_dim))
         )
         return CpuPagedAttention(block_size, window, sinks, tiled), CpuKernelOps()
     if choice == "cpu":

@@ -63,7 +63,7 @@ def test_tiled_rows_are_correct_and_invariant(bs, heads, d, window, seqs, seed):
     within bf16's precision of float32 attention, and bit for bit the same whether a row is
     computed alone as a decode token, in a prefill chunk of either split, or beside other
     sequences."""
-    assert load_cpu_kernels() and torch.ops.kvserve.tiled_kv_supported()
+    assert load_cpu_kernels() and torch.ops.kvserve.tiled_kv_supported(64)
     hq, hkv = heads
     g = torch.Generator().manual_seed(seed)
     seqs = [(ctx, 1 + r % ctx) for ctx, r in seqs]

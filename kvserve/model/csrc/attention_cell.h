@@ -215,11 +215,10 @@ inline void put_v_pair(const uint16_t* src, int64_t lane, uint32_t* vp) {
   }
 }
 
-// The online-softmax update, then acc += p · V with V as bf16 key pairs (put_v_pair, or a
-// tiled cache's V read in place): the weights (times the keys' V scales `vs` with kVScaled)
-// are rounded to bf16 and each vdpbf16ps takes two keys. A masked lane's weight is 0 and
-// its V half is loaded as 0: what a cell holds outside [t0, t1) (another sequence's stale
-// values in a tile, say) never reaches the sums, not even as 0 times a NaN.
+// The online-softmax update, then acc += p · V with V as bf16 key pairs (put_v_pair): the
+// weights (times the keys' V scales `vs` with kVScaled) are rounded to bf16 and each
+// vdpbf16ps takes two keys (a masked lane's weight is 0, so a pair half outside [t0, t1)
+// adds 0 times a finite value).
 template <int D, int NH, bool kVScaled>
 inline void softmax_pv_bf16(const __m512* s, const uint32_t* vp, __m512 vs, int t0, int t1,
                             __mmask16 mask, float* m, float* l, float* acc) {
@@ -233,30 +232,14 @@ inline void softmax_pv_bf16(const __m512* s, const uint32_t* vp, __m512 vs, int 
   }
   __m512 a[NH][D / 16];
   load_rescaled<D, NH>(acc, corr, a);
-  // key pair j into the accumulators; a pair half outside [t0, t1) loaded as 0 where
-  // kMasked (only the first and last pairs can have one: a masked load costs ~25 % of
-  // prefill attention on Zen 4, so interior pairs take the plain one)
-  auto pair = [&](int j, auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
-    const __mmask32 keep = (2 * j < t0 ? 0xAAAAAAAAu : 0xFFFFFFFFu) &  // key 2j: low halves
-                           (2 * j + 1 >= t1 ? 0x55555555u : 0xFFFFFFFFu);  // 2j + 1: high
+  for (int j = t0 / 2; j < (t1 + 1) / 2; ++j)
     for (int c = 0; c < D / 16; ++c) {
-      const uint32_t* src = vp + j * D + 16 * c;
-      const __m512bh v = kMasked ? (__m512bh)_mm512_maskz_loadu_epi16(keep, src)
-                                 : (__m512bh)_mm512_loadu_si512(src);
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + j * D + 16 * c);
       for (int h = 0; h < NH; ++h) {
         const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[h][j]));
         a[h][c] = _mm512_dpbf16_ps(a[h][c], w, v);
       }
     }
-  };
-  const int j0 = t0 / 2, j1 = (t1 + 1) / 2;  // pairs [j0, j1) hold the lanes
-  for (int j = j0; j < j1; ++j) {
-    if ((j == j0 && t0 % 2) || (j == j1 - 1 && t1 % 2))
-      pair(j, std::true_type{});
-    else
-      pair(j, std::false_type{});
-  }
   store_acc<D, NH>(a, acc);
 }
 #endif

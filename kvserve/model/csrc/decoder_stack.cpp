@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kv_tiles.h"
 #include "ops.h"
 
 namespace {
@@ -105,9 +106,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
       vs = sc->select(0, 1);
     }
     // rows [2, slots, H, D] or tiles [2, slots / 16, H, 16, D] (kv_tiles.h), as blocks
+    const int64_t tile = kvserve_tiles::TILE;
     const std::vector<int64_t> shape =
-        cache.dim() == 5 ? std::vector<int64_t>{-1, dm.block_size / 16, dm.kv_heads, 16, dm.head_dim}
-                         : std::vector<int64_t>{-1, dm.block_size, dm.kv_heads, dm.head_dim};
+        cache.dim() == 5
+            ? std::vector<int64_t>{-1, dm.block_size / tile, dm.kv_heads, tile, dm.head_dim}
+            : std::vector<int64_t>{-1, dm.block_size, dm.kv_heads, dm.head_dim};
     const auto blocks = cache.select(0, 0).view(shape);
     const auto vblocks = cache.select(0, 1).view(shape);
     at::Tensor o = kvserve::paged_attention(q, blocks, vblocks, tables, lens, query_start, scale,

@@ -1,5 +1,5 @@
 // The tiled layout of a plain 16-bit KV cache: the order in which the bf16 attention folds
-// (attention_cell.h) read a cell, so decode and prefill read K and V in place instead of
+// (attention_span.h) read a cell, so decode and prefill read K and V in place instead of
 // transposing K and pairing V for every cell of every step.
 //
 // A cache of tiles is [2, slots / TILE, H, TILE, D]: slots are grouped by TILE = 16 (one
@@ -9,8 +9,8 @@
 //   V: [TILE / 2][D][2]  — key pairs, dimension by dimension:       v[lane / 2][d][lane % 2]
 // Whole blocks move as opaque bytes (swap, host tier, KV store) exactly as rows do; only the
 // writer (put_slot) and the reader (attention_tiles, paged_attention_tiles.cpp) know the
-// order. kvserve/kv/cache.py's
-// tiles_from_rows / rows_from_tiles are the same permutation in PyTorch.
+// order. kvserve/kv/cache.py's tiles_from_rows / rows_from_tiles are the same permutation
+// in PyTorch.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -337,8 +337,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   auto out = at::empty(qc.sizes(), qc.options());
   if (kc.dim() == 5) {  // tiles: paged_attention_tiles.cpp
     TORCH_CHECK(kvserve_tiles::tiles_readable(qc.scalar_type(), kc.scalar_type(), qc.size(2)),
-                "paged_attention: a tiled cache needs a bf16 query and cache, head_dim a "
-                "multiple of 32 and AVX-512-BF16 (tiled_kv_supported())");
+                "paged_attention: a tiled cache needs a bf16 query and cache, head_dim 32, 64, "
+                "96, 128 or 256 and AVX-512-BF16 (tiled_kv_supported(head_dim))");
     kvserve_tiles::attention_tiles(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks);
     return out;
   }
@@ -390,13 +390,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
-// True when this build reads tiled caches (a bf16 query and cache, head_dim % 32 == 0).
-bool tiled_kv_supported() { return kvserve_tiles::tiles_readable(at::kBFloat16, at::kBFloat16, 64); }
+// True when this build reads tiled bf16 caches of head_dim `d` (tiles_readable).
+bool tiled_kv_supported(int64_t d) {
+  return kvserve_tiles::tiles_readable(at::kBFloat16, at::kBFloat16, d);
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("tiled_kv_supported() -> bool", TORCH_FN(tiled_kv_supported));
+  m.def("tiled_kv_supported(int head_dim) -> bool", TORCH_FN(tiled_kv_supported));
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor lens, Tensor query_start, float scale, int window, int sinks=0, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");

@@ -65,7 +65,7 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       kvserve_items::make_items(S, qs, lp, tile, Hkv, window, sinks, threads);
   const kvserve_items::CellLines cell_lines{reinterpret_cast<const char*>(kp),
                                             reinterpret_cast<const char*>(vp), tp, MB, BS,
-                                            row * 2, true};
+                                            row * static_cast<int64_t>(sizeof(uint16_t)), true};
   std::atomic<int64_t> counter{0};
 
 #pragma omp parallel num_threads(threads)
@@ -158,8 +158,10 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const at::Tensor& query_start, at::Tensor& out, double scale,
                      int64_t window, int64_t sinks) {
 #ifdef __AVX512BF16__
-#define KVSERVE_TILES_D(d) \
-  case d: return tiles_kernel<d>(q, k_cache, v_cache, tables, lens, query_start, out, scale, window, sinks);
+#define KVSERVE_TILES_D(d)                                                                 \
+  case d:                                                                                  \
+    return tiles_kernel<d>(q, k_cache, v_cache, tables, lens, query_start, out, scale,     \
+                           window, sinks);
   switch (q.size(2)) {
     KVSERVE_TILES_D(32)
     KVSERVE_TILES_D(64)
