@@ -1,0 +1,81 @@
+"""Decode attention per KV cache dtype: the engine's bf16 tiles against int8 and fp8 rows.
+
+The workload is ``attention_ab.py``'s decode step: 30 layers of SmolLM2-135M's shape (9 query
+heads on 3 KV heads of 64), 32 sequences at context 320, 16-token blocks (each sequence's
+first 16 contiguous, the rest interleaved), every layer's cache read from DRAM. The three
+caches are timed in alternating order and the medians printed (ms for the 30 layers):
+
+- ``bf16``: tiles ``[blocks, 1, 3, 16, 64]``, what a bf16 model's engine allocates;
+- ``int8``: codes ``[blocks, 16, 3, 64]`` with float16 scales per (slot, head);
+- ``fp8_e4m3``: the same with fp8 codes (the token-scale default).
+
+    python benchmarks/attention_dtypes.py --out benchmarks/results/attention_dtypes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.model.cpu_kernels import load_cpu_kernels
+
+L, B, HKV, HQ, D, BS, NB = 30, 32, 3, 9, 64, 16, 2048
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--out", help="write the result as JSON here")
+    a = ap.parse_args()
+    assert load_cpu_kernels(), "the CPU kernels did not build"
+    torch.manual_seed(0)
+    nbs = (a.context + BS - 1) // BS
+    tables = torch.zeros(B, nbs, dtype=torch.long)
+    nxt = 0
+    for s in range(B):  # a prefill's blocks are contiguous, a decode's interleaved
+        for j in range(min(16, nbs)):
+            tables[s, j], nxt = nxt, nxt + 1
+    for j in range(16, nbs):
+        for s in range(B):
+            tables[s, j], nxt = nxt, nxt + 1
+    lens = torch.full((B,), a.context, dtype=torch.long)
+    starts = torch.arange(B + 1, dtype=torch.long)
+    q = torch.randn(B, HQ, D).bfloat16()
+    scales = (torch.rand(L, 2, NB * BS, HKV) * 0.01 + 0.01).half()
+    caches = {
+        "bf16": (torch.randn(L, 2, NB, BS // 16, HKV, 16, D).bfloat16(), False),
+        "int8": (torch.randint(-127, 128, (L, 2, NB, BS, HKV, D), dtype=torch.int8), True),
+        "fp8_e4m3": (torch.randn(L, 2, NB, BS, HKV, D).to(torch.float8_e4m3fn), True),
+    }
+
+    def decode(name: str) -> float:
+        c, scaled = caches[name]
+        t = time.perf_counter()
+        for layer in range(L):
+            ks, vs = (scales[layer, 0], scales[layer, 1]) if scaled else (None, None)
+            torch.ops.kvserve.paged_attention(
+                q, c[layer, 0], c[layer, 1], tables, lens, starts, D**-0.5, 0, 0, ks, vs
+            )
+        return time.perf_counter() - t
+
+    times: dict[str, list[float]] = {k: [] for k in caches}
+    for i in range(a.iters):
+        for k in list(caches) if i % 2 else list(caches)[::-1]:
+            times[k].append(decode(k))
+    result = {
+        "decode_ms_per_step": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "workload": vars(a),
+    }
+    print(json.dumps(result, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
