@@ -1,15 +1,17 @@
-"""Decode attention per KV cache dtype: the engine's bf16 tiles against int8 and fp8 rows.
+"""Decode attention per KV cache dtype, each in the layout the engine allocates for it.
 
 The workload is ``attention_ab.py``'s decode step: 30 layers of SmolLM2-135M's shape (9 query
 heads on 3 KV heads of 64), 32 sequences at context 320, 16-token blocks (each sequence's
-first 16 contiguous, the rest interleaved), every layer's cache read from DRAM. The three
-caches are timed in alternating order and the medians printed (ms for the 30 layers):
+first 16 contiguous, the rest interleaved), every layer's cache read from DRAM. The caches
+are timed in alternating order and the medians printed (ms for the 30 layers):
 
-- ``bf16``: tiles ``[blocks, 1, 3, 16, 64]``, what a bf16 model's engine allocates;
-- ``int8``: codes ``[blocks, 16, 3, 64]`` with float16 scales per (slot, head);
-- ``fp8_e4m3``: the same with fp8 codes (the token-scale default).
+- ``bf16``: tiles ``[blocks, 1, 3, 16, 64]``;
+- ``int8``, ``fp8_e4m3``: tiles of codes with float16 scales ``[slots / 16, 3, 16]`` per
+  token and head (the token-scale default), what a bf16 model's engine allocates;
+- ``int8_rows``: codes ``[blocks, 16, 3, 64]`` with scales ``[slots, 3]``, the layout of
+  8-bit caches before tiles (and still of fp16 / fp32 models' caches).
 
-    python benchmarks/attention_dtypes.py --out benchmarks/results/attention_dtypes.json
+    python benchmarks/attention_dtypes.py --out benchmarks/results/attention_dtypes_r13.json
 """
 
 from __future__ import annotations
@@ -48,17 +50,20 @@ def main() -> None:
     starts = torch.arange(B + 1, dtype=torch.long)
     q = torch.randn(B, HQ, D).bfloat16()
     scales = (torch.rand(L, 2, NB * BS, HKV) * 0.01 + 0.01).half()
+    tile_scales = scales.view(L, 2, NB * BS // 16, HKV, 16)  # random: any order will do
+    tiles = (L, 2, NB, BS // 16, HKV, 16, D)
     caches = {
-        "bf16": (torch.randn(L, 2, NB, BS // 16, HKV, 16, D).bfloat16(), False),
-        "int8": (torch.randint(-127, 128, (L, 2, NB, BS, HKV, D), dtype=torch.int8), True),
-        "fp8_e4m3": (torch.randn(L, 2, NB, BS, HKV, D).to(torch.float8_e4m3fn), True),
+        "bf16": (torch.randn(*tiles).bfloat16(), None),
+        "int8": (torch.randint(-127, 128, tiles, dtype=torch.int8), tile_scales),
+        "fp8_e4m3": (torch.randn(*tiles).to(torch.float8_e4m3fn), tile_scales),
+        "int8_rows": (torch.randint(-127, 128, (L, 2, NB, BS, HKV, D), dtype=torch.int8), scales),
     }
 
     def decode(name: str) -> float:
-        c, scaled = caches[name]
+        c, sc = caches[name]
         t = time.perf_counter()
         for layer in range(L):
-            ks, vs = (scales[layer, 0], scales[layer, 1]) if scaled else (None, None)
+            ks, vs = (sc[layer, 0], sc[layer, 1]) if sc is not None else (None, None)
             torch.ops.kvserve.paged_attention(
                 q, c[layer, 0], c[layer, 1], tables, lens, starts, D**-0.5, 0, 0, ks, vs
             )

@@ -1,10 +1,11 @@
 """KV tensor shapes, bytes per token and capacity in blocks.
 
 A plain per-layer cache is ``[2, slots, H, D]`` (rows: slot = block * block_size + offset)
-or, for the CPU kernels' bf16 path, ``[2, slots / 16, H, 16, D]`` (tiles: each group of 16
-slots and head in the order the attention kernel reads it, ``csrc/kv_tiles.h``). Both hold
-a block as one contiguous run per K and V part, so swap, the host tier and the KV store
-move blocks the same way; only the kernels that write and read tokens know the order.
+or, for the CPU kernels, ``[2, slots / 16, H, 16, D]`` (tiles: each group of 16 slots and
+head in the order the attention kernel reads it, ``csrc/kv_tiles.h``); an 8-bit cache with
+per-token scales may be tiled too, its scales then ``[2, slots / 16, H, 16]``. Both layouts
+hold a block as one contiguous run per part, so swap, the host tier and the KV store move
+blocks the same way; only the kernels that write and read tokens know the order.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.quant import KVFormat, QuantizedKVCache
+from kvserve.kv.quant import TILE, KVFormat, QuantizedKVCache
 
 _TOKEN_SCALE_BYTES = 2  # float16 per (token, KV head) for int8
-TILE = 16  # slots per tile of a tiled cache (csrc/kv_tiles.h)
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,14 @@ class KVCacheSpec:
     dtype: torch.dtype
     block_size: int
     scale: str = "none"
-    tiled: bool = False  # plain caches only: [2, slots / TILE, H, TILE, D] (module docstring)
+    tiled: bool = False  # [2, slots / TILE, H, TILE, D] (module docstring)
 
     def __post_init__(self) -> None:
-        if self.tiled and (self.scale != "none" or self.block_size % TILE or self.head_dim % 2):
+        if self.tiled and (self.scale == "head" or self.block_size % TILE or self.head_dim % 2):
             raise ValueError(
-                f"a tiled KV cache needs a plain cache, block_size a multiple of {TILE} and an "
-                f"even head_dim (got scale {self.scale}, block_size {self.block_size}, "
-                f"head_dim {self.head_dim})"
+                f"a tiled KV cache needs a plain cache or per-token scales, block_size a "
+                f"multiple of {TILE} and an even head_dim (got scale {self.scale}, block_size "
+                f"{self.block_size}, head_dim {self.head_dim})"
             )
 
     @classmethod
@@ -75,11 +75,11 @@ class KVCacheSpec:
     ) -> list[torch.Tensor] | list[QuantizedKVCache]:
         """Per-layer caches of ``num_blocks`` blocks: ``[2, slots, H, D]`` tensor views of one
         zeroed allocation (``[2, slots / TILE, H, TILE, D]`` when ``tiled``), or
-        ``QuantizedKVCache`` objects for a quantized ``fmt``."""
+        ``QuantizedKVCache`` objects for a quantized ``fmt`` (tiled alike)."""
         slots = num_blocks * self.block_size
         if fmt is not None and fmt.quantized:
             return [
-                QuantizedKVCache(fmt, slots, self.num_kv_heads, self.head_dim, device)
+                QuantizedKVCache(fmt, slots, self.num_kv_heads, self.head_dim, device, self.tiled)
                 for _ in range(self.num_layers)
             ]
         h = self.num_kv_heads
@@ -96,20 +96,20 @@ def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
     global and stay on the device."""
     out = []
     for cache in caches:
-        parts = [cache]
+        parts, tiled = [cache], cache.dim() == 5 if isinstance(cache, torch.Tensor) else False
         if isinstance(cache, QuantizedKVCache):
-            parts = [cache.data.view(torch.uint8)]
+            parts, tiled = [cache.data.view(torch.uint8)], cache.tiled
             if cache.fmt.scale == "token":
                 parts.append(cache.scale)
         for t in parts:
-            out.append(t.view(2, -1, rows_per_block(t, block_size), *t.shape[2:]))
+            out.append(t.view(2, -1, rows_per_block(block_size, tiled), *t.shape[2:]))
     return out
 
 
-def rows_per_block(cache: torch.Tensor, block_size: int) -> int:
-    """How many of ``cache``'s rows (dim 1 of ``[2, …]``) one block holds: ``block_size``
-    slots, or ``block_size / TILE`` tiles for a tiled cache (the only 5-dim one)."""
-    return block_size // TILE if cache.dim() == 5 else block_size
+def rows_per_block(block_size: int, tiled: bool) -> int:
+    """How many rows (dim 1 of a cache part ``[2, …]``: its codes' or its scales') one
+    block holds: ``block_size`` slots, or ``block_size / TILE`` tiles when ``tiled``."""
+    return block_size // TILE if tiled else block_size
 
 
 def tiles_from_rows(cache: torch.Tensor) -> torch.Tensor:

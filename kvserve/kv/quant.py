@@ -36,6 +36,7 @@ KV_CACHE_DTYPES = ("auto", *_PLAIN, *_FP8, "int8")
 # with 2 mantissa bits the search made SmolLM2's perplexity worse (+1.96 % → +2.23 %).
 FP8_SCALE_CANDIDATES = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 1}
 _SEARCH_TOKENS = 2048  # tokens per search call off the CPU kernel (C copies each)
+TILE = 16  # slots per tile of a tiled cache (kv/cache.py, csrc/kv_tiles.h)
 _KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # quantize_kv's
 
 
@@ -80,21 +81,36 @@ def kv_format(name: str, model_dtype: torch.dtype, fp8_scales: str = "auto") -> 
 
 class QuantizedKVCache:
     """One layer's quantized K/V: ``data`` ``[2, slots, H, D]`` of the storage type and
-    ``scale`` — ``[2, slots, H]`` float16 (int8) or ``[2, H]`` float32 (fp8).
+    ``scale`` — ``[2, slots, H]`` float16 (per-token scales) or ``[2, H]`` float32 (fp8
+    per-head scales).
+
+    ``tiled`` (per-token scales, the CPU kernels only): ``data`` ``[2, slots / 16, H, 16, D]``
+    and ``scale`` ``[2, slots / 16, H, 16]``, the order the attention kernel reads
+    (``kv/cache.py``); only ``write_cpu`` writes it and only the C++ kernel reads it.
 
     ``calibrating`` (fp8 only): the next ``write`` first sets the per-head scales from the
     values it is given, then clears the flag.
     """
 
     def __init__(
-        self, fmt: KVFormat, num_slots: int, num_heads: int, head_dim: int, device: torch.device
+        self,
+        fmt: KVFormat,
+        num_slots: int,
+        num_heads: int,
+        head_dim: int,
+        device: torch.device,
+        tiled: bool = False,
     ):
+        if tiled and (fmt.scale != "token" or num_slots % TILE):
+            raise ValueError(f"a tiled {fmt.name} cache needs per-token scales and whole tiles")
         self.fmt = fmt
-        self.data = torch.zeros(2, num_slots, num_heads, head_dim, dtype=fmt.storage, device=device)
+        self.tiled = tiled
+        rows = (num_slots // TILE, num_heads, TILE) if tiled else (num_slots, num_heads)
+        self.data = torch.zeros(2, *rows, head_dim, dtype=fmt.storage, device=device)
         fp8 = fmt.storage != torch.int8
         self.qmax = float(torch.finfo(fmt.storage).max) if fp8 else 127.0
         if fmt.scale == "token":
-            self.scale = torch.zeros(2, num_slots, num_heads, dtype=torch.float16, device=device)
+            self.scale = torch.zeros(2, *rows, dtype=torch.float16, device=device)
         else:
             self.scale = torch.ones(2, num_heads, dtype=torch.float32, device=device)
         self.calibrating = False
@@ -106,7 +122,7 @@ class QuantizedKVCache:
         scales only (ValueError otherwise); must precede any write."""
         if self.fmt.scale != "token":
             raise ValueError(f"K smoothing needs per-token scales, {self.fmt.name} has none")
-        _, _, h, d = self.data.shape
+        h, d = self.data.shape[-3 if self.tiled else -2], self.data.shape[-1]
         if tuple(shift.shape) != (h, d):
             raise ValueError(f"k_shift must be [{h}, {d}], got {list(shift.shape)}")
         self.k_shift = shift.detach().to(self.data.device, torch.float32).contiguous()
@@ -159,8 +175,13 @@ class QuantizedKVCache:
         codes = q.view(torch.uint8).gather(0, best.unsqueeze(-1).expand(1, *xf.shape))
         return codes[0].view(self.fmt.storage), s.gather(0, best)[0]
 
+    def _rows_only(self, what: str) -> None:
+        if self.tiled:
+            raise RuntimeError(f"{what} reads and writes rows; this cache is tiled (write_cpu)")
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize ``k``/``v`` ``[T, H, D]`` into ``slots``."""
+        """Quantize ``k``/``v`` ``[T, H, D]`` into ``slots`` (a cache of rows)."""
+        self._rows_only("write")
         if self.calibrating:
             for which, x in ((0, k), (1, v)):
                 amax = x.float().abs().amax(dim=(0, 2))
@@ -181,8 +202,9 @@ class QuantizedKVCache:
     def write_cpu(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``write`` through the C++ kernel (``torch.ops.kvserve.quantize_kv``, one call
         each for K and V; the same codes and scales): for a CPU cache with per-token
-        scales, once the CPU kernels are loaded. Other caches take ``write``."""
-        if self.fmt.scale != "token" or not self.data.is_cpu:
+        scales, once the CPU kernels are loaded (a tiled cache, always). Other caches take
+        ``write``."""
+        if not self.tiled and (self.fmt.scale != "token" or not self.data.is_cpu):
             self.write(slots, k, v)
             return
         kind = self.kernel_kind
@@ -197,6 +219,7 @@ class QuantizedKVCache:
                 kind,
                 self.candidates,
                 self.k_shift if which == 0 else None,
+                which,
             )
 
     @staticmethod
@@ -205,7 +228,8 @@ class QuantizedKVCache:
         return (q.float() * s.float().unsqueeze(-1)).to(dtype)
 
     def read_slots(self, which: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized ``[T, H, D]`` at ``slots``."""
+        """Dequantized ``[T, H, D]`` at ``slots`` (a cache of rows)."""
+        self._rows_only("read_slots")
         q = self.data[which].view(torch.uint8).index_select(0, slots).view(self.fmt.storage)
         if self.fmt.scale == "token":
             return self._dequant_tokens(q, self.scale[which].index_select(0, slots), dtype)
@@ -214,7 +238,9 @@ class QuantizedKVCache:
     def gather_blocks(
         self, which: int, tables: torch.Tensor, block_size: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        """``[B, H, nb * block_size, D]`` dequantized context of each row's blocks."""
+        """``[B, H, nb * block_size, D]`` dequantized context of each row's blocks (a cache
+        of rows)."""
+        self._rows_only("gather_blocks")
         _, _, h, d = self.data.shape
         raw = self.data[which].view(torch.uint8).view(-1, block_size, h, d)
         q = raw.index_select(0, tables.flatten()).view(self.fmt.storage)

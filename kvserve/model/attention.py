@@ -186,9 +186,10 @@ class CpuPagedAttention(TorchPagedAttention):
     determinism rule, ``csrc/paged_attention.cpp``). Needs ``seq_block_tables``,
     ``seq_lens`` and ``query_start`` in the metadata. Construct only after
     ``load_cpu_kernels()`` returned True, for a head dim in ``CPU_KERNEL_HEAD_DIMS``.
-    ``tiled``: the engine allocates plain caches in the tiled layout (``kv/cache.py``), which
-    the kernel reads without re-laying out a cell's K and V on every step; either layout is
-    written and read by shape, so the flag only tells the allocator.
+    ``tiled``: the engine allocates caches in the tiled layout (``kv/cache.py``: bf16, or
+    8-bit codes with per-token scales), which the kernel reads without re-laying out a
+    cell's K and V on every step; either layout is written and read by shape, so the flag
+    only tells the allocator.
     """
 
     dense_masks = False  # the model runner need not build masks for this backend
@@ -199,7 +200,7 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(block_size)
         self.window = sliding_window or 0
         self.sinks = sinks
-        # plain caches in the tiled layout (kv/cache.py): bf16, read in place by the kernel
+        # caches in the tiled layout (kv/cache.py), read in place by the kernel
         self.tiled = tiled
 
     @staticmethod
@@ -252,12 +253,12 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         k_scale = v_scale = None
         if isinstance(kv_cache, QuantizedKVCache):
-            # int8: [slots, H] float16 per token; fp8: [H] float32 per head
+            # [slots, H] float16 per token ([slots / 16, H, 16] tiled); fp8: [H] float32 per head
             k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]
             data = kv_cache.data
         else:
             data = kv_cache
-        blocks = (-1, rows_per_block(data, self.block_size), *data.shape[2:])
+        blocks = (-1, rows_per_block(self.block_size, data.dim() == 5), *data.shape[2:])
         return torch.ops.kvserve.paged_attention(
             q,
             data[0].view(blocks),

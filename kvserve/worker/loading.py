@@ -67,15 +67,16 @@ def select_kernels(
     block_size: int,
     window,
     sinks: int,
-    plain_bf16_kv: bool = False,
+    tileable_kv: bool = False,
 ) -> tuple[TorchPagedAttention, TorchOps]:
     """Attention backend and element-wise ops for ``attention_backend`` ``choice``.
 
     ``cpu`` (and ``auto`` on a CPU device) uses the C++ kernels: paged attention (for head
-    dims it is built for) and the fused RMSNorm/RoPE/SiLU ops. With ``plain_bf16_kv`` (a
-    bf16 model with a plain bf16 cache) the C++ backend takes the tiled cache layout where
-    the kernels read it (block_size a multiple of 16; the kernel build says which head
-    dims: ``tiled_kv_supported``).
+    dims it is built for) and the fused RMSNorm/RoPE/SiLU ops. With ``tileable_kv``
+    (``kv_tiles_apply``: a bf16 model with a plain bf16 cache or an 8-bit one with per-token
+    scales) the C++ backend takes the tiled cache layout where the kernels read it
+    (block_size a multiple of 16; the kernel build says which head dims:
+    ``tiled_kv_supported``).
     """
     if choice == "torch" or (choice == "auto" and device.type != "cpu"):
         return TorchPagedAttention(block_size), TorchOps()
@@ -87,7 +88,7 @@ def select_kernels(
         return TorchPagedAttention(block_size), TorchOps()
     if spec.head_dim in CPU_KERNEL_HEAD_DIMS:
         tiled = (
-            plain_bf16_kv
+            tileable_kv
             and block_size % TILE == 0
             and bool(torch.ops.kvserve.tiled_kv_supported(spec.head_dim))
         )
@@ -98,6 +99,17 @@ def select_kernels(
             f"the model has {spec.head_dim}"
         )
     return TorchPagedAttention(block_size), CpuKernelOps()
+
+
+def kv_tiles_apply(model_dtype: torch.dtype, fmt: KVFormat) -> bool:
+    """True when the tiled cache layout suits ``fmt`` for a model of ``model_dtype``: a
+    bf16 model, and a plain bf16 cache or 8-bit codes with per-token scales (the tiled
+    kernel converts them in registers; fp8 with per-head scales keeps rows)."""
+    if model_dtype != torch.bfloat16:
+        return False
+    if fmt.quantized:
+        return fmt.scale == "token"
+    return fmt.storage == torch.bfloat16
 
 
 def smooth_k_applies(cache: CacheConfig, fmt: KVFormat) -> bool:
@@ -133,9 +145,7 @@ class ShardBuilder:
             cache.block_size,
             inp.window,
             inp.attention_sinks,
-            plain_bf16_kv=inp.dtype == torch.bfloat16
-            and not self.kv_format.quantized
-            and self.kv_format.storage == torch.bfloat16,
+            tileable_kv=kv_tiles_apply(inp.dtype, self.kv_format),
         )
         self.model: LlamaForCausalLM = load_model(
             inp.model_dir, inp.spec, inp.dtype, device, self.backend, ops, inp.max_model_len, tp

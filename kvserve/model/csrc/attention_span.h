@@ -1,6 +1,6 @@
-// One span of paged attention over a tiled bf16 cache (kv_tiles.h): up to SPAN cells (16
-// keys each, of one KV head) folded into the online-softmax state of a query row's G heads
-// in a single update. Against one update per cell (attention_cell.h's fold_bf16), a span
+// One span of paged attention over a tiled cache (kv_tiles.h; bf16, or 8-bit codes): up to
+// SPAN cells (16 keys each, of one KV head) folded into the online-softmax state of a query
+// row's G heads in a single update. Against one update per cell (attention_cell.h's fold_bf16), a span
 // shares each broadcast of the query across SPAN cells, and the max, the exp's rescale of
 // the accumulators and the horizontal reductions across 4x as many keys.
 //
@@ -12,29 +12,49 @@
 // chunk of any split, and whichever rows share its call.
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_cell.h"
+#include "kv_codes.h"
 
 namespace kvserve_cell {
 
 constexpr int SPAN = 4;  // cells per update
 
 #ifdef __AVX512BF16__
+// 32 elements of a tile as bf16 bits: a bf16 cache's as they are, 8-bit codes converted
+// exactly (kv_codes.h).
+template <typename CT>
+inline __m512i tile32(const CT* p) {
+  if constexpr (std::is_same_v<CT, c10::BFloat16>) return _mm512_loadu_si512(p);
+  else return kvserve_codes::codes32(p);
+}
+
+// A cell's float16 scales of one head (16 lanes) as floats.
+inline __m512 lane_scales(const c10::Half* s) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+
 // NH heads of one query row against NC cells: q [NH][D / 2] bf16 pairs (unscaled), cell c's
-// K tile kt[c] [D / 2][CELL] pairs and V tile vt[c] [CELL / 2][D] key pairs, its visible
+// K tile kt[c] [D / 2][CELL] pairs and V tile vt[c] [CELL / 2][D] key pairs of CT elements
+// (bf16, or 8-bit codes with their lanes' float16 scales ks[c], vs[c]: a key's score is
+// its codes' dot product times its K scale, its weight in P·V times its V scale), visible
 // lanes mk[c] (not 0). Updates m, l [NH] and acc [NH][D].
-template <int D, int NH, int NC>
-inline void span_heads(const uint32_t* q, float scale, const uint32_t* const* kt,
-                       const uint32_t* const* vt, const uint16_t* mk, float* m, float* l,
-                       float* acc) {
+template <int D, int NH, int NC, typename CT>
+inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, const CT* const* vt,
+                       const c10::Half* const* ks, const c10::Half* const* vs,
+                       const uint16_t* mk, float* m, float* l, float* acc) {
+  constexpr bool scaled = !std::is_same_v<CT, c10::BFloat16>;
   __m512 s[NH][NC];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) s[h][c] = _mm512_setzero_ps();
   for (int j = 0; j < D / 2; ++j) {  // one chain per (head, cell), pairs in order
     __m512bh k[NC];
     for (int c = 0; c < NC; ++c) {
-      __m512i x = _mm512_loadu_si512(kt[c] + j * CELL);
+      __m512i x = tile32(kt[c] + j * 2 * CELL);
       // kept in a register: GCC would load it again for every head, and on Zen 4 the
       // loads, not the dot products, then bound the loop (701 against 406 cycles a span)
       __asm__("" : "+v"(x));
@@ -50,7 +70,8 @@ inline void span_heads(const uint32_t* q, float scale, const uint32_t* const* kt
   for (int h = 0; h < NH; ++h) {
     __m512 mx = neg;
     for (int c = 0; c < NC; ++c) {
-      s[h][c] = _mm512_mask_mov_ps(neg, mk[c], _mm512_mul_ps(s[h][c], sc));
+      const __m512 f = scaled ? _mm512_mul_ps(sc, lane_scales(ks[c])) : sc;
+      s[h][c] = _mm512_mask_mov_ps(neg, mk[c], _mm512_mul_ps(s[h][c], f));
       mx = _mm512_max_ps(mx, s[h][c]);
     }
     bm[h] = std::max(m[h], _mm512_reduce_max_ps(mx));
@@ -67,7 +88,9 @@ inline void span_heads(const uint32_t* q, float scale, const uint32_t* const* kt
     for (int c = 0; c < NC; ++c) {
       const __m512 e = _mm512_maskz_mov_ps(mk[c], exp16(_mm512_sub_ps(s[h][c], bv)));
       sum = _mm512_add_ps(sum, e);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(p[h][c]), (__m256i)_mm512_cvtneps_pbh(e));
+      // hidden lanes stay 0 (their stale scales may be anything, even NaN)
+      const __m512 w = scaled ? _mm512_maskz_mul_ps(mk[c], e, lane_scales(vs[c])) : e;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p[h][c]), (__m256i)_mm512_cvtneps_pbh(w));
     }
     l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(sum);
     m[h] = bm[h];
@@ -87,7 +110,7 @@ inline void span_heads(const uint32_t* q, float scale, const uint32_t* const* kt
       for (int h = 0; h < NH; ++h)
         w[h] = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[h][c][j]));
       for (int d = 0; d < D / 16; ++d) {
-        const __m512i x = _mm512_loadu_si512(vt[c] + j * D + 16 * d);
+        const __m512i x = tile32(vt[c] + j * 2 * D + 32 * d);
         const __m512bh v = (__m512bh)_mm512_maskz_mov_epi16(keep, x);
         for (int h = 0; h < NH; ++h) a[h][d] = _mm512_dpbf16_ps(a[h][d], w[h], v);
       }
@@ -95,23 +118,26 @@ inline void span_heads(const uint32_t* q, float scale, const uint32_t* const* kt
   store_acc<D, NH>(a, acc);
 }
 
-// Fold nc (1..SPAN) cells of one KV head — K tiles kt, V tiles vt, visible lanes mk (not 0),
-// in position order — into the online-softmax state of one query row's G heads: `q` [G][D / 2]
-// bf16 pairs (unscaled; scaled after the dot products), running max `m`, sum `l`,
-// accumulator `acc` [G][D]. Never inlined: every caller runs exactly this code.
-template <int D>
+// Fold nc (1..SPAN) cells of one KV head — K tiles kt, V tiles vt (with their scales ks,
+// vs for 8-bit codes), visible lanes mk (not 0), in position order — into the online-softmax
+// state of one query row's G heads: `q` [G][D / 2] bf16 pairs (unscaled; scaled after the
+// dot products), running max `m`, sum `l`, accumulator `acc` [G][D]. Never inlined: every
+// caller runs exactly this code.
+template <int D, typename CT>
 __attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float scale,
-                                         const uint32_t* const* kt, const uint32_t* const* vt,
+                                         const CT* const* kt, const CT* const* vt,
+                                         const c10::Half* const* ks, const c10::Half* const* vs,
                                          const uint16_t* mk, int nc, float* m, float* l,
                                          float* acc) {
   by_heads<D>(G, [&](auto nh, int64_t g) {
     constexpr int NH = decltype(nh)::value;
     const uint32_t* qg = q + g * (D / 2);
+    float *mg = m + g, *lg = l + g, *ag = acc + g * D;
     switch (nc) {
-      case 1: return span_heads<D, NH, 1>(qg, scale, kt, vt, mk, m + g, l + g, acc + g * D);
-      case 2: return span_heads<D, NH, 2>(qg, scale, kt, vt, mk, m + g, l + g, acc + g * D);
-      case 3: return span_heads<D, NH, 3>(qg, scale, kt, vt, mk, m + g, l + g, acc + g * D);
-      default: return span_heads<D, NH, SPAN>(qg, scale, kt, vt, mk, m + g, l + g, acc + g * D);
+      case 1: return span_heads<D, NH, 1, CT>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
+      case 2: return span_heads<D, NH, 2, CT>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
+      case 3: return span_heads<D, NH, 3, CT>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
+      default: return span_heads<D, NH, SPAN, CT>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
     }
   });
 }

@@ -42,8 +42,9 @@ Dims read_dims(c10::IntArrayRef d) {
 
 // One layer's K/V: a plain cache [2, slots, H, D] (or its tiles, kv_tiles.h) of the
 // activations' dtype (kind < 0), or the codes [2, slots, H, D] of a token-scale int8/fp8
-// cache with scales [2, slots, H] float16, quantize_kv's kind and candidates, and K's shift
-// (None, or [H, D] float32).
+// cache with scales [2, slots, H] float16 (or both tiled: [2, slots / 16, H, 16, D] and
+// [2, slots / 16, H, 16]), quantize_kv's kind and candidates, and K's shift (None, or
+// [H, D] float32).
 void write_layer(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                  const at::Tensor& cache, const std::optional<at::Tensor>& scales,
                  const std::optional<at::Tensor>& shift, int64_t kind, int64_t candidates) {
@@ -53,9 +54,9 @@ void write_layer(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slo
   }
   TORCH_CHECK(scales.has_value(), "decoder_stack: a quantized cache needs its scales");
   kvserve::quantize_kv(k, slots, cache.select(0, 0).view(at::kByte), scales->select(0, 0), kind,
-                       candidates, shift);
+                       candidates, shift, 0);
   kvserve::quantize_kv(v, slots, cache.select(0, 1).view(at::kByte), scales->select(0, 1), kind,
-                       candidates, std::nullopt);
+                       candidates, std::nullopt, 1);
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_stack(

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -76,25 +77,24 @@ constexpr uint16_t scaled_int_bf16(int k, int s) {
   return static_cast<uint16_t>(((e - s + 127) << 7) | mant);
 }
 
-// A row of D cache codes as bf16 bits (exact). With AVX-512, 32 at a time: int8 codes
+#ifdef __AVX512BW__
+// 32 consecutive 8-bit codes (int8, e4m3, e5m2) as their exact bf16 bits. int8 codes go
 // through float (two conversions, one pack); fp8 codes by bit arithmetic, a normal code's
 // exponent rebased by one add, a subnormal one (exponent field 0) looked up.
-template <int D, typename ct>
-inline void codes_to_bf16(const ct* src, uint16_t* dst) {
+template <typename ct>
+inline __m512i codes32(const ct* src) {
 #ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<ct, int8_t> && D % 32 == 0) {
-    for (int d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
-      const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d + 16))));
-      _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-    return;
-  }
+  if constexpr (std::is_same_v<ct, int8_t>) {
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  } else
 #endif
-#ifdef __AVX512BW__
-  if constexpr (std::is_same_v<ct, c10::Float8_e4m3fn> || std::is_same_v<ct, c10::Float8_e5m2>) {
+  {
+    static_assert(std::is_same_v<ct, c10::Float8_e4m3fn> || std::is_same_v<ct, c10::Float8_e5m2>,
+                  "codes32: int8 (with AVX-512-BF16), e4m3 or e5m2 codes");
     constexpr int M = std::is_same_v<ct, c10::Float8_e4m3fn> ? 3 : 2;
     constexpr int B = std::is_same_v<ct, c10::Float8_e4m3fn> ? 7 : 15;
     alignas(64) static constexpr uint16_t kSub[32] = {
@@ -102,20 +102,33 @@ inline void codes_to_bf16(const ct* src, uint16_t* dst) {
         scaled_int_bf16(2, B - 1 + M), scaled_int_bf16(3, B - 1 + M),
         scaled_int_bf16(4, B - 1 + M), scaled_int_bf16(5, B - 1 + M),
         scaled_int_bf16(6, B - 1 + M), scaled_int_bf16(7, B - 1 + M)};  // e5m2 uses 0..3
-    const __m512i sub_table = _mm512_load_si512(kSub);
-    const auto* codes = reinterpret_cast<const uint8_t*>(src);
-    for (int d = 0; d < D; d += 32) {
-      const __m512i c =
-          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + d)));
-      const __m512i em = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
-      const __m512i normal =
-          _mm512_add_epi16(_mm512_slli_epi16(em, 7 - M), _mm512_set1_epi16((127 - B) << 7));
-      const __mmask32 is_sub = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(1 << M));
-      const __m512i mag =
-          _mm512_mask_mov_epi16(normal, is_sub, _mm512_permutexvar_epi16(em, sub_table));
-      const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
-      _mm512_storeu_si512(dst + d, _mm512_or_si512(mag, sign));
-    }
+    const __m512i c =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    const __m512i em = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
+    const __m512i normal =
+        _mm512_add_epi16(_mm512_slli_epi16(em, 7 - M), _mm512_set1_epi16((127 - B) << 7));
+    const __mmask32 is_sub = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(1 << M));
+    const __m512i mag = _mm512_mask_mov_epi16(
+        normal, is_sub, _mm512_permutexvar_epi16(em, _mm512_load_si512(kSub)));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
+    return _mm512_or_si512(mag, sign);
+  }
+}
+#endif
+
+// A row of D cache codes as bf16 bits (exact): codes32 32 at a time where it applies.
+template <int D, typename ct>
+inline void codes_to_bf16(const ct* src, uint16_t* dst) {
+#ifdef __AVX512BW__
+  constexpr bool fp8 =
+      std::is_same_v<ct, c10::Float8_e4m3fn> || std::is_same_v<ct, c10::Float8_e5m2>;
+#ifdef __AVX512BF16__
+  constexpr bool vec = D % 32 == 0 && (fp8 || std::is_same_v<ct, int8_t>);
+#else
+  constexpr bool vec = D % 32 == 0 && fp8;
+#endif
+  if constexpr (vec) {
+    for (int d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, codes32(src + d));
     return;
   }
 #endif

@@ -115,9 +115,17 @@ float int8_vector(const float* x, int64_t D, float amax, uint8_t* out) {
   return sf;
 }
 
+// Where a quantized vector goes: rows (data [slots, H, D], scale [slots, H]) or tiles
+// (kv_tiles.h: data [slots / 16, H, 16, D] in K's or V's order, scale [slots / 16, H, 16]).
+struct Dest {
+  uint8_t* data;
+  c10::Half* scale;
+  int64_t part;  // -1 rows; tiles: 0 K, 1 V
+};
+
 template <typename T>
-void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10::Half* scale,
-                   int64_t kind, int64_t candidates, const float* shift) {
+void quantize_rows(const at::Tensor& x, const int64_t* slots, Dest dest, int64_t kind,
+                   int64_t candidates, const float* shift) {
   const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), stride = x.stride(0);
   const T* xp = x.data_ptr<T>();
   std::vector<float> steps(candidates);  // the scale multipliers 2^(i / candidates)
@@ -125,7 +133,7 @@ void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10
     steps[i] = std::exp2(static_cast<float>(i) / static_cast<float>(candidates));
   at::parallel_for(0, T_ * H, 16, [&](int64_t b, int64_t e) {
     std::vector<float> xf(D);
-    std::vector<uint8_t> tmp(D);
+    std::vector<uint8_t> tmp(D), codes(D);
     for (int64_t i = b; i < e; ++i) {
       const int64_t t = i / H, h = i % H;
       const T* src = xp + t * stride + h * D;
@@ -134,7 +142,8 @@ void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10
       if (shift != nullptr)
         for (int64_t d = 0; d < D; ++d) xf[d] -= shift[h * D + d];
       for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(xf[d]));
-      uint8_t* dst = data + (slots[t] * H + h) * D;
+      const int64_t slot = slots[t];
+      uint8_t* dst = dest.part < 0 ? dest.data + (slot * H + h) * D : codes.data();
       float sf;
       if (kind == 0)
         sf = int8_vector(xf.data(), D, amax, dst);
@@ -142,28 +151,42 @@ void quantize_rows(const at::Tensor& x, const int64_t* slots, uint8_t* data, c10
         sf = fp8_vector<3, 7>(xf.data(), D, amax, 448.f, steps, dst, tmp.data());
       else
         sf = fp8_vector<2, 15>(xf.data(), D, amax, 57344.f, steps, dst, tmp.data());
-      scale[slots[t] * H + h] = c10::Half(sf);
+      if (dest.part < 0) {
+        dest.scale[slot * H + h] = c10::Half(sf);
+        continue;
+      }
+      if (dest.part == 0) kvserve_tiles::put_k(dst, slot, h, H, D, dest.data);
+      else kvserve_tiles::put_v(dst, slot, h, H, D, dest.data);
+      dest.scale[kvserve_tiles::scale_index(slot, h, H)] = c10::Half(sf);
     }
   });
 }
 
 // x [T, H, D] (float, bfloat16 or float16; rows may be strided, heads contiguous), slots
-// [T] int64; data [num_slots, H, D] uint8 (a view of the int8/fp8 cache), scale
-// [num_slots, H] float16. kind: 0 int8, 1 fp8_e4m3fn, 2 fp8_e5m2; candidates: the number
-// of fp8 scales tried (1 = max|x| / fp8_max only); shift: None, or float32 [H, D]
-// subtracted from every vector first. Writes data[slots] and scale[slots].
+// [T] int64; data [num_slots, H, D] uint8 (a view of the int8/fp8 cache's K or V part) and
+// scale [num_slots, H] float16, or a tiled part (kv_tiles.h): data [num_slots / 16, H, 16, D]
+// in the order of `part` (0 K, 1 V) and scale [num_slots / 16, H, 16]. kind: 0 int8,
+// 1 fp8_e4m3fn, 2 fp8_e5m2; candidates: the number of fp8 scales tried (1 = max|x| /
+// fp8_max only); shift: None, or float32 [H, D] subtracted from every vector first. Writes
+// the codes and scales of `slots`.
 void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data, at::Tensor scale,
-                 int64_t kind, int64_t candidates, const std::optional<at::Tensor>& shift) {
+                 int64_t kind, int64_t candidates, const std::optional<at::Tensor>& shift,
+                 int64_t part) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "quantize_kv: x must be [T, H, D] with contiguous heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == x.size(0), "quantize_kv: slots must be int64 [T]");
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 3 &&
-                  data.size(1) == x.size(1) && data.size(2) == x.size(2),
-              "quantize_kv: data must be uint8 [slots, H, D]");
+  const bool tiled = data.dim() == 4;
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() &&
+                  (data.dim() == 3 || (tiled && data.size(2) == kvserve_tiles::TILE &&
+                                       x.size(2) % 2 == 0 && (part == 0 || part == 1))) &&
+                  data.size(1) == x.size(1) && data.size(-1) == x.size(2),
+              "quantize_kv: data must be uint8 [slots, H, D], or [slots / 16, H, 16, D] (tiles, "
+              "D even) with part 0 (K) or 1 (V)");
+  const int64_t num_slots = data.size(0) * (tiled ? kvserve_tiles::TILE : 1);
   TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
-                  scale.numel() == data.size(0) * data.size(1),
-              "quantize_kv: scale must be float16 [slots, H]");
+                  scale.dim() == data.dim() - 1 && scale.numel() == num_slots * data.size(1),
+              "quantize_kv: scale must be float16 [slots, H] ([slots / 16, H, 16] for tiles)");
   TORCH_CHECK(kind >= 0 && kind <= 2 && candidates >= 1, "quantize_kv: bad kind/candidates");
   const float* shp = nullptr;
   if (shift.has_value()) {
@@ -174,13 +197,12 @@ void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data, 
   }
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.numel(); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < data.size(0), "quantize_kv: slot out of range");
-  uint8_t* dp = data.data_ptr<uint8_t>();
-  c10::Half* scp = scale.data_ptr<c10::Half>();
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "quantize_kv: slot out of range");
+  const Dest dest{data.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), tiled ? part : -1};
   switch (x.scalar_type()) {
-    case at::kFloat: return quantize_rows<float>(x, sp, dp, scp, kind, candidates, shp);
-    case at::kBFloat16: return quantize_rows<c10::BFloat16>(x, sp, dp, scp, kind, candidates, shp);
-    case at::kHalf: return quantize_rows<c10::Half>(x, sp, dp, scp, kind, candidates, shp);
+    case at::kFloat: return quantize_rows<float>(x, sp, dest, kind, candidates, shp);
+    case at::kBFloat16: return quantize_rows<c10::BFloat16>(x, sp, dest, kind, candidates, shp);
+    case at::kHalf: return quantize_rows<c10::Half>(x, sp, dest, kind, candidates, shp);
     default: TORCH_CHECK(false, "quantize_kv: unsupported dtype ", x.scalar_type());
   }
 }
@@ -246,8 +268,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
 }
 void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data,
                  at::Tensor scale, int64_t kind, int64_t candidates,
-                 const std::optional<at::Tensor>& shift) {
-  ::quantize_kv(x, slots, std::move(data), std::move(scale), kind, candidates, shift);
+                 const std::optional<at::Tensor>& shift, int64_t part) {
+  ::quantize_kv(x, slots, std::move(data), std::move(scale), kind, candidates, shift, part);
 }
 }  // namespace kvserve
 
@@ -255,6 +277,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor slots, Tensor(a!) cache) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
   m.def("quantize_kv(Tensor x, Tensor slots, Tensor(a!) data, Tensor(b!) scale, int kind, "
-        "int candidates, Tensor? shift=None) -> ()");
+        "int candidates, Tensor? shift=None, int part=0) -> ()");
   m.impl("quantize_kv", c10::DispatchKey::CPU, TORCH_FN(quantize_kv));
 }

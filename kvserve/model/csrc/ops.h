@@ -21,7 +21,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
               at::Tensor cache);
 void quantize_kv(const at::Tensor& x, const at::Tensor& slots, at::Tensor data,
                  at::Tensor scale, int64_t kind, int64_t candidates,
-                 const std::optional<at::Tensor>& shift);
+                 const std::optional<at::Tensor>& shift, int64_t part = 0);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
                        const std::optional<at::Tensor>& bias, int64_t n);
 at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& wp,

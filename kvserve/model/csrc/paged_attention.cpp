@@ -289,7 +289,8 @@ void dispatch_cache(KV_PARAMS) {
 // q [T, Hq, D] (rows may be strided): the query rows of S sequences, sequence s owning rows
 // query_start[s] .. query_start[s+1]-1, which are the last of its lens[s] positions (a
 // decode token is a sequence with one row). Caches [num_blocks, block_size, Hkv, D] (rows),
-// or bf16 [num_blocks, block_size / 16, Hkv, 16, D] (tiles, kv_tiles.h);
+// or [num_blocks, block_size / 16, Hkv, 16, D] (tiles, kv_tiles.h: bf16, or int8 / fp8 with
+// float16 scales [slots / 16, kv_heads, 16] per token and head);
 // tables [S, max_blocks] int64; lens [S] int64 (context length after this step, the rows'
 // own K/V already written); window <= 0 means no window; with a window, the first `sinks`
 // positions are attended as well. An int8 cache comes with float16 scales [slots, kv_heads]
@@ -335,15 +336,29 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     }
   }
   auto out = at::empty(qc.sizes(), qc.options());
+  at::Tensor ksc, vsc;  // keep contiguous copies alive for the call
   if (kc.dim() == 5) {  // tiles: paged_attention_tiles.cpp
     TORCH_CHECK(kvserve_tiles::tiles_readable(qc.scalar_type(), kc.scalar_type(), qc.size(2)),
-                "paged_attention: a tiled cache needs a bf16 query and cache, head_dim 32, 64, "
-                "96, 128 or 256 and AVX-512-BF16 (tiled_kv_supported(head_dim))");
-    kvserve_tiles::attention_tiles(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks);
+                "paged_attention: a tiled cache needs a bf16 query, a bf16, int8 or fp8 cache, "
+                "head_dim 32, 64, 96, 128 or 256 and AVX-512-BF16 (tiled_kv_supported)");
+    const c10::Half* ks = nullptr;
+    const c10::Half* vs = nullptr;
+    if (kc.scalar_type() != at::kBFloat16) {
+      TORCH_CHECK(k_scale.has_value() && v_scale.has_value(),
+                  "paged_attention: a tiled 8-bit cache needs k_scale and v_scale");
+      ksc = k_scale->contiguous();
+      vsc = v_scale->contiguous();
+      TORCH_CHECK(ksc.scalar_type() == at::kHalf && vsc.scalar_type() == at::kHalf &&
+                      ksc.numel() == kc.numel() / kc.size(4) && vsc.numel() == ksc.numel(),
+                  "paged_attention: a tiled cache's scales must be float16 "
+                  "[slots / 16, kv_heads, 16]");
+      ks = ksc.data_ptr<c10::Half>();
+      vs = vsc.data_ptr<c10::Half>();
+    }
+    kvserve_tiles::attention_tiles(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks, ks, vs);
     return out;
   }
   Scales scales;
-  at::Tensor ksc, vsc;  // keep contiguous copies alive for the call
   if (kc.scalar_type() == at::kChar) {
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value(),
                 "paged_attention: an int8 cache needs k_scale and v_scale");
@@ -390,7 +405,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
-// True when this build reads tiled bf16 caches of head_dim `d` (tiles_readable).
+// True when this build reads tiled caches of head_dim `d` (tiles_readable: bf16 queries on
+// bf16, int8 and fp8 caches alike).
 bool tiled_kv_supported(int64_t d) {
   return kvserve_tiles::tiles_readable(at::kBFloat16, at::kBFloat16, d);
 }

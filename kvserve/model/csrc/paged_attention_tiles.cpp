@@ -1,13 +1,18 @@
-// Paged attention over a tiled bf16 cache (kv_tiles.h), decode tokens and prefill chunks in
+// Paged attention over a tiled cache (kv_tiles.h: bf16, or 8-bit codes with per-token
+// scales), decode tokens and prefill chunks in
 // one call, as paged_attention.cpp does for caches of rows: the same work items, dynamic
 // schedule and K/V prefetch (paged_items.h), but no per-step staging of a cell. Every cell
 // is one tile, read in place: its K as the dimension pairs of 16 keys that vdpbf16ps scores
-// lane-parallel, its V as the key pairs P·V takes. A row's keys are folded a span of up to
+// lane-parallel, its V as the key pairs P·V takes (8-bit codes converted to bf16 in
+// registers, exactly, their scales applied per key lane). A row's keys are folded a span of up to
 // four cells at a time (attention_span.h, which states the determinism rule this follows).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -42,18 +47,18 @@ inline uint16_t row_lanes(const Visible& v, int64_t cl) {
 }
 
 #ifdef __AVX512BF16__
-template <int D>
+template <int D, typename CT>
 void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tables, const at::Tensor& lens,
                   const at::Tensor& query_start, at::Tensor& out, double scale, int64_t window,
-                  int64_t sinks) {
+                  int64_t sinks, const c10::Half* ksp, const c10::Half* vsp) {
   const int64_t S = lens.size(0), Hq = q.size(1);
   const int64_t BS = k_cache.size(1) * TILE, Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, MB = tables.size(1);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   const int64_t q_row = q.stride(0);  // rows may be strided (a view of the QKV output)
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const auto* kp = static_cast<const CT*>(k_cache.data_ptr());
+  const auto* vp = static_cast<const CT*>(v_cache.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* qs = query_start.data_ptr<int64_t>();
@@ -65,7 +70,7 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       kvserve_items::make_items(S, qs, lp, tile, Hkv, window, sinks, threads);
   const kvserve_items::CellLines cell_lines{reinterpret_cast<const char*>(kp),
                                             reinterpret_cast<const char*>(vp), tp, MB, BS,
-                                            row * static_cast<int64_t>(sizeof(uint16_t)), true};
+                                            row * static_cast<int64_t>(sizeof(CT)), true};
   std::atomic<int64_t> counter{0};
 
 #pragma omp parallel num_threads(threads)
@@ -94,13 +99,15 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       }
       for (int64_t span = c0 / SPAN; span <= c1 / SPAN; ++span) {
         const int64_t ca = std::max(span * SPAN, c0), cb = std::min(span * SPAN + SPAN - 1, c1);
-        const uint16_t* kt[SPAN];  // the span's tiles (all heads), from cell ca on
-        const uint16_t* vt[SPAN];
+        const CT* kt[SPAN];  // the span's tiles (all heads), from cell ca on
+        const CT* vt[SPAN];
+        int64_t first_slot[SPAN];
         for (int64_t c = ca; c <= cb; ++c) {
           const int64_t pos = c * CELL, i = c - ca;
           const int64_t base = (tp[s * MB + pos / BS] * BS + pos % BS) * row;
           kt[i] = kp + base;
           vt[i] = vp + base;
+          first_slot[i] = base / row;
           // in one burst: here (unlike the rows kernel, whose staging loop spaces them) a
           // burst per span beat prefetches spread over the heads (decode 0.92x, prefill
           // 0.81x the time on Zen 4)
@@ -108,22 +115,30 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t r = 0; r < nr; ++r) {
-            const uint32_t* kr[SPAN];
-            const uint32_t* vr[SPAN];
+            const CT* kr[SPAN];
+            const CT* vr[SPAN];
+            const c10::Half* ksc[SPAN] = {};  // 8-bit codes: the cells' scales of head h
+            const c10::Half* vsc[SPAN] = {};
             uint16_t mk[SPAN];
             int nc = 0;
             for (int64_t c = ca; c <= cb; ++c) {
               const uint16_t lanes = row_lanes(vis[r], c * CELL);
               if (!lanes) continue;
-              kr[nc] = reinterpret_cast<const uint32_t*>(kt[c - ca] + h * CELL * D);
-              vr[nc] = reinterpret_cast<const uint32_t*>(vt[c - ca] + h * CELL * D);
+              kr[nc] = kt[c - ca] + h * CELL * D;
+              vr[nc] = vt[c - ca] + h * CELL * D;
+              if (ksp != nullptr) {
+                const int64_t at = kvserve_tiles::scale_index(first_slot[c - ca], h, Hkv);
+                ksc[nc] = ksp + at;
+                vsc[nc] = vsp + at;
+              }
               mk[nc++] = lanes;
             }
             if (!nc) continue;
             const int64_t off = h * per_head + r * G * D;
-            kvserve_cell::fold_span<D>(qb.data() + off / 2, G, static_cast<float>(scale), kr,
-                                       vr, mk, nc, m.data() + h * tile * G + r * G,
-                                       l.data() + h * tile * G + r * G, acc.data() + off);
+            const int64_t ml = h * tile * G + r * G;
+            kvserve_cell::fold_span<D, CT>(qb.data() + off / 2, G, static_cast<float>(scale),
+                                           kr, vr, ksc, vsc, mk, nc, m.data() + ml,
+                                           l.data() + ml, acc.data() + off);
           }
         }
       }
@@ -146,22 +161,25 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 bool tiles_readable(at::ScalarType q, at::ScalarType cache, int64_t d) {
 #ifdef __AVX512BF16__
-  return q == at::kBFloat16 && cache == at::kBFloat16 &&
-         (d == 32 || d == 64 || d == 96 || d == 128 || d == 256);
+  const bool codes = cache == at::kBFloat16 || cache == at::kChar ||
+                     cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2;
+  return q == at::kBFloat16 && codes && (d == 32 || d == 64 || d == 96 || d == 128 || d == 256);
 #else
   return false;
 #endif
 }
 
-void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+#ifdef __AVX512BF16__
+namespace {
+template <typename CT>
+void tiles_for_codes(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& tables, const at::Tensor& lens,
                      const at::Tensor& query_start, at::Tensor& out, double scale,
-                     int64_t window, int64_t sinks) {
-#ifdef __AVX512BF16__
+                     int64_t window, int64_t sinks, const c10::Half* ks, const c10::Half* vs) {
 #define KVSERVE_TILES_D(d)                                                                 \
   case d:                                                                                  \
-    return tiles_kernel<d>(q, k_cache, v_cache, tables, lens, query_start, out, scale,     \
-                           window, sinks);
+    return tiles_kernel<d, CT>(q, k_cache, v_cache, tables, lens, query_start, out, scale, \
+                               window, sinks, ks, vs);
   switch (q.size(2)) {
     KVSERVE_TILES_D(32)
     KVSERVE_TILES_D(64)
@@ -171,8 +189,30 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     default: break;
   }
 #undef KVSERVE_TILES_D
-#endif
   TORCH_CHECK(false, "paged_attention: no tiled kernel for head_dim ", q.size(2));
+}
+}  // namespace
+#endif
+
+void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& tables, const at::Tensor& lens,
+                     const at::Tensor& query_start, at::Tensor& out, double scale,
+                     int64_t window, int64_t sinks, const c10::Half* ks, const c10::Half* vs) {
+#ifdef __AVX512BF16__
+  const auto run = [&](auto tag) {
+    using CT = decltype(tag);
+    tiles_for_codes<CT>(q, k_cache, v_cache, tables, lens, query_start, out, scale, window,
+                        sinks, ks, vs);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kChar: return run(int8_t{});
+    case at::kFloat8_e4m3fn: return run(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2: return run(c10::Float8_e5m2{});
+    default: break;
+  }
+#endif
+  TORCH_CHECK(false, "paged_attention: no tiled kernel for a ", k_cache.scalar_type(), " cache");
 }
 
 }  // namespace kvserve_tiles
