@@ -42,6 +42,21 @@ from kvserve.model.cpu_kernels import _CFLAGS, _LDFLAGS, load_cpu_kernels
 L, B, HKV, HQ, D, BS = 30, 32, 3, 9, 64, 16
 
 
+def decode_tables(seqs: int, blocks: int) -> tuple[torch.Tensor, int]:
+    """The decode workload's block tables ``[seqs, blocks]``: each sequence's first 16
+    blocks contiguous (as a prefill writes them), the rest interleaved across sequences
+    (as decode steps take them); and the next free block."""
+    tables = torch.zeros(seqs, blocks, dtype=torch.long)
+    nxt = 0
+    for s in range(seqs):
+        for j in range(min(16, blocks)):
+            tables[s, j], nxt = nxt, nxt + 1
+    for j in range(16, blocks):
+        for s in range(seqs):
+            tables[s, j], nxt = nxt, nxt + 1
+    return tables, nxt
+
+
 def build_baseline(checkout: Path) -> bool:
     """Builds the checkout's attention kernel as ``torch.ops.kvattn_ab.paged_attention``;
     True when it reads tiled caches."""
@@ -99,14 +114,7 @@ def main() -> None:
         "tree": tiles if tiles is not None else rows,
         "baseline": tiles if tiles is not None and baseline_tiles else rows,
     }
-    tables = torch.zeros(B, nbs, dtype=torch.long)
-    nxt = 0
-    for s in range(B):  # a prefill's blocks are contiguous, a decode's interleaved
-        for j in range(min(16, nbs)):
-            tables[s, j], nxt = nxt, nxt + 1
-    for j in range(16, nbs):
-        for s in range(B):
-            tables[s, j], nxt = nxt, nxt + 1
+    tables, nxt = decode_tables(B, nbs)
     lens = torch.full((B,), a.context, dtype=torch.long)
     starts = torch.arange(B + 1, dtype=torch.long)
     q = torch.randn(B, HQ, D).bfloat16()

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from attention_ab import decode_tables  # a sibling script (this folder is on sys.path)
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 
@@ -38,14 +39,7 @@ def main() -> None:
     assert load_cpu_kernels(), "the CPU kernels did not build"
     torch.manual_seed(0)
     nbs = (a.context + BS - 1) // BS
-    tables = torch.zeros(B, nbs, dtype=torch.long)
-    nxt = 0
-    for s in range(B):  # a prefill's blocks are contiguous, a decode's interleaved
-        for j in range(min(16, nbs)):
-            tables[s, j], nxt = nxt, nxt + 1
-    for j in range(16, nbs):
-        for s in range(B):
-            tables[s, j], nxt = nxt, nxt + 1
+    tables, _ = decode_tables(B, nbs)
     lens = torch.full((B,), a.context, dtype=torch.long)
     starts = torch.arange(B + 1, dtype=torch.long)
     q = torch.randn(B, HQ, D).bfloat16()

@@ -106,6 +106,19 @@ def filled_quantized_cache(fmt: str, num_slots: int, g: torch.Generator):
     return cache
 
 
+def paged_batch(seqs: list[tuple[int, int]], bs: int, g: torch.Generator):
+    """A random paged batch for attention tests: ``seqs`` as (context, r) pairs, r wrapped
+    into 1..context query rows. Returns (seqs as (context, rows), blocks to allocate,
+    tables [S, max_blocks] of distinct shuffled blocks, lens [S], query_start [S + 1])."""
+    seqs = [(ctx, 1 + r % ctx) for ctx, r in seqs]
+    max_blocks = -(-max(c for c, _ in seqs) // bs)
+    nb = max_blocks * len(seqs) + 2
+    tables = torch.randperm(nb, generator=g)[: max_blocks * len(seqs)].view(len(seqs), -1)
+    lens = torch.tensor([c for c, _ in seqs])
+    starts = torch.tensor([0, *torch.tensor([n for _, n in seqs]).cumsum(0).tolist()])
+    return seqs, nb, tables.contiguous(), lens, starts
+
+
 def attention_reference(q, k, v, table, ctx, n, bs, window, sinks, scale):
     """float32 softmax attention of the last ``n`` of ``ctx`` positions, from a block table."""
     hkv, d = k.shape[2], k.shape[3]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import attention_reference
+from helpers import attention_reference, paged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -66,16 +66,10 @@ def test_tiled_rows_are_correct_and_invariant(bs, heads, d, window, seqs, seed):
     assert load_cpu_kernels() and torch.ops.kvserve.tiled_kv_supported(64)
     hq, hkv = heads
     g = torch.Generator().manual_seed(seed)
-    seqs = [(ctx, 1 + r % ctx) for ctx, r in seqs]
-    max_blocks = -(-max(c for c, _ in seqs) // bs)
-    nb = max_blocks * len(seqs) + 2
+    seqs, nb, tables, lens, starts = paged_batch(seqs, bs, g)
     k = torch.randn(nb, bs, hkv, d, generator=g).bfloat16()
     v = torch.randn(nb, bs, hkv, d, generator=g).bfloat16()
     kt, vt = _as_tiles(k, v)
-    tables = torch.randperm(nb, generator=g)[: max_blocks * len(seqs)].view(len(seqs), -1)
-    tables = tables.contiguous()
-    lens = torch.tensor([c for c, _ in seqs])
-    starts = torch.tensor([0, *torch.tensor([n for _, n in seqs]).cumsum(0).tolist()])
     q = torch.randn(int(starts[-1]), hq, d, generator=g).bfloat16()
     out = _attend(q, kt, vt, tables, lens, starts, *window)
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import attention_reference
+from helpers import attention_reference, paged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv.cache import TILE, KVCacheSpec, block_tensors, rows_from_tiles, tiles_from_rows
 from kvserve.kv.quant import QuantizedKVCache, kv_format
+from kvserve.model.attention import CpuPagedAttention
 from kvserve.model.cpu_kernels import load_cpu_kernels
 
 DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -38,21 +39,9 @@ def _scale_tiles(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q, cache: QuantizedKVCache, bs, tables, lens, starts, window=0, sinks=0):
-    data = cache.data
-    shape = (-1, bs // TILE if cache.tiled else bs, *data.shape[2:])
-    return torch.ops.kvserve.paged_attention(
-        q,
-        data[0].view(shape),
-        data[1].view(shape),
-        tables,
-        lens,
-        starts,
-        q.shape[-1] ** -0.5,
-        window,
-        sinks,
-        cache.scale[0],
-        cache.scale[1],
-    )
+    """The engine's CPU backend over ``cache``, rows or tiles alike."""
+    backend = CpuPagedAttention(bs, window, sinks, cache.tiled)
+    return backend._attend(q, cache, tables, lens, starts, q.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("name", DTYPES)
@@ -95,19 +84,13 @@ def test_tiled_8bit_attention_matches_rows_and_is_invariant(name, bs, heads, d, 
     assert load_cpu_kernels() and torch.ops.kvserve.tiled_kv_supported(64)
     hq, hkv = heads
     g = torch.Generator().manual_seed(seed)
-    seqs = [(ctx, 1 + r % ctx) for ctx, r in seqs]
-    max_blocks = -(-max(c for c, _ in seqs) // bs)
-    nb = max_blocks * len(seqs) + 2
+    seqs, nb, tables, lens, starts = paged_batch(seqs, bs, g)
     rows, tiles = _pair(name, nb * bs, hkv, d)
     k = torch.randn(nb * bs, hkv, d, generator=g).bfloat16()
     v = torch.randn(nb * bs, hkv, d, generator=g).bfloat16()
     every = torch.arange(nb * bs)
     rows.write_cpu(every, k, v)
     tiles.write_cpu(every, k, v)
-    tables = torch.randperm(nb, generator=g)[: max_blocks * len(seqs)].view(len(seqs), -1)
-    tables = tables.contiguous()
-    lens = torch.tensor([c for c, _ in seqs])
-    starts = torch.tensor([0, *torch.tensor([n for _, n in seqs]).cumsum(0).tolist()])
     q = torch.randn(int(starts[-1]), hq, d, generator=g).bfloat16()
     out = _attend(q, tiles, bs, tables, lens, starts, *window)
     by_rows = _attend(q, rows, bs, tables, lens, starts, *window)
