@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.hugepages import huge_zeros
 from kvserve.kv.quant import TILE, KVFormat, QuantizedKVCache
 
 _TOKEN_SCALE_BYTES = 2  # float16 per (token, KV head) for int8
@@ -84,9 +85,9 @@ class KVCacheSpec:
             ]
         h = self.num_kv_heads
         rows = (slots // TILE, h, TILE) if self.tiled else (slots, h)
-        full = torch.zeros(
-            self.num_layers, 2, *rows, self.head_dim, dtype=self.dtype, device=device
-        )
+        # on a CPU, in a mapping of its own on huge pages (kvserve/hugepages.py): attention
+        # reads blocks scattered over all of it
+        full = huge_zeros((self.num_layers, 2, *rows, self.head_dim), self.dtype, device)
         return list(full.unbind(0))
 
 

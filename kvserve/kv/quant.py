@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.hugepages import huge_zeros
+
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _PLAIN = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", *_PLAIN, *_FP8, "int8")
@@ -106,7 +108,7 @@ class QuantizedKVCache:
         self.fmt = fmt
         self.tiled = tiled
         rows = (num_slots // TILE, num_heads, TILE) if tiled else (num_slots, num_heads)
-        self.data = torch.zeros(2, *rows, head_dim, dtype=fmt.storage, device=device)
+        self.data = huge_zeros((2, *rows, head_dim), fmt.storage, device)  # hugepages.py
         fp8 = fmt.storage != torch.int8
         self.qmax = float(torch.finfo(fmt.storage).max) if fp8 else 127.0
         if fmt.scale == "token":
