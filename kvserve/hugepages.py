@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 
@@ -63,10 +64,7 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     """A zeroed contiguous ``shape`` tensor of ``dtype`` on ``device``: on a CPU, when
     enabled and at least ``MIN_BYTES``, in its own mapping on huge pages; else
     ``torch.zeros``."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type == "cpu" and nbytes >= MIN_BYTES and enabled():
         raw = _mapped_bytes(nbytes)
         if raw is not None:
@@ -81,7 +79,7 @@ def huge_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     device). The copies keep the mapping alive."""
     if not tensors or not enabled() or any(t.device.type != "cpu" for t in tensors):
         return tensors
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    sizes = [-(-t.nbytes // 64) * 64 for t in tensors]
     if sum(sizes) < MIN_BYTES:
         return tensors
     raw = _mapped_bytes(sum(sizes))
@@ -89,8 +87,7 @@ def huge_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return tensors
     out, at = [], 0
     for t, size in zip(tensors, sizes, strict=True):
-        nbytes = t.numel() * t.element_size()
-        copy = raw[at : at + nbytes].view(t.dtype).view(t.shape)
+        copy = raw[at : at + t.nbytes].view(t.dtype).view(t.shape)
         copy.copy_(t)
         out.append(copy)
         at += size

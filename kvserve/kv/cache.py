@@ -97,11 +97,12 @@ def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
     global and stay on the device."""
     out = []
     for cache in caches:
-        parts, tiled = [cache], cache.dim() == 5 if isinstance(cache, torch.Tensor) else False
         if isinstance(cache, QuantizedKVCache):
             parts, tiled = [cache.data.view(torch.uint8)], cache.tiled
             if cache.fmt.scale == "token":
                 parts.append(cache.scale)
+        else:
+            parts, tiled = [cache], cache.dim() == 5
         for t in parts:
             out.append(t.view(2, -1, rows_per_block(block_size, tiled), *t.shape[2:]))
     return out

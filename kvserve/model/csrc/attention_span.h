@@ -1,8 +1,8 @@
 // One span of paged attention over a tiled cache (kv_tiles.h; bf16, or 8-bit codes): up to
 // SPAN cells (16 keys each, of one KV head) folded into the online-softmax state of a query
-// row's G heads in a single update. Against one update per cell (attention_cell.h's fold_bf16), a span
-// shares each broadcast of the query across SPAN cells, and the max, the exp's rescale of
-// the accumulators and the horizontal reductions across 4x as many keys.
+// row's G heads in a single update. Against one update per cell (attention_cell.h's
+// fold_bf16), a span shares each broadcast of the query across SPAN cells, and the max, the
+// exp's rescale of the accumulators and the horizontal reductions across 4x as many keys.
 //
 // Determinism rule (paged_attention.cpp): spans are aligned to absolute positions (span k
 // holds positions [64k, 64k + 64)); a row folds, span after span in position order, the
@@ -66,12 +66,16 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
     }
   }
   const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(NEG_BIG);
+  __m512 kf[NC], vf[NC];  // per cell: the scores' factor, the weights' (8-bit: per lane)
+  for (int c = 0; c < NC; ++c) {
+    kf[c] = scaled ? _mm512_mul_ps(sc, lane_scales(ks[c])) : sc;
+    vf[c] = scaled ? lane_scales(vs[c]) : _mm512_setzero_ps();
+  }
   alignas(64) float bm[16], corr[16];  // per head: the new running max, the rescale factor
   for (int h = 0; h < NH; ++h) {
     __m512 mx = neg;
     for (int c = 0; c < NC; ++c) {
-      const __m512 f = scaled ? _mm512_mul_ps(sc, lane_scales(ks[c])) : sc;
-      s[h][c] = _mm512_mask_mov_ps(neg, mk[c], _mm512_mul_ps(s[h][c], f));
+      s[h][c] = _mm512_mask_mov_ps(neg, mk[c], _mm512_mul_ps(s[h][c], kf[c]));
       mx = _mm512_max_ps(mx, s[h][c]);
     }
     bm[h] = std::max(m[h], _mm512_reduce_max_ps(mx));
@@ -89,7 +93,7 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
       const __m512 e = _mm512_maskz_mov_ps(mk[c], exp16(_mm512_sub_ps(s[h][c], bv)));
       sum = _mm512_add_ps(sum, e);
       // hidden lanes stay 0 (their stale scales may be anything, even NaN)
-      const __m512 w = scaled ? _mm512_maskz_mul_ps(mk[c], e, lane_scales(vs[c])) : e;
+      const __m512 w = scaled ? _mm512_maskz_mul_ps(mk[c], e, vf[c]) : e;
       _mm256_store_si256(reinterpret_cast<__m256i*>(p[h][c]), (__m256i)_mm512_cvtneps_pbh(w));
     }
     l[h] = l[h] * corr[h] + _mm512_reduce_add_ps(sum);
