@@ -23,7 +23,9 @@ FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 H, D, SLOTS = 3, 64, 512
 
 
-def _inputs(dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(
+    dtype: torch.dtype, g: torch.Generator, D: int = D
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[300, H, D]`` as strided views of one fused QKV output: magnitudes over 8
     decades, a zero vector, an outlier row, and small integers (bfloat16 values over
     float16 scales that land exactly between two codes)."""
@@ -39,16 +41,19 @@ def _inputs(dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch
 
 
 def _write(fmt_name: str, dtype: torch.dtype, k, v, slots, kernel: bool) -> QuantizedKVCache:
+    D = k.shape[-1]
     cache = QuantizedKVCache(kv_format(fmt_name, dtype), SLOTS, H, D, torch.device("cpu"))
     (cache.write_cpu if kernel else cache.write)(slots, k, v)
     return cache
 
 
+# head size 64 takes the kernel's 16-lane fp8 path, 24 its scalar one
+@pytest.mark.parametrize("head_size", [64, 24])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cpu_write_kernel_matches_the_torch_path(fmt, dtype):
+def test_cpu_write_kernel_matches_the_torch_path(fmt, dtype, head_size):
     g = torch.Generator().manual_seed(7)
-    k, v = _inputs(dtype, g)
+    k, v = _inputs(dtype, g, head_size)
     slots = torch.randperm(SLOTS, generator=g)[: k.shape[0]]
     a = _write(fmt, dtype, k, v, slots, kernel=True)
     b = _write(fmt, dtype, k, v, slots, kernel=False)
@@ -62,7 +67,7 @@ def test_cpu_write_kernel_matches_the_torch_path(fmt, dtype):
         assert (err_a <= err_b * (1 + 1e-5) + 1e-30).all()
     # the one other difference: an int8 vector whose scale rounds to 0 in float16 stores 0
     # where PyTorch stores ±127 (x / 0 clamped); both decode to 0
-    live = (same & (a.scale[:, slots] > 0)).unsqueeze(-1).expand(2, len(slots), H, D)
+    live = (same & (a.scale[:, slots] > 0)).unsqueeze(-1).expand(2, len(slots), H, head_size)
     da, db = a.data[:, slots].view(torch.uint8), b.data[:, slots].view(torch.uint8)
     assert torch.equal(da[live], db[live])
     assert (a.data[0][slots[1]].float() == 0).all()  # the zero vector stays zero

@@ -33,6 +33,10 @@
 #include <optional>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using kvserve_cpu::to_f;
@@ -81,14 +85,93 @@ inline float round_fp8(float y, uint8_t* code) {
   return float_of(bits_of(mag) | sign);
 }
 
+#ifdef __AVX512F__
+// The squared error of scale sf's fp8 codes for x (D floats, D % 16 == 0), 16 lanes at a
+// time: no codes are kept (the winner's are computed once, by round_fp8). The quotient is
+// x * RN(1/sf) corrected by one FMA step (Markstein): RN(x / sf) exactly, as quotient()
+// gives, at float's width. Rounding to fp8 adds and takes away c = 2^(e + 23 - M) for an
+// input of binade e (2^(1 - B + 23) at least, the subnormal step's): float addition rounds
+// the sum to the format's step there, to nearest even, as round_fp8 does. The explicit
+// rounding forms keep -ffast-math from folding (a + c) - c to a. Magnitudes only: a code
+// has its input's sign, so the error's square is the same. `clamp`: whether |x / sf| can
+// exceed qmax (the first candidate only).
+// |x| / sf rounded to fp8 (magnitude, float): the exact quotient, then the format's step.
+template <int M, int B>
+inline __m512 fp8_mag16(__m512 ax, __m512 vs, __m512 vr, __m512 vq, bool clamp) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 q0 = _mm512_mul_ps(ax, vr);
+  __m512 a = _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, vs, ax), vr, q0);
+  if (clamp) a = _mm512_min_ps(a, vq);
+  const __m512i c = _mm512_max_epi32(
+      _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7F800000)),
+                       _mm512_set1_epi32((23 - M) << 23)),
+      _mm512_set1_epi32((1 - B - M + 23 + 127) << 23));
+  const __m512 cf = _mm512_castsi512_ps(c);
+  return _mm512_sub_round_ps(_mm512_add_round_ps(a, cf, kRound), cf, kRound);
+}
+
+template <int M, int B>
+inline float fp8_error16(const float* x, int64_t D, float sf, float qmax, bool clamp) {
+  const __m512 vs = _mm512_set1_ps(sf), vr = _mm512_set1_ps(1.f / sf), vq = _mm512_set1_ps(qmax);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 ax = _mm512_abs_ps(_mm512_loadu_ps(x + d));
+    const __m512 e = _mm512_sub_ps(_mm512_mul_ps(fp8_mag16<M, B>(ax, vs, vr, vq, clamp), vs), ax);
+    acc = _mm512_fmadd_ps(e, e, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// The fp8 codes of x / sf (D % 16 == 0), as round_fp8 gives them: a normal magnitude's
+// code is its float bits re-biased, a subnormal's its count of smallest steps; the sign is
+// x's.
+template <int M, int B>
+inline void fp8_codes16(const float* x, int64_t D, float sf, float qmax, uint8_t* out) {
+  const __m512 vs = _mm512_set1_ps(sf), vr = _mm512_set1_ps(1.f / sf), vq = _mm512_set1_ps(qmax);
+  const __m512 units = _mm512_set1_ps(static_cast<float>(1u << (B - 1 + M)));
+  const __m512 min_normal = _mm512_set1_ps(1.f / static_cast<float>(1u << (B - 1)));
+  const __m512i rebias = _mm512_set1_epi32((127 - B) << M);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + d);
+    const __m512 mag = fp8_mag16<M, B>(_mm512_abs_ps(xv), vs, vr, vq, true);
+    const __m512i normal_code =
+        _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(mag), 23 - M), rebias);
+    const __m512i sub_code = _mm512_cvtps_epi32(_mm512_mul_ps(mag, units));
+    __m512i code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(mag, min_normal, _CMP_GE_OQ),
+                                           sub_code, normal_code);
+    code = _mm512_or_si512(code, _mm512_srli_epi32(
+        _mm512_and_si512(_mm512_castps_si512(xv), _mm512_set1_epi32(INT32_MIN)), 24));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), _mm512_cvtepi32_epi8(code));
+  }
+}
+#endif
+
+// The float16 scale candidate i gives (never below float16's smallest normal: an all-zero
+// vector gets that, not 0).
+inline float fp8_scale(float amax, float qmax, float step) {
+  const float raw = std::max(amax / qmax * step, 1e-8f);
+  return std::max(static_cast<float>(c10::Half(raw)), 6.103515625e-05f);
+}
+
 template <int M, int B>
 float fp8_vector(const float* x, int64_t D, float amax, float qmax, const std::vector<float>& steps,
                  uint8_t* out, uint8_t* tmp) {
   float best_err = 0.f, best_scale = 0.f;  // (-ffast-math: no infinities)
+#ifdef __AVX512F__
+  if (D % 16 == 0) {
+    best_scale = fp8_scale(amax, qmax, steps[0]);
+    for (size_t i = 1; i < steps.size(); ++i) {
+      if (i == 1) best_err = fp8_error16<M, B>(x, D, best_scale, qmax, true);
+      const float sf = fp8_scale(amax, qmax, steps[i]);
+      const float err = fp8_error16<M, B>(x, D, sf, qmax, false);
+      if (err < best_err) best_err = err, best_scale = sf;
+    }
+    fp8_codes16<M, B>(x, D, best_scale, qmax, out);
+    return best_scale;
+  }
+#endif
   for (size_t i = 0; i < steps.size(); ++i) {
-    const float raw = std::max(amax / qmax * steps[i], 1e-8f);
-    // a float16 scale, never below float16's smallest normal (an all-zero vector is 0)
-    const float sf = std::max(static_cast<float>(c10::Half(raw)), 6.103515625e-05f);
+    const float sf = fp8_scale(amax, qmax, steps[i]);
     const double inv = 1.0 / static_cast<double>(sf);
     float err = 0.f;
 #pragma omp simd reduction(+ : err)
