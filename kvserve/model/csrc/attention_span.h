@@ -42,12 +42,13 @@ inline __m512 lane_scales(const c10::Half* s) {
 // K tile kt[c] [D / 2][CELL] pairs and V tile vt[c] [CELL / 2][D] key pairs of CT elements
 // (bf16, or 8-bit codes with their lanes' float16 scales ks[c], vs[c]: a key's score is
 // its codes' dot product times its K scale, its weight in P·V times its V scale), visible
-// lanes mk[c] (not 0). Updates m, l [NH] and acc [NH][D].
-template <int D, int NH, int NC, typename CT>
+// lanes mk[c] (not 0). Updates m, l [NH] and acc [NH][D]. `scaled`: whether the elements
+// carry the lanes' scales (8-bit codes; also bf16 tiles converted from them, which give
+// the same arithmetic bit for bit).
+template <int D, int NH, int NC, typename CT, bool scaled>
 inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, const CT* const* vt,
                        const c10::Half* const* ks, const c10::Half* const* vs,
                        const uint16_t* mk, float* m, float* l, float* acc) {
-  constexpr bool scaled = !std::is_same_v<CT, c10::BFloat16>;
   __m512 s[NH][NC];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) s[h][c] = _mm512_setzero_ps();
@@ -126,8 +127,10 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
 // vs for 8-bit codes), visible lanes mk (not 0), in position order — into the online-softmax
 // state of one query row's G heads: `q` [G][D / 2] bf16 pairs (unscaled; scaled after the
 // dot products), running max `m`, sum `l`, accumulator `acc` [G][D]. Never inlined: every
-// caller runs exactly this code.
-template <int D, typename CT>
+// caller runs exactly this code. `scaled` (8-bit caches): the tiles are codes with scales,
+// read in place (CT the code type) or converted to bf16 beforehand (CT bf16, the same
+// values, so the same result).
+template <int D, typename CT, bool scaled = !std::is_same_v<CT, c10::BFloat16>>
 __attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float scale,
                                          const CT* const* kt, const CT* const* vt,
                                          const c10::Half* const* ks, const c10::Half* const* vs,
@@ -138,10 +141,10 @@ __attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float sca
     const uint32_t* qg = q + g * (D / 2);
     float *mg = m + g, *lg = l + g, *ag = acc + g * D;
     switch (nc) {
-      case 1: return span_heads<D, NH, 1, CT>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
-      case 2: return span_heads<D, NH, 2, CT>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
-      case 3: return span_heads<D, NH, 3, CT>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
-      default: return span_heads<D, NH, SPAN, CT>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
+      case 1: return span_heads<D, NH, 1, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
+      case 2: return span_heads<D, NH, 2, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
+      case 3: return span_heads<D, NH, 3, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
+      default: return span_heads<D, NH, SPAN, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
     }
   });
 }
