@@ -86,16 +86,13 @@ inline float round_fp8(float y, uint8_t* code) {
 }
 
 #ifdef __AVX512F__
-// The squared error of scale sf's fp8 codes for x (D floats, D % 16 == 0), 16 lanes at a
-// time: no codes are kept (the winner's are computed once, by round_fp8). The quotient is
-// x * RN(1/sf) corrected by one FMA step (Markstein): RN(x / sf) exactly, as quotient()
-// gives, at float's width. Rounding to fp8 adds and takes away c = 2^(e + 23 - M) for an
-// input of binade e (2^(1 - B + 23) at least, the subnormal step's): float addition rounds
-// the sum to the format's step there, to nearest even, as round_fp8 does. The explicit
-// rounding forms keep -ffast-math from folding (a + c) - c to a. Magnitudes only: a code
-// has its input's sign, so the error's square is the same. `clamp`: whether |x / sf| can
-// exceed qmax (the first candidate only).
-// |x| / sf rounded to fp8 (magnitude, float): the exact quotient, then the format's step.
+// |x| / sf rounded to fp8, 16 lanes (magnitudes, as floats). The quotient is x * RN(1/sf)
+// corrected by one FMA step (Markstein): RN(x / sf) exactly, as quotient() gives, at
+// float's width. Rounding to fp8 adds and takes away c = 2^(e + 23 - M) for an input of
+// binade e (2^(1 - B + 23) at least, the subnormal step's): float addition rounds the sum
+// to the format's step there, to nearest even, as round_fp8 does. The explicit rounding
+// forms keep -ffast-math from folding (a + c) - c to a. `clamp`: whether |x / sf| can
+// exceed qmax (only the first candidate's can).
 template <int M, int B>
 inline __m512 fp8_mag16(__m512 ax, __m512 vs, __m512 vr, __m512 vq, bool clamp) {
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -110,6 +107,9 @@ inline __m512 fp8_mag16(__m512 ax, __m512 vs, __m512 vr, __m512 vq, bool clamp) 
   return _mm512_sub_round_ps(_mm512_add_round_ps(a, cf, kRound), cf, kRound);
 }
 
+// The squared error of scale sf's fp8 codes for x (D floats, D % 16 == 0), without keeping
+// the codes. Magnitudes only: a code has its input's sign, so the error's square is the
+// same.
 template <int M, int B>
 inline float fp8_error16(const float* x, int64_t D, float sf, float qmax, bool clamp) {
   const __m512 vs = _mm512_set1_ps(sf), vr = _mm512_set1_ps(1.f / sf), vq = _mm512_set1_ps(qmax);
@@ -158,7 +158,7 @@ float fp8_vector(const float* x, int64_t D, float amax, float qmax, const std::v
                  uint8_t* out, uint8_t* tmp) {
   float best_err = 0.f, best_scale = 0.f;  // (-ffast-math: no infinities)
 #ifdef __AVX512F__
-  if (D % 16 == 0) {
+  if (D % 16 == 0) {  // each candidate's error 16 lanes at a time, the winner's codes once
     best_scale = fp8_scale(amax, qmax, steps[0]);
     for (size_t i = 1; i < steps.size(); ++i) {
       if (i == 1) best_err = fp8_error16<M, B>(x, D, best_scale, qmax, true);
