@@ -122,6 +122,7 @@ def _router(ns: argparse.Namespace) -> int:
         stall_timeout=ns.stall_timeout,
         probe_timeout=ns.probe_timeout,
         max_failovers=ns.max_failovers,
+        failover_timeout=ns.failover_timeout,
         registry_grace=ns.registry_grace,
         graceful_timeout=ns.graceful_timeout,
         routing=ns.routing,
@@ -309,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rt.add_argument("--probe-timeout", type=float, default=0.5, help="/health probe deadline")
     rt.add_argument("--max-failovers", type=int, default=3, help="resume attempts per request")
+    rt.add_argument(
+        "--failover-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a failed-over request waits for a routable standby",
+    )
     rt.add_argument(
         "--registry-grace",
         type=float,

@@ -51,6 +51,13 @@ def router_view(router: ServerProcess) -> dict:
         return json.loads(r.read())
 
 
+def _print_logs(tmp: Path, tail: int = 60) -> None:
+    """The last ``tail`` lines of each process log under ``tmp`` (routers', workers')."""
+    for log in sorted(tmp.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-tail:]
+        print(f"----- {log.name} (last {len(lines)} lines)", *lines, sep="\n")
+
+
 @contextlib.contextmanager
 def cluster(
     model: Path,
@@ -93,6 +100,9 @@ def cluster(
                     "router sees every worker",
                 )
             yield c
+        except BaseException:
+            _print_logs(tmp)  # pytest shows them with the failure: the only trace of a flake
+            raise
         finally:
             for p in [*c.routers, *c.workers.values()]:
                 if p.proc.poll() is None:

@@ -17,6 +17,9 @@ class RouterConfig:
     stall_timeout: float = 1.0  # no bytes from a worker for this long → probe it
     probe_timeout: float = 0.5  # a /health probe slower than this counts as failed
     max_failovers: int = 3  # resume attempts per request before giving up
+    # seconds a failed-over request waits for a routable standby (one whose /ready probe
+    # failed, say, on a loaded machine) before giving up; waiting uses no attempt
+    failover_timeout: float = 10.0
     registry_grace: float = 10.0  # keep routing to a worker missing from an unreadable registry
     graceful_timeout: float = 30.0
     # placement of requests without a session owner (router.scoring); auto: prefix with
@@ -45,7 +48,13 @@ class RouterConfig:
             raise ValueError("routing_load_weight must be >= 0, routing_host_weight in [0, 1]")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        for name in ("health_interval", "stall_timeout", "probe_timeout", "registry_grace"):
+        for name in (
+            "health_interval",
+            "stall_timeout",
+            "probe_timeout",
+            "registry_grace",
+            "failover_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_failovers < 0:

@@ -295,7 +295,10 @@ class Relay:
 
     async def resume(self, flow: Flow, failed: Worker, why: str) -> tuple[Worker, httpx.Response]:
         """Continue ``flow`` on a standby after ``failed`` failed; returns the standby and
-        its open 200 response. Raises Unroutable when no worker can continue it."""
+        its open 200 response. Tries at most ``max_failovers`` standbys in all, and waits
+        at most ``failover_timeout`` seconds for one to be routable (a standby whose
+        probe failed on a loaded machine comes back; waiting uses no attempt). Raises
+        Unroutable when no worker can continue it."""
         if not flow.resumable:
             raise Unroutable(502, f"the worker failed ({why}) and this request cannot resume")
         start = time.monotonic()
@@ -304,11 +307,13 @@ class Relay:
         failed.healthy = False  # until its next probe says otherwise
         logger.warning("session %s: %s; failing over", flow.session, why)
         while flow.failovers < self.config.max_failovers:
-            flow.failovers += 1
             w = self.pool.standby(flow.session, flow.failed)
             if w is None:
+                if time.monotonic() - start >= self.config.failover_timeout:
+                    break
                 await asyncio.sleep(self.config.health_interval)  # wait for a worker
                 continue
+            flow.failovers += 1
             try:
                 resp = await self._open_resume(flow, w)
             except WorkerFailed as e:
@@ -326,6 +331,10 @@ class Relay:
             if 400 <= resp.status_code < 500:
                 self.metrics.failover_failures.inc()
                 raise Unroutable(502, f"the stream could not be resumed: {detail}", "APIError")
+            logger.warning(
+                "session %s: standby %s answered %d: %s", flow.session, w.node_id,
+                resp.status_code, detail,
+            )  # fmt: skip
             flow.failed.add(w.node_id)
         self.metrics.failover_failures.inc()
         raise Unroutable(503, f"the worker failed ({why}) and no standby could resume")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -101,6 +102,52 @@ def test_a_stopped_primary_is_failed_over_and_fenced(llama_dir, tmp_path):
         assert (after.node, after.epoch) == (own.node, own.epoch)  # no stale write landed
         record = json.loads(after.state)
         assert record["finished"] and record["epoch"] == own.epoch
+
+
+def test_a_failover_waits_for_a_standby_that_is_briefly_unroutable(llama_dir, tmp_path):
+    """The primary dies while its standby is out of rotation (SIGSTOP: its probes fail).
+    The router waits for the standby (here 3 s, twice the old bound of ``max_failovers``
+    x ``health_interval``) without spending attempts, and the stream goes on exactly once
+    the standby is back."""
+    with cluster(llama_dir, tmp_path) as c:
+        router = c.routers[0]
+        client = router_client(router)
+        spec = workload_spec(2, str(llama_dir)) | {"max_tokens": 150}
+        spec["extra_body"] = {"ignore_eos": True, "session_id": "late-standby"}
+        want = stream_via(client, spec)[1]
+
+        def routable(node: str) -> bool:
+            return any(w["id"] == node and w["routable"] for w in router_view(router)["workers"])
+
+        standby = "b" if c.coord.owner("late-standby").node == "a" else "a"
+        primary = "a" if standby == "b" else "b"
+        c.workers[standby].proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: not routable(standby), 30, "the standby out of rotation")
+            progress, result = [0], {}
+
+            def run() -> None:
+                try:
+                    result["r"] = stream_via(client, spec, progress)
+                except Exception as e:  # reported by the assertion below
+                    result["r"] = ("error", repr(e))
+
+            t = threading.Thread(target=run)
+            t.start()
+            wait_until(lambda: progress[0] >= 20, 60, "stream under way")
+            c.workers[primary].proc.send_signal(signal.SIGKILL)
+            wait_until(
+                lambda: _router_metric(router, "kvserve_router_worker_failures_total") >= 1,
+                30,
+                "the router saw the primary fail",
+            )
+            time.sleep(3.0)  # the outage under test: the standby stays unroutable this long
+        finally:
+            c.workers[standby].proc.send_signal(signal.SIGCONT)
+        t.join(120)
+        assert result["r"] == (primary, want)
+        assert _router_metric(router, "kvserve_router_failovers_total") == 1
+        assert _router_metric(router, "kvserve_router_failover_failures_total") == 0
 
 
 def test_session_affinity_is_kept_in_redis_across_routers(llama_dir, tmp_path):
