@@ -43,6 +43,13 @@ def workload_spec(i: int, model: str) -> dict:
     return spec
 
 
+def session_spec(i: int, model: str, session: str, max_tokens: int) -> dict:
+    """``workload_spec(i)`` as one session's stream of exactly ``max_tokens`` tokens."""
+    spec = workload_spec(i, model) | {"max_tokens": max_tokens}
+    spec["extra_body"] = {"ignore_eos": True, "session_id": session}
+    return spec
+
+
 def stream_via(client: openai.OpenAI, spec: dict, progress: list | None = None):
     """(worker that took it, text) of one streamed request; ``progress[0]`` counts the
     content chunks as they arrive."""

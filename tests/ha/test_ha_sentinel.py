@@ -13,7 +13,7 @@ import openai
 import redis
 from cluster_proc import cluster
 from redis_proc import redis_sentinel
-from router_client import router_client, stream_via, workload_spec
+from router_client import router_client, session_spec, stream_via
 from server_proc import wait_until
 
 
@@ -24,8 +24,7 @@ def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):
         cluster(llama_dir, tmp_path, redis_url=sentinel.url) as c,
     ):
         client = router_client(c.routers[0])
-        spec = workload_spec(3, str(llama_dir)) | {"max_tokens": 150}  # chat, seeded sampling
-        spec["extra_body"] = {"ignore_eos": True, "session_id": "reference"}
+        spec = session_spec(3, str(llama_dir), "reference", 150)  # chat, seeded sampling
         want = stream_via(client, spec)[1]
 
         # Redis' master dies while a stream is under way

@@ -18,7 +18,7 @@ import openai
 import pytest
 from bad_bodies import BAD_BODIES, post_raw
 from cluster_proc import SECRET, cluster, router_view
-from router_client import prompt_text, router_client, stream_via, workload_spec
+from router_client import prompt_text, router_client, session_spec, stream_via, workload_spec
 from server_proc import wait_until
 
 from kvserve.ha.record import SessionRecord
@@ -73,8 +73,7 @@ def test_a_stopped_primary_is_failed_over_and_fenced(llama_dir, tmp_path):
     with cluster(llama_dir, tmp_path) as c:
         router = c.routers[0]
         client = router_client(router)
-        spec = workload_spec(1, str(llama_dir)) | {"max_tokens": 120}
-        spec["extra_body"] = {"ignore_eos": True, "session_id": "paused"}
+        spec = session_spec(1, str(llama_dir), "paused", 120)
         want = stream_via(client, spec)[1]
 
         chat = "messages" in spec
@@ -112,8 +111,7 @@ def test_a_failover_waits_for_a_standby_that_is_briefly_unroutable(llama_dir, tm
     with cluster(llama_dir, tmp_path) as c:
         router = c.routers[0]
         client = router_client(router)
-        spec = workload_spec(2, str(llama_dir)) | {"max_tokens": 150}
-        spec["extra_body"] = {"ignore_eos": True, "session_id": "late-standby"}
+        spec = session_spec(2, str(llama_dir), "late-standby", 150)
         want = stream_via(client, spec)[1]
 
         def routable(node: str) -> bool:
@@ -195,8 +193,7 @@ def test_serving_goes_on_while_redis_is_briefly_stopped(llama_dir, tmp_path):
     with cluster(llama_dir, tmp_path) as c:
         router = c.routers[0]
         client = router_client(router)
-        spec = workload_spec(5, str(llama_dir)) | {"max_tokens": 150}
-        spec["extra_body"] = {"ignore_eos": True, "session_id": "outage"}
+        spec = session_spec(5, str(llama_dir), "outage", 150)
         want = stream_via(client, spec)[1]
 
         raw = client.completions.with_raw_response.create(stream=True, **spec)
