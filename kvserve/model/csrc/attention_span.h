@@ -127,9 +127,12 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
 // vs for 8-bit codes), visible lanes mk (not 0), in position order — into the online-softmax
 // state of one query row's G heads: `q` [G][D / 2] bf16 pairs (unscaled; scaled after the
 // dot products), running max `m`, sum `l`, accumulator `acc` [G][D]. Never inlined: every
-// caller runs exactly this code. `scaled` (8-bit caches): the tiles are codes with scales,
-// read in place (CT the code type) or converted to bf16 beforehand (CT bf16, the same
-// values, so the same result).
+// caller of one instantiation runs exactly its code. `scaled` (8-bit caches): the tiles
+// are codes with scales, read in place (CT the code type: decode rows) or converted to
+// bf16 beforehand (CT bf16: prefill items). Those are two instantiations of the same
+// source over the same values; that -ffast-math compiles their float arithmetic alike is
+// not guaranteed by the language, so test_kv_tiles_8bit checks a prefill row against the
+// same row decoded alone, bit for bit.
 template <int D, typename CT, bool scaled = !std::is_same_v<CT, c10::BFloat16>>
 __attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float scale,
                                          const CT* const* kt, const CT* const* vt,
