@@ -107,6 +107,44 @@ def test_tiled_8bit_attention_matches_rows_and_is_invariant(name, bs, heads, d, 
         assert torch.equal(alone[0], got[j])
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_decode_kernels_fp8_lookup_gives_every_codes_value(dtype):
+    """The byte lookup that decode rows convert fp8 codes with (64 at a time): every finite
+    code, in every position of a 64-code group, is PyTorch's value of it, exactly."""
+    assert load_cpu_kernels()
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = torch.cat([codes, codes.roll(17), codes.flip(0), codes.roll(40)]).view(dtype)
+    got = torch.ops.kvserve.fp8_lookup_bf16(codes)
+    want = codes.to(torch.bfloat16)
+    finite = torch.isfinite(want)
+    assert finite.sum() >= 4 * 248
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_code_reads_the_same_in_decode_and_prefill(name):
+    """Decode rows convert fp8 codes by a byte lookup, 64 at a time; prefill rows by bit
+    arithmetic, 32 at a time. A cache holding every finite code (subnormals, zeros of both
+    signs, the largest) gives a decode token the prefill row's result bit for bit."""
+    assert load_cpu_kernels()
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, ctx = 9, 3, 64, 64
+    _, cache = _pair(name, ctx, hkv, d)
+    probe = torch.arange(256, dtype=torch.uint8).view(cache.data.dtype).float()
+    finite = torch.arange(256)[torch.isfinite(probe)].to(torch.uint8)
+    per_part = cache.data[0].numel()
+    for part in (0, 1):  # every finite code in each part, in a random order
+        order = torch.randperm(per_part, generator=g) % finite.numel()
+        cache.data.view(torch.uint8)[part].view(-1).copy_(finite[order])
+    cache.scale.copy_(torch.rand(cache.scale.shape, generator=g).half() + 0.5)
+    q = (torch.randn(2, hq, d, generator=g) / 64).bfloat16()  # scores stay finite
+    table, lens = torch.tensor([[0, 1, 2, 3]]), torch.tensor([ctx])
+    both = _attend(q, cache, 16, table, lens, torch.tensor([0, 2]))
+    alone = _attend(q[1:], cache, 16, table, lens, torch.tensor([0, 1]))
+    assert torch.isfinite(both.float()).all()
+    assert torch.equal(alone[0], both[1])
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 def test_stale_codes_and_scales_in_a_tile_are_never_read(name):
     """Lanes past a sequence's end may hold another sequence's codes and scales, even a

@@ -33,6 +33,16 @@ inline __m512i tile32(const CT* p) {
   else return kvserve_codes::codes32(p);
 }
 
+// Whether CT's tiles are converted 64 codes at a time (kv_codes.h's fp8_codes64).
+template <typename CT>
+constexpr bool fp8_pairs() {
+#ifdef __AVX512VBMI__
+  return std::is_same_v<CT, c10::Float8_e4m3fn> || std::is_same_v<CT, c10::Float8_e5m2>;
+#else
+  return false;
+#endif
+}
+
 // A cell's float16 scales of one head (16 lanes) as floats.
 inline __m512 lane_scales(const c10::Half* s) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
@@ -52,6 +62,28 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
   __m512 s[NH][NC];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) s[h][c] = _mm512_setzero_ps();
+  if constexpr (fp8_pairs<CT>()) {  // the same chains, two pairs' codes converted at once
+#ifdef __AVX512VBMI__
+    for (int j = 0; j < D / 2; j += 2) {
+      __m512bh k0[NC], k1[NC];
+      for (int c = 0; c < NC; ++c) {
+        __m512i x0, x1;
+        kvserve_codes::fp8_codes64(kt[c] + j * 2 * CELL, x0, x1);
+        k0[c] = (__m512bh)x0;
+        k1[c] = (__m512bh)x1;
+      }
+      for (int h = 0; h < NH; ++h) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j]));
+        for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k0[c]);
+      }
+      for (int h = 0; h < NH; ++h) {
+        const __m512bh qb =
+            (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j + 1]));
+        for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k1[c]);
+      }
+    }
+#endif
+  } else
   for (int j = 0; j < D / 2; ++j) {  // one chain per (head, cell), pairs in order
     __m512bh k[NC];
     for (int c = 0; c < NC; ++c) {
@@ -114,6 +146,17 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
       __m512bh w[NH];
       for (int h = 0; h < NH; ++h)
         w[h] = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[h][c][j]));
+      if constexpr (fp8_pairs<CT>()) {
+#ifdef __AVX512VBMI__
+        __m512i x[D / 16];
+        for (int d = 0; d < D / 16; d += 2)
+          kvserve_codes::fp8_codes64(vt[c] + j * 2 * D + 32 * d, x[d], x[d + 1]);
+        for (int d = 0; d < D / 16; ++d) {
+          const __m512bh v = (__m512bh)_mm512_maskz_mov_epi16(keep, x[d]);
+          for (int h = 0; h < NH; ++h) a[h][d] = _mm512_dpbf16_ps(a[h][d], w[h], v);
+        }
+#endif
+      } else
       for (int d = 0; d < D / 16; ++d) {
         const __m512i x = tile32(vt[c] + j * 2 * D + 32 * d);
         const __m512bh v = (__m512bh)_mm512_maskz_mov_epi16(keep, x);

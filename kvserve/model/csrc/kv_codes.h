@@ -116,6 +116,46 @@ inline __m512i codes32(const ct* src) {
 }
 #endif
 
+#ifdef __AVX512VBMI__
+// The bf16 bits of every fp8 magnitude (a code's low 7 bits), as codes32 computes them,
+// split into high and low bytes: two 128-byte tables for vpermi2b.
+template <int M, int B>
+struct Fp8ByteTables {
+  alignas(64) uint8_t hi[128] = {};
+  alignas(64) uint8_t lo[128] = {};
+  constexpr Fp8ByteTables() {
+    for (int em = 0; em < 128; ++em) {
+      const uint16_t bits = em < (1 << M)
+                                ? scaled_int_bf16(em, B - 1 + M)
+                                : static_cast<uint16_t>((em << (7 - M)) + ((127 - B) << 7));
+      hi[em] = static_cast<uint8_t>(bits >> 8);
+      lo[em] = static_cast<uint8_t>(bits & 0xFF);
+    }
+  }
+};
+
+// 64 consecutive fp8 codes as their exact bf16 bits (the same as two codes32 calls: codes
+// [0, 32) in `a`, [32, 64) in `b`) by two byte lookups: ~7 instructions instead of ~20.
+// The codes' 8-byte groups are reordered first so that the byte interleave of the two
+// lookups (which works within 128-bit lanes) leaves the words in order.
+template <typename ct>
+inline void fp8_codes64(const ct* src, __m512i& a, __m512i& b) {
+  constexpr int M = std::is_same_v<ct, c10::Float8_e4m3fn> ? 3 : 2;
+  constexpr int B = std::is_same_v<ct, c10::Float8_e4m3fn> ? 7 : 15;
+  static constexpr Fp8ByteTables<M, B> kTab{};
+  const __m512i c = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7),
+                                             _mm512_loadu_si512(src));
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(kTab.lo), c,
+                                              _mm512_load_si512(kTab.lo + 64));
+  __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(kTab.hi), c,
+                                        _mm512_load_si512(kTab.hi + 64));
+  // hi | (c & 0x80): the code's sign is the bf16's
+  hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+#endif
+
 // A row of D cache codes as bf16 bits (exact): codes32 32 at a time where it applies.
 template <int D, typename ct>
 inline void codes_to_bf16(const ct* src, uint16_t* dst) {

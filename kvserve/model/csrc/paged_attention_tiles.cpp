@@ -8,11 +8,13 @@
 // (attention_span.h, which states the determinism rule this follows).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -245,3 +247,42 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 }
 
 }  // namespace kvserve_tiles
+
+namespace {
+
+// fp8 codes [n] (n a multiple of 64) -> their bf16 values, by the decode kernel's 64-code
+// byte lookup (kv_codes.h's fp8_codes64): a test hook, so that every code's conversion
+// can be checked against PyTorch's. Refused on a build without AVX-512-VBMI.
+at::Tensor fp8_lookup_bf16(const at::Tensor& codes) {
+  const auto t = codes.scalar_type();
+  TORCH_CHECK(t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2,
+              "fp8_lookup_bf16: fp8 codes expected, got ", t);
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() % 64 == 0,
+              "fp8_lookup_bf16: contiguous codes, a multiple of 64 of them");
+  auto out = at::empty(codes.sizes(), codes.options().dtype(at::kBFloat16));
+#ifdef __AVX512VBMI__
+  auto* o = reinterpret_cast<__m512i*>(out.data_ptr());
+  for (int64_t i = 0; i < codes.numel(); i += 64, o += 2) {
+    __m512i a, b;
+    if (t == at::kFloat8_e4m3fn)
+      kvserve_codes::fp8_codes64(codes.data_ptr<c10::Float8_e4m3fn>() + i, a, b);
+    else
+      kvserve_codes::fp8_codes64(codes.data_ptr<c10::Float8_e5m2>() + i, a, b);
+    _mm512_storeu_si512(o, a);
+    _mm512_storeu_si512(o + 1, b);
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "fp8_lookup_bf16: this build has no AVX-512-VBMI");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("fp8_lookup_bf16(Tensor codes) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("fp8_lookup_bf16", fp8_lookup_bf16);
+}
