@@ -83,19 +83,20 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
       }
     }
 #endif
-  } else
-  for (int j = 0; j < D / 2; ++j) {  // one chain per (head, cell), pairs in order
-    __m512bh k[NC];
-    for (int c = 0; c < NC; ++c) {
-      __m512i x = tile32(kt[c] + j * 2 * CELL);
-      // kept in a register: GCC would load it again for every head, and on Zen 4 the
-      // loads, not the dot products, then bound the loop (701 against 406 cycles a span)
-      __asm__("" : "+v"(x));
-      k[c] = (__m512bh)x;
-    }
-    for (int h = 0; h < NH; ++h) {
-      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j]));
-      for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k[c]);
+  } else {
+    for (int j = 0; j < D / 2; ++j) {  // one chain per (head, cell), pairs in order
+      __m512bh k[NC];
+      for (int c = 0; c < NC; ++c) {
+        __m512i x = tile32(kt[c] + j * 2 * CELL);
+        // kept in a register: GCC would load it again for every head, and on Zen 4 the
+        // loads, not the dot products, then bound the loop (701 against 406 cycles a span)
+        __asm__("" : "+v"(x));
+        k[c] = (__m512bh)x;
+      }
+      for (int h = 0; h < NH; ++h) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j]));
+        for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k[c]);
+      }
     }
   }
   const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(NEG_BIG);
@@ -156,11 +157,12 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
           for (int h = 0; h < NH; ++h) a[h][d] = _mm512_dpbf16_ps(a[h][d], w[h], v);
         }
 #endif
-      } else
-      for (int d = 0; d < D / 16; ++d) {
-        const __m512i x = tile32(vt[c] + j * 2 * D + 32 * d);
-        const __m512bh v = (__m512bh)_mm512_maskz_mov_epi16(keep, x);
-        for (int h = 0; h < NH; ++h) a[h][d] = _mm512_dpbf16_ps(a[h][d], w[h], v);
+      } else {
+        for (int d = 0; d < D / 16; ++d) {
+          const __m512i x = tile32(vt[c] + j * 2 * D + 32 * d);
+          const __m512bh v = (__m512bh)_mm512_maskz_mov_epi16(keep, x);
+          for (int h = 0; h < NH; ++h) a[h][d] = _mm512_dpbf16_ps(a[h][d], w[h], v);
+        }
       }
     }
   store_acc<D, NH>(a, acc);

@@ -1,6 +1,7 @@
-// Cache element types for the paged attention kernel: loads of a 16/32-bit or 8-bit code
-// as float, 8-bit codes as exact bf16 bits (32 at a time with AVX-512), stores of a float
-// result, and the scales of a quantized cache. Used by paged_attention.cpp only.
+// Cache element types for the paged attention kernels: loads of a 16/32-bit or 8-bit code
+// as float, 8-bit codes as exact bf16 bits (32 at a time with AVX-512; fp8 also 64 at a
+// time by byte lookup with AVX-512-VBMI), stores of a float result, and the scales of a
+// quantized cache.
 #pragma once
 
 #include <c10/util/BFloat16.h>
