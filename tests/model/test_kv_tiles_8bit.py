@@ -109,8 +109,9 @@ def test_tiled_8bit_attention_matches_rows_and_is_invariant(name, bs, heads, d, 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_the_decode_kernels_fp8_lookup_gives_every_codes_value(dtype):
-    """The byte lookup that decode rows convert fp8 codes with (64 at a time): every finite
-    code, in every position of a 64-code group, is PyTorch's value of it, exactly."""
+    """The conversion decode rows read fp8 codes with (a byte lookup, 64 at a time, where
+    the CPU has AVX-512-VBMI): every finite code, in four positions of 64-code groups, is
+    PyTorch's value of it, exactly (bits compared, so -0 is not 0)."""
     assert load_cpu_kernels()
     codes = torch.arange(256, dtype=torch.uint8)
     codes = torch.cat([codes, codes.roll(17), codes.flip(0), codes.roll(40)]).view(dtype)

@@ -64,6 +64,7 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
     for (int c = 0; c < NC; ++c) s[h][c] = _mm512_setzero_ps();
   if constexpr (fp8_pairs<CT>()) {  // the same chains, two pairs' codes converted at once
 #ifdef __AVX512VBMI__
+    static_assert(D % 32 == 0, "fp8 pairs: 64 codes are two K pairs, or two 32-wide V groups");
     for (int j = 0; j < D / 2; j += 2) {
       __m512bh k0[NC], k1[NC];
       for (int c = 0; c < NC; ++c) {

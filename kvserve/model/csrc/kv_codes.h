@@ -141,6 +141,8 @@ struct Fp8ByteTables {
 // lookups (which works within 128-bit lanes) leaves the words in order.
 template <typename ct>
 inline void fp8_codes64(const ct* src, __m512i& a, __m512i& b) {
+  static_assert(std::is_same_v<ct, c10::Float8_e4m3fn> || std::is_same_v<ct, c10::Float8_e5m2>,
+                "fp8_codes64: e4m3 or e5m2 codes");
   constexpr int M = std::is_same_v<ct, c10::Float8_e4m3fn> ? 3 : 2;
   constexpr int B = std::is_same_v<ct, c10::Float8_e4m3fn> ? 7 : 15;
   static constexpr Fp8ByteTables<M, B> kTab{};

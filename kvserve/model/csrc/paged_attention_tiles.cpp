@@ -250,31 +250,37 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 namespace {
 
-// fp8 codes [n] (n a multiple of 64) -> their bf16 values, by the decode kernel's 64-code
-// byte lookup (kv_codes.h's fp8_codes64): a test hook, so that every code's conversion
-// can be checked against PyTorch's. Refused on a build without AVX-512-VBMI.
+// fp8 codes [n] (n a multiple of 64) -> their bf16 values, as decode rows convert them: by
+// the 64-code byte lookup (kv_codes.h's fp8_codes64) with AVX-512-VBMI, else by codes32 as
+// prefill rows do. A test hook, so that every code's conversion can be checked against
+// PyTorch's.
 at::Tensor fp8_lookup_bf16(const at::Tensor& codes) {
   const auto t = codes.scalar_type();
   TORCH_CHECK(t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2,
               "fp8_lookup_bf16: fp8 codes expected, got ", t);
   TORCH_CHECK(codes.is_contiguous() && codes.numel() % 64 == 0,
               "fp8_lookup_bf16: contiguous codes, a multiple of 64 of them");
+  TORCH_CHECK(kvserve_tiles::tiles_readable(at::kBFloat16, t, 64),
+              "fp8_lookup_bf16: this build has no AVX-512-BF16 tiles kernel");
   auto out = at::empty(codes.sizes(), codes.options().dtype(at::kBFloat16));
-#ifdef __AVX512VBMI__
+#ifdef __AVX512BF16__
   auto* o = reinterpret_cast<__m512i*>(out.data_ptr());
-  for (int64_t i = 0; i < codes.numel(); i += 64, o += 2) {
-    __m512i a, b;
-    if (t == at::kFloat8_e4m3fn)
-      kvserve_codes::fp8_codes64(codes.data_ptr<c10::Float8_e4m3fn>() + i, a, b);
-    else
-      kvserve_codes::fp8_codes64(codes.data_ptr<c10::Float8_e5m2>() + i, a, b);
-    _mm512_storeu_si512(o, a);
-    _mm512_storeu_si512(o + 1, b);
-  }
-  return out;
+  const auto convert = [&](auto tag) {
+    using CT = decltype(tag);
+    const CT* c = codes.data_ptr<CT>();
+    for (int64_t i = 0; i < codes.numel(); i += 64) {
+#ifdef __AVX512VBMI__
+      kvserve_codes::fp8_codes64(c + i, o[i / 32], o[i / 32 + 1]);
 #else
-  TORCH_CHECK(false, "fp8_lookup_bf16: this build has no AVX-512-VBMI");
+      o[i / 32] = kvserve_codes::codes32(c + i);
+      o[i / 32 + 1] = kvserve_codes::codes32(c + i + 32);
 #endif
+    }
+  };
+  if (t == at::kFloat8_e4m3fn) convert(c10::Float8_e4m3fn{});
+  else convert(c10::Float8_e5m2{});
+#endif
+  return out;
 }
 
 }  // namespace
