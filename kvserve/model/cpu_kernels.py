@@ -41,7 +41,11 @@ _SOURCES = [
         "decoder_stack.cpp",
     )
 ]
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+# -ffast-math but no reassociation: batch invariance rests on it. One source compiled for
+# two element types (an 8-bit decode row reads codes in place, a prefill row reads them
+# converted to bf16) must give the same bits, and with reassociation GCC ordered the two
+# differently (test_kv_tiles_8bit's @example).
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-associative-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",

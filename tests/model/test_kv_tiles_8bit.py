@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import attention_reference, paged_batch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv.cache import TILE, KVCacheSpec, block_tensors, rows_from_tiles, tiles_from_rows
@@ -77,6 +77,8 @@ def test_quantize_kv_writes_the_rows_codes_in_tile_order(name):
     seqs=st.lists(st.tuples(st.integers(1, 150), st.integers(0, 149)), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
 )
+# found by a random run: with reassociation on, the decode row's bits differed
+@example(name="int8", bs=16, heads=(4, 4), d=32, window=(0, 0), seqs=[(48, 1)], seed=0)
 def test_tiled_8bit_attention_matches_rows_and_is_invariant(name, bs, heads, d, window, seqs, seed):
     """Decode and prefill rows over 8-bit tiles: within bf16's precision of float32
     attention over the dequantized cache and of the rows kernel, and bit for bit the same

@@ -176,9 +176,9 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
 // caller of one instantiation runs exactly its code. `scaled` (8-bit caches): the tiles
 // are codes with scales, read in place (CT the code type: decode rows) or converted to
 // bf16 beforehand (CT bf16: prefill items). Those are two instantiations of the same
-// source over the same values; that -ffast-math compiles their float arithmetic alike is
-// not guaranteed by the language, so test_kv_tiles_8bit checks a prefill row against the
-// same row decoded alone, bit for bit.
+// source over the same values. They give the same bits only because the build turns off
+// reassociation (cpu_kernels.py: with it on, GCC compiled the two differently), and
+// test_kv_tiles_8bit checks a prefill row against the same row decoded alone, bit for bit.
 template <int D, typename CT, bool scaled = !std::is_same_v<CT, c10::BFloat16>>
 __attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float scale,
                                          const CT* const* kt, const CT* const* vt,
