@@ -62,7 +62,15 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
   __m512 s[NH][NC];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) s[h][c] = _mm512_setzero_ps();
-  if constexpr (fp8_pairs<CT>()) {  // the same chains, two pairs' codes converted at once
+  // pair j of every head's query against the cells' K pair j: one chain per (head, cell),
+  // pairs in order
+  const auto score_pair = [&](int j, const __m512bh* k) {
+    for (int h = 0; h < NH; ++h) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j]));
+      for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k[c]);
+    }
+  };
+  if constexpr (fp8_pairs<CT>()) {  // two pairs' codes converted at once
 #ifdef __AVX512VBMI__
     static_assert(D % 32 == 0, "fp8 pairs: 64 codes are two K pairs, or two 32-wide V groups");
     for (int j = 0; j < D / 2; j += 2) {
@@ -73,19 +81,12 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
         k0[c] = (__m512bh)x0;
         k1[c] = (__m512bh)x1;
       }
-      for (int h = 0; h < NH; ++h) {
-        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j]));
-        for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k0[c]);
-      }
-      for (int h = 0; h < NH; ++h) {
-        const __m512bh qb =
-            (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j + 1]));
-        for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k1[c]);
-      }
+      score_pair(j, k0);
+      score_pair(j + 1, k1);
     }
 #endif
   } else {
-    for (int j = 0; j < D / 2; ++j) {  // one chain per (head, cell), pairs in order
+    for (int j = 0; j < D / 2; ++j) {
       __m512bh k[NC];
       for (int c = 0; c < NC; ++c) {
         __m512i x = tile32(kt[c] + j * 2 * CELL);
@@ -94,10 +95,7 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
         __asm__("" : "+v"(x));
         k[c] = (__m512bh)x;
       }
-      for (int h = 0; h < NH; ++h) {
-        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j]));
-        for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k[c]);
-      }
+      score_pair(j, k);
     }
   }
   const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(NEG_BIG);
@@ -148,22 +146,19 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
       __m512bh w[NH];
       for (int h = 0; h < NH; ++h)
         w[h] = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[h][c][j]));
+      const auto accumulate = [&](int d, __m512i x) {  // 32 elements of V, dims 16d..
+        const __m512bh v = (__m512bh)_mm512_maskz_mov_epi16(keep, x);
+        for (int h = 0; h < NH; ++h) a[h][d] = _mm512_dpbf16_ps(a[h][d], w[h], v);
+      };
       if constexpr (fp8_pairs<CT>()) {
 #ifdef __AVX512VBMI__
         __m512i x[D / 16];
         for (int d = 0; d < D / 16; d += 2)
           kvserve_codes::fp8_codes64(vt[c] + j * 2 * D + 32 * d, x[d], x[d + 1]);
-        for (int d = 0; d < D / 16; ++d) {
-          const __m512bh v = (__m512bh)_mm512_maskz_mov_epi16(keep, x[d]);
-          for (int h = 0; h < NH; ++h) a[h][d] = _mm512_dpbf16_ps(a[h][d], w[h], v);
-        }
+        for (int d = 0; d < D / 16; ++d) accumulate(d, x[d]);
 #endif
       } else {
-        for (int d = 0; d < D / 16; ++d) {
-          const __m512i x = tile32(vt[c] + j * 2 * D + 32 * d);
-          const __m512bh v = (__m512bh)_mm512_maskz_mov_epi16(keep, x);
-          for (int h = 0; h < NH; ++h) a[h][d] = _mm512_dpbf16_ps(a[h][d], w[h], v);
-        }
+        for (int d = 0; d < D / 16; ++d) accumulate(d, tile32(vt[c] + j * 2 * D + 32 * d));
       }
     }
   store_acc<D, NH>(a, acc);
