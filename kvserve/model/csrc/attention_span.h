@@ -19,6 +19,7 @@
 
 #include "attention_cell.h"
 #include "kv_codes.h"
+#include "paged_items.h"
 
 namespace kvserve_cell {
 
@@ -52,19 +53,24 @@ inline __m512 lane_scales(const c10::Half* s) {
 // K tile kt[c] [D / 2][CELL] pairs and V tile vt[c] [CELL / 2][D] key pairs of CT elements
 // (bf16, or 8-bit codes with their lanes' float16 scales ks[c], vs[c]: a key's score is
 // its codes' dot product times its K scale, its weight in P·V times its V scale), visible
-// lanes mk[c] (not 0). Updates m, l [NH] and acc [NH][D]. `scaled`: whether the elements
+// lanes mk[c] (not 0). Updates m, l [NH] and acc [NH][D], and issues some of tr's
+// prefetches: one tr.step() per K pair of the scores and per key pair of P·V (they move
+// lines into the cache, never a value). `scaled`: whether the elements
 // carry the lanes' scales (8-bit codes; also bf16 tiles converted from them, which give
 // the same arithmetic bit for bit).
 template <int D, int NH, int NC, typename CT, bool scaled>
 inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, const CT* const* vt,
                        const c10::Half* const* ks, const c10::Half* const* vs,
-                       const uint16_t* mk, float* m, float* l, float* acc) {
+                       const uint16_t* mk, kvserve_items::Trickle& trickle, float* m, float* l,
+                       float* acc) {
+  kvserve_items::Trickle tr = trickle;  // a local copy: its state can stay in registers
   __m512 s[NH][NC];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NC; ++c) s[h][c] = _mm512_setzero_ps();
   // pair j of every head's query against the cells' K pair j: one chain per (head, cell),
   // pairs in order
   const auto score_pair = [&](int j, const __m512bh* k) {
+    tr.step();
     for (int h = 0; h < NH; ++h) {
       const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[h * (D / 2) + j]));
       for (int c = 0; c < NC; ++c) s[h][c] = _mm512_dpbf16_ps(s[h][c], qb, k[c]);
@@ -140,6 +146,7 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
   // attention on Zen 4; zeroing in a register does not show.)
   for (int c = 0; c < NC; ++c)
     for (int j = 0; j < CELL / 2; ++j) {
+      tr.step();
       const unsigned bits = (mk[c] >> (2 * j)) & 3u;  // keys 2j (low half), 2j + 1 (high)
       if (!bits) continue;
       const __mmask32 keep = (bits & 1u ? 0x55555555u : 0u) | (bits & 2u ? 0xAAAAAAAAu : 0u);
@@ -162,33 +169,39 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
       }
     }
   store_acc<D, NH>(a, acc);
+  trickle = tr;
 }
 
 // Fold nc (1..SPAN) cells of one KV head — K tiles kt, V tiles vt (with their scales ks,
 // vs for 8-bit codes), visible lanes mk (not 0), in position order — into the online-softmax
 // state of one query row's G heads: `q` [G][D / 2] bf16 pairs (unscaled; scaled after the
-// dot products), running max `m`, sum `l`, accumulator `acc` [G][D]. Never inlined: every
-// caller of one instantiation runs exactly its code. `scaled` (8-bit caches): the tiles
-// are codes with scales, read in place (CT the code type: decode rows) or converted to
-// bf16 beforehand (CT bf16: prefill items). Those are two instantiations of the same
-// source over the same values. They give the same bits only because the build turns off
-// reassociation (cpu_kernels.py: with it on, GCC compiled the two differently), and
-// test_kv_tiles_8bit checks a prefill row against the same row decoded alone, bit for bit.
+// dot products), running max `m`, sum `l`, accumulator `acc` [G][D]; issues some of `tr`'s
+// prefetches on the way (span_heads). Never inlined: every caller of one instantiation
+// runs exactly its code. `scaled` (8-bit caches): the tiles are codes with scales, read in
+// place (CT the code type: decode rows) or converted to bf16 beforehand (CT bf16: prefill
+// items). Those are two instantiations of the same source over the same values. They give
+// the same bits only because the build turns off reassociation (cpu_kernels.py: with it
+// on, GCC compiled the two differently), and test_kv_tiles_8bit checks a prefill row
+// against the same row decoded alone, bit for bit.
 template <int D, typename CT, bool scaled = !std::is_same_v<CT, c10::BFloat16>>
 __attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float scale,
                                          const CT* const* kt, const CT* const* vt,
                                          const c10::Half* const* ks, const c10::Half* const* vs,
-                                         const uint16_t* mk, int nc, float* m, float* l,
-                                         float* acc) {
+                                         const uint16_t* mk, int nc, kvserve_items::Trickle& tr,
+                                         float* m, float* l, float* acc) {
   by_heads<D>(G, [&](auto nh, int64_t g) {
     constexpr int NH = decltype(nh)::value;
     const uint32_t* qg = q + g * (D / 2);
     float *mg = m + g, *lg = l + g, *ag = acc + g * D;
+    const auto run = [&](auto nc_tag) {
+      constexpr int NC = decltype(nc_tag)::value;
+      span_heads<D, NH, NC, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, tr, mg, lg, ag);
+    };
     switch (nc) {
-      case 1: return span_heads<D, NH, 1, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
-      case 2: return span_heads<D, NH, 2, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
-      case 3: return span_heads<D, NH, 3, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
-      default: return span_heads<D, NH, SPAN, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, mg, lg, ag);
+      case 1: return run(std::integral_constant<int, 1>{});
+      case 2: return run(std::integral_constant<int, 2>{});
+      case 3: return run(std::integral_constant<int, 3>{});
+      default: return run(std::integral_constant<int, SPAN>{});
     }
   });
 }

@@ -37,7 +37,6 @@ using kvserve_cell::NEG_BIG;
 using kvserve_cell::SPAN;
 using kvserve_items::Item;
 using kvserve_items::Visible;
-using kvserve_items::prefetch;
 static_assert(TILE == CELL, "a tile is one cell");
 
 // The lanes of the cell at position `cl` that a row with visible keys `v` sees.
@@ -94,6 +93,7 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     constexpr bool codes = !std::is_same_v<CT, c10::BFloat16>;
     std::vector<c10::BFloat16> conv(codes ? 2 * SPAN * CELL * D : 0);
     kvserve_items::Claims claims(items, counter, cell_lines);
+    kvserve_items::Trickle trickle;
     while (const Item* it = claims.next()) {
       const Item& item = *it;
       const int64_t s = item.seq, nr = item.r1 - item.r0, h0 = item.h0, h1 = item.h1;
@@ -112,6 +112,7 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         std::fill(l.begin() + h * tile * G, l.begin() + h * tile * G + nr * G, 0.f);
       }
       for (int64_t span = c0 / SPAN; span <= c1 / SPAN; ++span) {
+        trickle.reset();
         const int64_t ca = std::max(span * SPAN, c0), cb = std::min(span * SPAN + SPAN - 1, c1);
         const CT* kt[SPAN];  // the span's tiles (all heads), from cell ca on
         const CT* vt[SPAN];
@@ -121,11 +122,14 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           first_slot[i] = tp[s * MB + pos / BS] * BS + pos % BS;
           kt[i] = kp + first_slot[i] * row;
           vt[i] = vp + first_slot[i] * row;
-          // in one burst: here (unlike the rows kernel, whose staging loop spaces them) a
-          // burst per span beat prefetches spread over the heads (decode 0.92x, prefill
-          // 0.81x the time on Zen 4)
-          prefetch(claims.ahead(c - c0), 0, INT64_MAX);
+          trickle.add(claims.ahead(c - c0));
         }
+        // a decode row: the span's prefetches, a few lines at each step of its folds
+        // (paged_items.h; a call takes D / 2 steps for its scores and 8 per cell for P.V);
+        // several rows: in one burst now, as their arithmetic is long enough to hide it
+        constexpr int64_t NH = kvserve_cell::heads_per_pass<D>();
+        if (nr > 1) trickle.drain();
+        else trickle.pace((h1 - h0) * ((G + NH - 1) / NH) * (D / 2 + (cb - ca + 1) * CELL / 2));
         for (int64_t h = h0; h < h1; ++h) {
           const bool convert = codes && nr > 1;
           if (convert)
@@ -165,13 +169,15 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             const float sc = static_cast<float>(scale);
             if (convert)
               kvserve_cell::fold_span<D, c10::BFloat16, true>(
-                  qb.data() + off / 2, G, sc, kc, vc, ksc, vsc, mk, nc, m.data() + ml,
+                  qb.data() + off / 2, G, sc, kc, vc, ksc, vsc, mk, nc, trickle, m.data() + ml,
                   l.data() + ml, acc.data() + off);
             else
               kvserve_cell::fold_span<D, CT>(qb.data() + off / 2, G, sc, kr, vr, ksc, vsc, mk,
-                                             nc, m.data() + ml, l.data() + ml, acc.data() + off);
+                                             nc, trickle, m.data() + ml, l.data() + ml,
+                                             acc.data() + off);
           }
         }
+        trickle.drain();  // what rows with fewer cells than the span left
       }
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t tok = qs[s] + item.r0 + r;

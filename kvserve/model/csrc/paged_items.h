@@ -81,6 +81,60 @@ inline void prefetch(const Lines& c, int64_t i0, int64_t i1) {
   }
 }
 
+// The lines of the cells a span prefetches, issued a few at a time from inside the span's
+// arithmetic (step) instead of in one burst before it. A burst of a span's ~400 lines
+// outruns the core's miss buffers: the prefetches wait for free ones, and so does every
+// load behind them, so the arithmetic of the span does not start until most of the burst
+// has left. Spread over the span's dot products, the misses stay in flight while it runs.
+// What is prefetched, and so every result, is the same either way.
+class Trickle {
+ public:
+  // Forgets what is left.
+  void reset() {
+    n_ = next_ = 0;
+    rem_ = per_ = 0;
+  }
+  // Queues a run of lines (up to PREFETCH_CELLS runs; empty ones are skipped).
+  void add(const Lines& c) {
+    if (c.n > 0 && n_ < PREFETCH_CELLS) runs_[n_++] = c;
+    if (rem_ == 0) load();
+  }
+  // K and V lines left to issue.
+  int64_t left() const {
+    int64_t t = rem_;
+    for (int i = next_; i < n_; ++i) t += runs_[i].n;
+    return t;
+  }
+  // How many lines each of `points` calls of step() should issue to leave none.
+  void pace(int64_t points) { per_ = points > 0 ? (left() + points - 1) / points : left(); }
+  // Issues the next per_ K lines and as many V lines (fewer when fewer are left).
+  inline void step() {
+    for (int64_t i = 0; i < per_ && rem_ > 0; ++i) {
+      __builtin_prefetch(k_, 0, 3);
+      __builtin_prefetch(v_, 0, 3);
+      k_ += 64, v_ += 64;
+      if (--rem_ == 0) load();
+    }
+  }
+  // Issues everything left.
+  void drain() {
+    per_ = left();
+    step();
+  }
+
+ private:
+  void load() {
+    if (next_ == n_) return;
+    k_ = runs_[next_].k, v_ = runs_[next_].v, rem_ = runs_[next_].n;
+    ++next_;
+  }
+  Lines runs_[PREFETCH_CELLS];
+  int n_ = 0, next_ = 0;
+  const char* k_ = nullptr;
+  const char* v_ = nullptr;
+  int64_t rem_ = 0, per_ = 0;
+};
+
 // Where cell k of an item (cells counted from the one holding item.lo) lies in caches of
 // `bs`-slot blocks, `row_bytes` a slot: the item's positions in it, or the whole cell when
 // `whole` (a tile is read whole). Lines{} past the item's last cell.
