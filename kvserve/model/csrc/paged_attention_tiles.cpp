@@ -126,7 +126,7 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
         // a decode row: the span's prefetches, a few lines at each step of its folds
         // (paged_items.h; a call takes D / 2 steps for its scores and 8 per cell for P.V);
-        // several rows: in one burst now, as their arithmetic is long enough to hide it
+        // several rows: all of them now, as their arithmetic is long enough to hide it
         constexpr int64_t NH = kvserve_cell::heads_per_pass<D>();
         if (nr > 1) trickle.drain();
         else trickle.pace((h1 - h0) * ((G + NH - 1) / NH) * (D / 2 + (cb - ca + 1) * CELL / 2));
