@@ -53,8 +53,8 @@ inline __m512 lane_scales(const c10::Half* s) {
 // K tile kt[c] [D / 2][CELL] pairs and V tile vt[c] [CELL / 2][D] key pairs of CT elements
 // (bf16, or 8-bit codes with their lanes' float16 scales ks[c], vs[c]: a key's score is
 // its codes' dot product times its K scale, its weight in P·V times its V scale), visible
-// lanes mk[c] (not 0). Updates m, l [NH] and acc [NH][D], and issues some of tr's
-// prefetches: one tr.step() per K pair of the scores and per key pair of P·V (they move
+// lanes mk[c] (not 0). Updates m, l [NH] and acc [NH][D], and issues some of `trickle`'s
+// prefetches: one step() per K pair of the scores and per key pair of P·V (they move
 // lines into the cache, never a value). `scaled`: whether the elements
 // carry the lanes' scales (8-bit codes; also bf16 tiles converted from them, which give
 // the same arithmetic bit for bit).

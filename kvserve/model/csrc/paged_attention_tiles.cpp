@@ -38,6 +38,7 @@ using kvserve_cell::SPAN;
 using kvserve_items::Item;
 using kvserve_items::Visible;
 static_assert(TILE == CELL, "a tile is one cell");
+static_assert(SPAN <= kvserve_items::PREFETCH_CELLS, "a Trickle holds a span's cells");
 
 // The lanes of the cell at position `cl` that a row with visible keys `v` sees.
 inline uint16_t row_lanes(const Visible& v, int64_t cl) {
@@ -125,8 +126,9 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           trickle.add(claims.ahead(c - c0));
         }
         // a decode row: the span's prefetches, a few lines at each step of its folds
-        // (paged_items.h; a call takes D / 2 steps for its scores and 8 per cell for P.V);
-        // several rows: all of them now, as their arithmetic is long enough to hide it
+        // (paged_items.h; per head and group of NH query heads, D / 2 steps for the scores
+        // and 8 per cell for P.V); several rows: all of them now, as their arithmetic is
+        // long enough to hide it
         constexpr int64_t NH = kvserve_cell::heads_per_pass<D>();
         if (nr > 1) trickle.drain();
         else trickle.pace((h1 - h0) * ((G + NH - 1) / NH) * (D / 2 + (cb - ca + 1) * CELL / 2));

@@ -11,7 +11,9 @@
 namespace kvserve_items {
 
 constexpr int64_t CELL = 16;           // positions per cell (kvserve_cell::CELL)
-constexpr int64_t PREFETCH_CELLS = 4;  // how far ahead a sequence's K/V are prefetched
+// how far ahead a sequence's K/V are prefetched; also how many cells' lines a Trickle holds,
+// which must be at least a span's (paged_attention_tiles.cpp checks)
+constexpr int64_t PREFETCH_CELLS = 4;
 constexpr int64_t TILE_FLOATS = 4096;  // query rows per work item: this many floats of q
 
 // A row's visible keys: [0, sink_end) and [start, len), in position order.
@@ -73,7 +75,8 @@ struct Lines {
 // Lines [i0, i1) of c into L1 (locality 3, prefetcht0), although 4 cells of K and V are as
 // large as a Zen 5 L1 for 3 KV heads of 64 (48 KiB). Measured against locality 1 (L2) on
 // that machine: decode attention from DRAM 5-8 % faster, prefill unchanged; 2 cells ahead
-// gave the same, 6 less (BENCHMARKS.md, tenth round).
+// gave the same, 6 less (BENCHMARKS.md, tenth round). Used by the rows kernel and for the
+// first cells of an item; a tiled decode span spreads its own into L2 instead (Trickle).
 inline void prefetch(const Lines& c, int64_t i0, int64_t i1) {
   for (int64_t i = i0; i < std::min(c.n, i1); ++i) {
     __builtin_prefetch(c.k + 64 * i, 0, 3);
@@ -83,7 +86,7 @@ inline void prefetch(const Lines& c, int64_t i0, int64_t i1) {
 
 // The lines of the cells a span prefetches, issued a few at a time from inside the span's
 // arithmetic (step) instead of in one burst before it, and into L2 (prefetcht2), not L1.
-// A burst of a span's ~400 lines into L1 outruns the core's L1 miss buffers: the prefetches
+// A burst of a span's lines into L1 (768 for bf16 and 3 KV heads of 64) outruns the core's L1 miss buffers: the prefetches
 // wait for free ones, and so does every load behind them, so the span's arithmetic does
 // not start until most of the burst has left. Spread over the span's dot products, the
 // misses stay in flight while it runs; sent to L2, they take L2's miss buffers, of which
@@ -99,7 +102,8 @@ class Trickle {
     n_ = next_ = 0;
     rem_ = per_ = 0;
   }
-  // Queues a run of lines (up to PREFETCH_CELLS runs; empty ones are skipped).
+  // Queues a run of lines: up to PREFETCH_CELLS runs, any beyond that are dropped; empty
+  // ones are skipped (a run in the queue is never empty, which step() relies on).
   void add(const Lines& c) {
     if (c.n > 0 && n_ < PREFETCH_CELLS) runs_[n_++] = c;
     if (rem_ == 0) load();
@@ -110,7 +114,8 @@ class Trickle {
     for (int i = next_; i < n_; ++i) t += runs_[i].n;
     return t;
   }
-  // How many lines each of `points` calls of step() should issue to leave none.
+  // Sets how many lines each step() issues: enough that `points` calls leave none (fewer
+  // calls leave some, for drain()).
   void pace(int64_t points) { per_ = points > 0 ? (left() + points - 1) / points : left(); }
   // Issues the next per_ K lines and as many V lines (fewer when fewer are left).
   inline void step() {
