@@ -55,7 +55,7 @@ inline __m512 lane_scales(const c10::Half* s) {
 // its codes' dot product times its K scale, its weight in P·V times its V scale), visible
 // lanes mk[c] (not 0). Updates m, l [NH] and acc [NH][D], and issues some of `trickle`'s
 // prefetches: one step() per K pair of the scores and per key pair of P·V (they move
-// lines into the cache, never a value). `scaled`: whether the elements
+// lines into the cache, never a value; span_steps counts them). `scaled`: whether the elements
 // carry the lanes' scales (8-bit codes; also bf16 tiles converted from them, which give
 // the same arithmetic bit for bit).
 template <int D, int NH, int NC, typename CT, bool scaled>
@@ -170,6 +170,14 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
     }
   store_acc<D, NH>(a, acc);
   trickle = tr;
+}
+
+// How many times fold_span calls trickle.step() for G query heads and nc cells: per group
+// of heads (by_heads), one per K pair of the scores and one per key pair of P·V.
+template <int D>
+constexpr int64_t span_steps(int64_t G, int64_t nc) {
+  constexpr int64_t NH = heads_per_pass<D>();
+  return (G + NH - 1) / NH * (D / 2 + nc * (CELL / 2));
 }
 
 // Fold nc (1..SPAN) cells of one KV head — K tiles kt, V tiles vt (with their scales ks,

@@ -125,13 +125,11 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           vt[i] = vp + first_slot[i] * row;
           trickle.add(claims.ahead(c - c0));
         }
-        // a decode row: the span's prefetches, a few lines at each step of its folds
-        // (paged_items.h; per head and group of NH query heads, D / 2 steps for the scores
-        // and 8 per cell for P.V); several rows: all of them now, as their arithmetic is
-        // long enough to hide it
-        constexpr int64_t NH = kvserve_cell::heads_per_pass<D>();
+        // a decode row: the span's prefetches, a few lines at each step of its folds (one
+        // fold per KV head; paged_items.h); several rows: all of them now, as their
+        // arithmetic is long enough to hide it
         if (nr > 1) trickle.drain();
-        else trickle.pace((h1 - h0) * ((G + NH - 1) / NH) * (D / 2 + (cb - ca + 1) * CELL / 2));
+        else trickle.pace((h1 - h0) * kvserve_cell::span_steps<D>(G, cb - ca + 1));
         for (int64_t h = h0; h < h1; ++h) {
           const bool convert = codes && nr > 1;
           if (convert)

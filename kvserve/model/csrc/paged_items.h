@@ -86,15 +86,15 @@ inline void prefetch(const Lines& c, int64_t i0, int64_t i1) {
 
 // The lines of the cells a span prefetches, issued a few at a time from inside the span's
 // arithmetic (step) instead of in one burst before it, and into L2 (prefetcht2), not L1.
-// A burst of a span's lines into L1 (768 for bf16 and 3 KV heads of 64) outruns the core's L1 miss buffers: the prefetches
-// wait for free ones, and so does every load behind them, so the span's arithmetic does
-// not start until most of the burst has left. Spread over the span's dot products, the
-// misses stay in flight while it runs; sent to L2, they take L2's miss buffers, of which
-// there are more, and the span's own loads find their lines there. Decode attention from
-// DRAM, paired against the burst (attention_ab.py --layout tiles, Zen 4): L1 spread
-// 0.83-0.86x the time, L2 spread 0.65-0.73x; prefetcht1 0.74x, non-temporal 0.85x; issued
-// over half the span or 8 cells ahead instead of 4, no better. What is prefetched, and so
-// every result, is the same either way.
+// A burst of a span's lines into L1 (768 for bf16 and 3 KV heads of 64) outruns the
+// core's L1 miss buffers: the prefetches wait for free ones, and so does every load behind
+// them, so the span's arithmetic does not start until most of the burst has left. Spread
+// over the span's dot products, the misses stay in flight while it runs; sent to L2, they
+// take L2's miss buffers, of which there are more, and the span's own loads find their
+// lines there. Decode attention from DRAM, paired against the burst (attention_ab.py
+// --layout tiles, Zen 4): L1 spread 0.83-0.86x the time, L2 spread 0.65-0.73x; prefetcht1
+// 0.74x, non-temporal 0.85x; issued over half the span or 8 cells ahead instead of 4, no
+// better. What is prefetched, and so every result, is the same either way.
 class Trickle {
  public:
   // Forgets what is left.
