@@ -4,10 +4,12 @@ AVX-512-BF16) and, when run with vLLM's Python, vLLM-CPU's own ``onednn_mm``.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python benchmarks/gemm_prepack.py
     LD_PRELOAD=... /work/venvs/vllm/bin/python benchmarks/gemm_prepack.py
+    python benchmarks/gemm_prepack.py --rows 32,64,72,96,128,192 --only-kvserve
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -27,6 +29,12 @@ def bench(fn, n: int) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8,32,64,256", help="comma-separated M values")
+    ap.add_argument(
+        "--only-kvserve", action="store_true", help="time kvserve's GEMM alone (and vLLM's)"
+    )
+    a = ap.parse_args()
     try:
         from vllm import _custom_ops as vllm_ops
     except ImportError:
@@ -37,19 +45,19 @@ def main() -> None:
         own = load_cpu_kernels() and torch.ops.kvserve.bf16_gemm_available()
     except ImportError:
         own = False
-    for m in (1, 8, 32, 64, 256):
+    for m in (int(v) for v in a.rows.split(",")):
         totals: dict[str, float] = {}
         for n_out, k in SHAPES.values():
             ws = [torch.randn(n_out, k, dtype=torch.bfloat16) for _ in range(LAYERS)]
             x = torch.randn(m, k, dtype=torch.bfloat16)
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws]
             reps = 10 if m >= 256 else 20
-            runs = {
-                "F.linear": lambda x=x, ws=ws: [F.linear(x, w) for w in ws],
-                "prepacked": lambda x=x, ps=packed: [
+            runs = {}
+            if not a.only_kvserve:
+                runs["F.linear"] = lambda x=x, ws=ws: [F.linear(x, w) for w in ws]
+                runs["prepacked"] = lambda x=x, ps=packed: [
                     torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ps
-                ],
-            }
+                ]
             if own:
                 mine = [torch.ops.kvserve.bf16_pack_weight(w) for w in ws]
                 runs["kvserve bf16_linear"] = lambda x=x, ps=mine, n=n_out: [
