@@ -112,11 +112,13 @@ def test_a_row_does_not_depend_on_the_batch_it_is_in(k, n, bias, m, seed, cls):
     assert torch.equal(packed(x[:cut].contiguous()), full[:cut])
 
 
-@pytest.mark.parametrize("m", [61, 64, 65, 100, 129, 200, 241, 300])
-def test_decode_sized_products_cut_into_few_chunks_keep_every_row(m):
-    """Products of 2-4 row chunks take their own schedule (near-equal chunks, panel-major);
-    every row of them equals the row computed in a single-chunk batch of 40 rows, for the
-    plain GEMM and the fused gate/up + SiLU one."""
+@pytest.mark.parametrize("m", [61, 64, 65, 100, 129, 200, 241, 300, 1000])
+def test_every_row_survives_the_products_chunking_and_split(m):
+    """Products of 2-4 row chunks take near-equal chunks in panel-major order, larger ones
+    chunks of 60/64 rows, and either splits its items over the threads by rows; every row
+    equals the row computed in a single-chunk batch of 40 rows, for the plain GEMM and the
+    fused gate/up + SiLU one."""
+    assert load_cpu_kernels()
     torch.manual_seed(m)
     plain = KernelLinear(nn.Linear(576, 960, bias=True).to(BF16))
     fused = KernelGateUpSilu(nn.Linear(576, 2 * 1536, bias=False).to(BF16))

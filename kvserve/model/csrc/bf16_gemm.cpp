@@ -152,39 +152,53 @@ void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t
   }
 }
 
-// All items of a product: chunks of rows x panels of NP blocks. A product of up to
-// kFewChunks chunks (decode sizes) cuts its rows into chunks of near-equal size (whole
-// tiles of RT) and orders its items panel-major: at::parallel_for hands each thread a
-// contiguous run of items, so each thread takes its share of the panels for all rows, and
-// a panel's weights, read from DRAM once, serve every chunk from cache. (Chunk-major with
-// chunks of RC rows gave M = 64 rows of the SiLU product, chunks 60 + 4, one thread 60 of
-// them: 3.5x the time of 32 rows.) Larger products keep chunks of RC rows, chunk-major, so
-// a thread's consecutive items share rows of x in cache. Neither order nor chunking changes
-// a result (every output element is computed whole by one item).
+// All items of a product: chunks of rows x panels of NP blocks, each computed whole by one
+// thread, so neither the order nor the chunking changes a result.
+// - A product of up to kFewChunks chunks of RC rows (decode sizes) cuts its rows into
+//   near-equal chunks of whole RT tiles and orders its items panel-major: a panel's
+//   weights, read from DRAM once, serve every chunk from cache. Larger products keep
+//   chunks of RC rows, chunk-major, so consecutive items share rows of x in cache.
+// - Each thread takes a contiguous run of items holding its share of the rows x panels,
+//   not of the item count: items differ in rows where the last chunk is partial. (Split
+//   by count, chunk-major, M = 64 rows of the SiLU product, chunks 60 + 4, gave one thread
+//   the 60 rows: 3.5x the time of 32 rows; M = 2048, 34 chunks of 60 and one of 8, gave
+//   one thread 5 % more rows than the other.)
 constexpr int64_t kFewChunks = 4;
 
 template <int NP, int RT, int RC, bool SILU>
 void run_all(const Problem& p, int64_t m, int64_t nblocks) {
   const int64_t panels = (nblocks + NP - 1) / NP;
-  const int64_t chunks = (m + RC - 1) / RC;
-  if (chunks > 1 && chunks <= kFewChunks) {
-    const int64_t per = (m + chunks - 1) / chunks;
-    const int64_t rc = (per + RT - 1) / RT * RT;  // rows per chunk, whole tiles
-    const int64_t n_chunks = (m + rc - 1) / rc;
-    at::parallel_for(0, n_chunks * panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t panel = item / n_chunks, chunk = item % n_chunks;
-        const int64_t m0 = chunk * rc;
-        run_item<NP, RT, SILU>(p, nblocks, m0, std::min(m, m0 + rc), panel * NP);
-      }
-    });
-    return;
+  int64_t rc = RC;
+  const bool few = (m + RC - 1) / RC <= kFewChunks;
+  if (few) {
+    const int64_t chunks = (m + RC - 1) / RC;
+    rc = ((m + chunks - 1) / chunks + RT - 1) / RT * RT;  // near-equal, whole tiles
   }
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item / panels, panel = item % panels;
-      const int64_t m0 = chunk * RC;
-      run_item<NP, RT, SILU>(p, nblocks, m0, std::min(m, m0 + RC), panel * NP);
+  const int64_t chunks = (m + rc - 1) / rc, items = chunks * panels;
+  auto chunk_of = [&](int64_t i) { return few ? i % chunks : i / panels; };
+  auto panel_of = [&](int64_t i) { return few ? i / chunks : i % panels; };
+  // rows x panels before item i (the last panel counts whole: it is at most NP - 1
+  // blocks short, on every chunk alike)
+  auto before = [&](int64_t i) -> int64_t {
+    if (i >= items) return m * panels;
+    const int64_t c = chunk_of(i), q = panel_of(i);
+    return few ? q * m + c * rc : c * rc * panels + std::min(rc, m - c * rc) * q;
+  };
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  // the first item at or past thread t's share of the work
+  auto first_of = [&](int64_t t) {
+    int64_t lo = 0, hi = items;  // before() is non-decreasing in i
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (before(mid) * threads >= t * m * panels) hi = mid;
+      else lo = mid + 1;
+    }
+    return lo;
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = first_of(t0), end = first_of(t1); i < end; ++i) {
+      const int64_t m0 = chunk_of(i) * rc;
+      run_item<NP, RT, SILU>(p, nblocks, m0, std::min(m, m0 + rc), panel_of(i) * NP);
     }
   });
 }
