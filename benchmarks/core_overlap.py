@@ -39,17 +39,17 @@ import sys
 import time
 from pathlib import Path
 
-L, B, HKV, HQ, D, BS, NB = 30, 32, 3, 9, 64, 16, 2048
-HIDDEN, INTER, NQKV = 576, 1536, 960
+import torch
+from attention_ab import BS, HKV, HQ, B, D, L, decode_tables  # sibling scripts, on sys.path
+from gemm_prepack import SHAPES
+
+from kvserve.model.cpu_kernels import load_cpu_kernels
+
+NB = 2048  # blocks in each layer's cache
 
 
 def child(role: str, threads: int, seconds: float, start_at: float, context: int) -> None:
     """Run one workload in this process (pinned by the parent) and print its median step."""
-    import torch
-    from attention_ab import decode_tables  # a sibling script (this folder is on sys.path)
-
-    from kvserve.model.cpu_kernels import load_cpu_kernels
-
     torch.set_num_threads(threads)
     assert load_cpu_kernels(), "the CPU kernels did not build"
     ops = torch.ops.kvserve
@@ -66,23 +66,23 @@ def child(role: str, threads: int, seconds: float, start_at: float, context: int
                 c = cache[layer]
                 ops.paged_attention(q, c[0], c[1], tables, lens, starts, D**-0.5, 0, 0, None, None)
     else:
+        shapes = [SHAPES[k] for k in ("qkv", "o", "gate_up", "down")]  # [N, K] each
         weights = [
-            tuple(
-                ops.bf16_pack_weight(torch.randn(n, k).bfloat16())
-                for n, k in ((NQKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))
-            )
+            tuple(ops.bf16_pack_weight(torch.randn(n, k).bfloat16()) for n, k in shapes)
             for _ in range(L)
         ]
-        x = torch.randn(B, HIDDEN).bfloat16()
+        nqkv, hidden = SHAPES["qkv"]
+        inter = SHAPES["gate_up"][0] // 2
+        x = torch.randn(B, hidden).bfloat16()
         parts = [x[: B // 2].contiguous(), x[B // 2 :].contiguous()] if role == "halves" else [x]
 
         def step() -> None:
             for wq, wo, wgu, wd in weights:
                 for xp in parts:
-                    ops.bf16_linear(xp, wq, None, NQKV)
-                    ops.bf16_linear(xp, wo, None, HIDDEN)
-                    g = ops.bf16_linear_silu_mul(xp, wgu, None, INTER)
-                    ops.bf16_linear(g, wd, None, HIDDEN)
+                    ops.bf16_linear(xp, wq, None, nqkv)
+                    ops.bf16_linear(xp, wo, None, hidden)
+                    g = ops.bf16_linear_silu_mul(xp, wgu, None, inter)
+                    ops.bf16_linear(g, wd, None, hidden)
 
     for _ in range(3):
         step()

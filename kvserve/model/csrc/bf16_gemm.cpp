@@ -168,19 +168,16 @@ constexpr int64_t kFewChunks = 4;
 template <int NP, int RT, int RC, bool SILU>
 void run_all(const Problem& p, int64_t m, int64_t nblocks) {
   const int64_t panels = (nblocks + NP - 1) / NP;
-  int64_t rc = RC;
-  const bool few = (m + RC - 1) / RC <= kFewChunks;
-  if (few) {
-    const int64_t chunks = (m + RC - 1) / RC;
-    rc = ((m + chunks - 1) / chunks + RT - 1) / RT * RT;  // near-equal, whole tiles
-  }
+  const int64_t rc_chunks = (m + RC - 1) / RC;  // chunks of RC rows
+  const bool few = rc_chunks <= kFewChunks;
+  // few: near-equal chunks of whole tiles
+  const int64_t rc = few ? ((m + rc_chunks - 1) / rc_chunks + RT - 1) / RT * RT : RC;
   const int64_t chunks = (m + rc - 1) / rc, items = chunks * panels;
   auto chunk_of = [&](int64_t i) { return few ? i % chunks : i / panels; };
   auto panel_of = [&](int64_t i) { return few ? i / chunks : i % panels; };
   // rows x panels before item i (the last panel counts whole: it is at most NP - 1
   // blocks short, on every chunk alike)
-  auto before = [&](int64_t i) -> int64_t {
-    if (i >= items) return m * panels;
+  auto before = [&](int64_t i) -> int64_t {  // i < items
     const int64_t c = chunk_of(i), q = panel_of(i);
     return few ? q * m + c * rc : c * rc * panels + std::min(rc, m - c * rc) * q;
   };
