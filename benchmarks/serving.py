@@ -6,7 +6,9 @@ text; with ``--real``, SmolLM2-135M-Instruct itself (``benchmarks/real_model.py`
 49152). Workload per level: synthetic prompts of 256 random token ids, 128 output tokens,
 ``ignore_eos``, greedy; concurrency 1, 8, 32 with 8, 32, 64 prompts. The servers are
 interleaved (kvserve, vLLM, kvserve, vLLM … for ``--rounds``), each alone (the other is
-stopped), with tcmalloc preloaded; kvserve with a 2 GiB KV cache, vLLM with
+stopped), with tcmalloc: vLLM's server with it in ``LD_PRELOAD`` (its CPU guide's setup),
+kvserve's as a user starts it (its engine core preloads tcmalloc itself,
+``kvserve/engine/tcmalloc.py``); kvserve with a 2 GiB KV cache, vLLM with
 ``VLLM_CPU_KVCACHE_SPACE=2`` and its OpenMP threads bound to every allowed CPU. The summary
 is the median over rounds; for kvserve each level also records the share of the engine
 core's busy loop time spent outside the model runner (``engine_not_forward_frac``).
@@ -197,14 +199,16 @@ def main() -> None:
         model, vocab = with_tokenizer(build_model(Path(args.model_dir))), 8192
     outdir = Path(args.out).with_suffix("")
     outdir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ)  # kvserve's engine core preloads tcmalloc by itself
     lib = find_tcmalloc()
-    if lib:
-        env["LD_PRELOAD"] = lib
-    vllm_env = env | {
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
-    }
+    vllm_env = (
+        env
+        | ({"LD_PRELOAD": lib} if lib else {})
+        | {
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
+        }
+    )
     with_vllm = not args.skip_vllm and Path(args.vllm_python).exists()
     result: dict = {"model": str(model), "levels": LEVELS, "kvserve": [], "vllm": []}
     for r in range(args.rounds):

@@ -27,7 +27,8 @@ for `LLM(...)` too) and are the same for `generate`, `serve` and `eval perplexit
 that the cluster flags exist only on `serve`. `--log-level` goes before or after the
 subcommand. Environment: `KVSERVE_CLUSTER_SECRET` (the cluster secret),
 `KVSERVE_CACHE_DIR` (converted GGUF checkpoints), `KVSERVE_NO_MALLOC_TUNING=1`,
-`KVSERVE_HUGEPAGES=0` (no huge pages for the KV cache and weights),
+`KVSERVE_HUGEPAGES=0` (no huge pages for the KV cache and weights), `KVSERVE_TCMALLOC`
+(`0`: no tcmalloc for a CPU engine core; a path: that library),
 `TORCH_EXTENSIONS_DIR` (the compiled CPU kernels).
 """
 

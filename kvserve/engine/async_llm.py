@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import EngineArgs
+from kvserve.engine import tcmalloc
 from kvserve.engine.core_proc import run_engine_core
 from kvserve.engine.errors import EngineDeadError, EngineError
 from kvserve.engine.messages import (
@@ -63,6 +64,17 @@ from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
 
 logger = logging.getLogger("kvserve")
+
+
+def _device_type(device: str) -> str:
+    """The type of device an engine of ``device`` (auto, cpu, cuda, cuda:N) runs on, as
+    ``utils.resolve_device`` picks it (an absent CUDA device is the core's to report)."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device.split(":")[0]
+
 
 _INLINE_TOKENIZE = 4096  # characters; longer prompts are tokenized on a worker thread
 
@@ -149,7 +161,13 @@ class AsyncLLM:
             name="kvserve-engine-core",
             daemon=True,
         )
-        proc.start()
+        try:  # a CPU engine core preloads tcmalloc (engine/tcmalloc.py)
+            with tcmalloc.preloaded_for_children(_device_type(args.device)) as lib:
+                proc.start()
+        except ValueError as e:  # a bad KVSERVE_TCMALLOC: refused before anything runs
+            raise EngineError(str(e)) from None
+        if lib is not None:
+            logger.info("engine core started with tcmalloc preloaded (%s)", lib)
         deadline = time.monotonic() + timeout
         while True:
             if out.poll(200):

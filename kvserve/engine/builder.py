@@ -13,7 +13,7 @@ import random
 import torch
 
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
-from kvserve.engine import kv_metrics
+from kvserve.engine import kv_metrics, tcmalloc
 from kvserve.engine.cpu_env import tune_malloc
 from kvserve.engine.errors import EngineError
 from kvserve.kv.events import KVEventLog
@@ -64,6 +64,7 @@ class EngineBuilder:
         self.device = resolve_device(self.model_config.device)
         if self.device.type == "cpu":
             tune_malloc()
+            tcmalloc.hint_in_process(self.device.type)
         torch.manual_seed(self.model_config.seed)
         self.rng = random.Random(self.model_config.seed)
         # an HF directory as given; a GGUF file's converted directory (model/gguf.py)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from server_proc import ServerProcess, wait_until
 
+from kvserve.engine import tcmalloc
+
 
 def _children(pid: int) -> list[int]:
     out: list[int] = []
@@ -111,3 +113,33 @@ def test_sigterm_drains_and_the_core_exits_cleanly(llama_dir, tmp_path):
         server.stop(signal.SIGKILL)
     log = (tmp_path / "s.log").read_text()
     assert "engine stopped" in log and "the engine core exited" not in log  # not an error
+
+
+def test_the_engine_core_runs_on_tcmalloc_and_the_api_server_on_glibc(
+    llama_dir, tmp_path, monkeypatch
+):
+    """kvserve/engine/tcmalloc.py: a CPU engine core is spawned with tcmalloc preloaded
+    (.ci/run installs libtcmalloc-minimal4); KVSERVE_TCMALLOC=0 keeps it out; a path that
+    is not a file is refused at start."""
+    assert tcmalloc.find_tcmalloc(), "no tcmalloc installed (apt-get install libtcmalloc-minimal4)"
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    for setting, expect in (("1", True), ("0", False)):
+        monkeypatch.setenv("KVSERVE_TCMALLOC", setting)
+        log = tmp_path / f"serve{setting}.log"
+        server = ServerProcess(llama_dir, "--kv-cache-memory", "16MiB", log=log)
+        try:
+            server.wait_ready()
+            core = _engine_core_pid(server.proc.pid)
+            assert tcmalloc.loaded(core) is expect
+            assert not tcmalloc.loaded(server.proc.pid)
+            assert _status(server.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2}) == 200
+        finally:
+            server.stop(signal.SIGKILL)
+        assert ("tcmalloc preloaded" in log.read_text()) is expect
+    monkeypatch.setenv("KVSERVE_TCMALLOC", str(tmp_path / "nowhere.so"))
+    server = ServerProcess(llama_dir, "--kv-cache-memory", "16MiB", log=tmp_path / "bad.log")
+    try:
+        assert server.proc.wait(60) == 1
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "KVSERVE_TCMALLOC=" in (tmp_path / "bad.log").read_text()
