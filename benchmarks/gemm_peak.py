@@ -24,14 +24,11 @@ import statistics
 import time
 
 import torch
+from gemm_prepack import LAYERS, SHAPES  # a sibling script, on sys.path
 from torch.utils.cpp_extension import load_inline
 
 from kvserve.hugepages import huge_arena
 from kvserve.model.cpu_kernels import load_cpu_kernels
-
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-LAYERS = 30
-FLOP_PER_DOT = 64  # one vdpbf16ps on 512 bits: 16 lanes x 2 products x (multiply + add)
 
 _PEAK_SRC = r"""
 #include <torch/extension.h>

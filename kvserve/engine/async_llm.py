@@ -62,18 +62,18 @@ from kvserve.kv.events import KVEvent
 from kvserve.model.tokenizer import PromptTooLong, Tokenizer, load_tokenizer
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.utils import resolve_device
 
 logger = logging.getLogger("kvserve")
 
 
 def _device_type(device: str) -> str:
-    """The type of device an engine of ``device`` (auto, cpu, cuda, cuda:N) runs on, as
-    ``utils.resolve_device`` picks it (an absent CUDA device is the core's to report)."""
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device.split(":")[0]
+    """The type of device an engine of ``device`` runs on (``resolve_device``); a device
+    it refuses (an absent CUDA device, a bad name) is the core's to report: not "cpu"."""
+    try:
+        return resolve_device(device).type
+    except (ValueError, RuntimeError):
+        return "unresolved"
 
 
 _INLINE_TOKENIZE = 4096  # characters; longer prompts are tokenized on a worker thread
