@@ -126,8 +126,20 @@ inline void tile(int64_t rows, const Problem& p, const uint16_t* a, uint16_t* c,
   }
 }
 
+// Prefetches, for writing, the lines of out rows [m, m + rows) that columns [col, col + width)
+// fall in. A tile's stores otherwise meet these lines cold (a fresh output, or one evicted by
+// the weights' stream) and stall on them: at prefill sizes the plain products ran ~1.5 %
+// slower without this (the SiLU product, a third of the columns a tile, showed nothing).
+inline void prefetch_out(const Problem& p, int64_t m, int64_t rows, int64_t col, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto b = reinterpret_cast<uintptr_t>(p.c + (m + r) * p.n + col);
+    for (uintptr_t line = b & ~uintptr_t(63); line < b + 2 * width; line += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 3);
+  }
+}
+
 // One work item: rows [m0, m1) against the panel of blocks [nb0, nb0 + NP) (fewer at the
-// end), in tiles of RT rows.
+// end), in tiles of RT rows. The plain product prefetches each next tile's output lines.
 template <int NP, int RT, bool SILU>
 void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t nb0) {
   const int64_t nr = std::min<int64_t>(NP, nblocks - nb0);
@@ -142,6 +154,9 @@ void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t
     for (int j = 0; j < NP; ++j)
       if (j % tiles == t) pf_blocks |= 1u << j;
     const uint16_t* pf = pf_blocks ? next : nullptr;
+    if (!SILU && t + 1 < tiles)
+      prefetch_out(p, m + RT, std::min<int64_t>(RT, m1 - m - RT), nb0 * 16,
+                   std::min<int64_t>(nr * 16, p.n - nb0 * 16));
     if constexpr (SILU) {
       tile<2, NP, true>(rows, p, a, c, nb0, pf, pf_blocks);
     } else {
