@@ -38,6 +38,7 @@ _SOURCES = [
         "kv_quant.cpp",
         "shm_comm.cpp",
         "bf16_gemm.cpp",
+        "bf16_gemm_amx.cpp",
         "decoder_stack.cpp",
     )
 ]

@@ -4,6 +4,9 @@ kernels)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,23 @@ from kvserve.model.linear import (
 
 BF16 = torch.bfloat16
 CLASSES = [PackedLinear, KernelLinear]
+AMX = load_cpu_kernels() and bool(torch.ops.kvserve.bf16_gemm_amx())
+# kvserve's GEMM has two kernels: AVX-512-BF16 dot products, and AMX tiles where the CPU
+# has them; on an AMX machine the tests run both.
+KERNELS = ["avx512", "amx"] if AMX else ["avx512"]
+# oneDNN's rows are batch invariant only without AMX: its tile kernels sum K in an order
+# that depends on M (measured: a few rows of 33 or 100 differ from the row computed alone)
+INVARIANT = [KernelLinear] if AMX else [PackedLinear, KernelLinear]
+
+
+@contextmanager
+def kernel(name: str) -> Iterator[None]:
+    """Within the block kvserve's GEMM runs the kernel ``name`` ("amx" or "avx512")."""
+    before = torch.ops.kvserve.bf16_gemm_use_amx(name == "amx")
+    try:
+        yield
+    finally:
+        torch.ops.kvserve.bf16_gemm_use_amx(before)
 
 
 def test_this_machine_runs_the_packed_path():
@@ -37,18 +57,22 @@ def test_this_machine_runs_the_packed_path():
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-def test_packed_linear_matches_f_linear_with_and_without_bias(cls):
+@pytest.mark.parametrize("name", KERNELS)
+def test_packed_linear_matches_f_linear_with_and_without_bias(cls, name):
     torch.manual_seed(0)
     for bias in (False, True):
-        for n in (160, 37):  # 37: a partial last block of 16 columns
-            lin = nn.Linear(96, n, bias=bias).to(BF16)
+        # 37: a partial last block of 16 columns; K = 96, 70: one tile step and 16 pairs or
+        # 3 pairs past it (the AMX kernel's vdpbf16ps tail), 2: no tile step at all
+        for n, k in ((160, 96), (37, 96), (37, 70), (48, 2)):
+            lin = nn.Linear(k, n, bias=bias).to(BF16)
             packed = cls(lin)
-            x = torch.randn(7, 96, dtype=BF16)
+            x = torch.randn(40, k, dtype=BF16)
             want = F.linear(
                 x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
             )
-            got = packed(x).float()
-            assert got.shape == (7, n)
+            with kernel(name):
+                got = packed(x).float()
+            assert got.shape == (40, n)
             torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
 
 
@@ -91,29 +115,32 @@ def test_odd_in_features_keep_onednn_when_the_kernel_is_preferred(monkeypatch):
 
 @settings(max_examples=12, deadline=None)
 @given(
-    k=st.sampled_from([64, 576, 1536, 2048, 3072]),
+    k=st.sampled_from([64, 70, 576, 1536, 2048, 3072]),
     n=st.sampled_from([64, 576, 960, 200]),
     bias=st.booleans(),
     m=st.integers(2, 300),
     seed=st.integers(0, 2**16),
-    cls=st.sampled_from(CLASSES),
+    cls=st.sampled_from(INVARIANT),
+    name=st.sampled_from(KERNELS),
 )
-def test_a_row_does_not_depend_on_the_batch_it_is_in(k, n, bias, m, seed, cls):
+def test_a_row_does_not_depend_on_the_batch_it_is_in(k, n, bias, m, seed, cls, name):
     """Batch-invariant rows, bit for bit: each row of an M-row batch equals the row computed
     alone (M = 1, which oneDNN runs with another kernel from K = 1536) and within a batch
     of any other size (the engine's determinism rests on this)."""
     torch.manual_seed(seed)
     packed = cls(nn.Linear(k, n, bias=bias).to(BF16))
     x = torch.randn(m, k, dtype=BF16)
-    full = packed(x)
-    for i in (0, m // 2, m - 1):
-        assert torch.equal(packed(x[i : i + 1]), full[i : i + 1]), (k, n, m, i)
-    cut = max(1, m // 3)
-    assert torch.equal(packed(x[:cut].contiguous()), full[:cut])
+    with kernel(name):
+        full = packed(x)
+        for i in (0, m // 2, m - 1):
+            assert torch.equal(packed(x[i : i + 1]), full[i : i + 1]), (k, n, m, i)
+        cut = max(1, m // 3)
+        assert torch.equal(packed(x[:cut].contiguous()), full[:cut])
 
 
 @pytest.mark.parametrize("m", [61, 64, 65, 100, 129, 200, 241, 300, 1000])
-def test_every_row_survives_the_products_chunking_and_split(m):
+@pytest.mark.parametrize("name", KERNELS)
+def test_every_row_survives_the_products_chunking_and_split(m, name):
     """Products of 2-4 row chunks take near-equal chunks in panel-major order, larger ones
     chunks of 60/64 rows, and either splits its items over the threads by rows; every row
     equals the row computed in a single-chunk batch of 40 rows, for the plain GEMM and the
@@ -124,20 +151,22 @@ def test_every_row_survives_the_products_chunking_and_split(m):
     fused = KernelGateUpSilu(nn.Linear(576, 2 * 1536, bias=False).to(BF16))
     x = torch.randn(m, 576, dtype=BF16)
     for layer in (plain, fused):
-        full = layer(x)
-        pieces = torch.cat([layer(x[i : i + 40].contiguous()) for i in range(0, m, 40)])
+        with kernel(name):
+            full = layer(x)
+            pieces = torch.cat([layer(x[i : i + 40].contiguous()) for i in range(0, m, 40)])
         assert torch.equal(full, pieces), (type(layer).__name__, m)
 
 
 @settings(max_examples=12, deadline=None)
 @given(
-    k=st.sampled_from([64, 576, 1536]),
+    k=st.sampled_from([64, 70, 576, 1536]),
     inter=st.sampled_from([16, 48, 80, 1536]),
     bias=st.booleans(),
     m=st.integers(1, 150),
     seed=st.integers(0, 2**16),
+    name=st.sampled_from(KERNELS),
 )
-def test_fused_gate_up_silu_is_the_unfused_pair_bit_for_bit(k, inter, bias, m, seed):
+def test_fused_gate_up_silu_is_the_unfused_pair_bit_for_bit(k, inter, bias, m, seed, name):
     """KernelGateUpSilu = silu_and_mul(KernelLinear(gate_up)(x)) exactly, and its rows are
     batch invariant like the plain GEMM's."""
     from kvserve.model.ops import CpuKernelOps
@@ -147,12 +176,13 @@ def test_fused_gate_up_silu_is_the_unfused_pair_bit_for_bit(k, inter, bias, m, s
     fused, plain = KernelGateUpSilu(lin), KernelLinear(lin)
     assert fused.out_features == inter
     x = torch.randn(m, k, dtype=BF16) * 2
-    got = fused(x)
-    assert got.shape == (m, inter)
-    assert torch.equal(got, CpuKernelOps().silu_and_mul(plain(x)))
-    for i in (0, m // 2, m - 1):
-        assert torch.equal(fused(x[i : i + 1]), got[i : i + 1]), (k, inter, m, i)
-    assert torch.equal(fused(x.view(1, m, k)), got.view(1, m, inter))
+    with kernel(name):
+        got = fused(x)
+        assert got.shape == (m, inter)
+        assert torch.equal(got, CpuKernelOps().silu_and_mul(plain(x)))
+        for i in (0, m // 2, m - 1):
+            assert torch.equal(fused(x[i : i + 1]), got[i : i + 1]), (k, inter, m, i)
+        assert torch.equal(fused(x.view(1, m, k)), got.view(1, m, inter))
 
 
 def test_fused_gate_up_silu_refuses_shapes_it_cannot_take():

@@ -19,16 +19,18 @@
 //
 // Why not oneDNN: at decode sizes (M <= 64) its call costs ~20 us of fixed overhead and
 // its kernels reach 0.23-0.34 TFLOP/s here against 0.39-0.42 for this one; at prefill sizes
-// the two are at parity (benchmarks/gemm_prepack.py). On machines with AMX, oneDNN's tile
-// kernels are faster, and bf16_gemm_preferred() says so (see linear.py).
+// the two are at parity (benchmarks/gemm_prepack.py). Where the CPU has AMX and the kernel
+// grants the tile state, the products run on tiles instead (bf16_gemm_amx.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
 #include "float_convert.h"
+#include "gemm_items.h"
 #include "ops.h"
 #include "silu16.h"
 
@@ -43,15 +45,7 @@ constexpr int64_t kSiluPanel = 2;
 constexpr int64_t kSiluRowChunk = 60;
 
 #ifdef KVSERVE_AVX512_BF16
-struct Problem {
-  const uint16_t* a;  // x, row stride lda
-  int64_t lda;
-  const uint16_t* w;  // packed weight
-  int64_t k2;         // K / 2
-  uint16_t* c;        // out, row stride n
-  int64_t n;
-  const float* bias;  // nullptr or [n] float32
-};
+using kvserve_gemm::Problem;
 
 // Rows [0, MR) of the tile at `a`/`c`, blocks [nb0, nb0 + NR). `pf` (or nullptr) is the
 // next panel: the blocks of it set in `pf_blocks` are prefetched into L2 while this tile is
@@ -167,52 +161,13 @@ void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t
   }
 }
 
-// All items of a product: chunks of rows x panels of NP blocks, each computed whole by one
-// thread, so neither the order nor the chunking changes a result.
-// - A product of up to kFewChunks chunks of RC rows (decode sizes) cuts its rows into
-//   near-equal chunks of whole RT tiles and orders its items panel-major: a panel's
-//   weights, read from DRAM once, serve every chunk from cache. Larger products keep
-//   chunks of RC rows, chunk-major, so consecutive items share rows of x in cache.
-// - Each thread takes a contiguous run of items holding its share of the rows x panels,
-//   not of the item count: items differ in rows where the last chunk is partial. (Split
-//   by count, chunk-major, M = 64 rows of the SiLU product, chunks 60 + 4, gave one thread
-//   the 60 rows: 3.5x the time of 32 rows; M = 2048, 34 chunks of 60 and one of 8, gave
-//   one thread 5 % more rows than the other.)
-constexpr int64_t kFewChunks = 4;
-
+// All items of a product (kvserve_gemm::for_items), each computed whole by one thread.
 template <int NP, int RT, int RC, bool SILU>
 void run_all(const Problem& p, int64_t m, int64_t nblocks) {
-  const int64_t panels = (nblocks + NP - 1) / NP;
-  const int64_t rc_chunks = (m + RC - 1) / RC;  // chunks of RC rows
-  const bool few = rc_chunks <= kFewChunks;
-  // few: near-equal chunks of whole tiles
-  const int64_t rc = few ? ((m + rc_chunks - 1) / rc_chunks + RT - 1) / RT * RT : RC;
-  const int64_t chunks = (m + rc - 1) / rc, items = chunks * panels;
-  auto chunk_of = [&](int64_t i) { return few ? i % chunks : i / panels; };
-  auto panel_of = [&](int64_t i) { return few ? i / chunks : i % panels; };
-  // rows x panels before item i (the last panel counts whole: it is at most NP - 1
-  // blocks short, on every chunk alike)
-  auto before = [&](int64_t i) -> int64_t {  // i < items
-    const int64_t c = chunk_of(i), q = panel_of(i);
-    return few ? q * m + c * rc : c * rc * panels + std::min(rc, m - c * rc) * q;
-  };
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  // the first item at or past thread t's share of the work
-  auto first_of = [&](int64_t t) {
-    int64_t lo = 0, hi = items;  // before() is non-decreasing in i
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (before(mid) * threads >= t * m * panels) hi = mid;
-      else lo = mid + 1;
-    }
-    return lo;
-  };
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t i = first_of(t0), end = first_of(t1); i < end; ++i) {
-      const int64_t m0 = chunk_of(i) * rc;
-      run_item<NP, RT, SILU>(p, nblocks, m0, std::min(m, m0 + rc), panel_of(i) * NP);
-    }
-  });
+  kvserve_gemm::for_items<NP, RT, RC>(
+      m, nblocks,
+      [&](int64_t m0, int64_t m1, int64_t nb0) { run_item<NP, RT, SILU>(p, nblocks, m0, m1, nb0); },
+      [] {});
 }
 #endif
 
@@ -224,11 +179,24 @@ bool bf16_gemm_available() {
 #endif
 }
 
+// Whether products take the AMX kernel where it can run; tests turn it off to check the
+// AVX-512-BF16 kernel on an AMX machine.
+std::atomic<bool> g_use_amx{true};
+
+bool use_amx() { return g_use_amx.load() && kvserve_amx::ready(); }
+
+// Sets whether the AMX kernel may run; returns the previous setting. Layers packed while
+// one kernel ran must not be computed by the other where batch invariance matters.
+bool bf16_gemm_use_amx(bool enable) { return g_use_amx.exchange(enable); }
+
+// True where kvserve's GEMM is the faster choice than oneDNN: AVX-512-BF16 without AMX in
+// the build, or with AMX where the kernel granted the tile state (the dot products alone
+// run at a quarter of oneDNN's AMX kernels there).
 bool bf16_gemm_preferred() {
-#if defined(KVSERVE_AVX512_BF16) && !defined(__AMX_BF16__)
-  return true;
+#ifdef KVSERVE_AVX512_BF16
+  return kvserve_amx::ready() || !kvserve_amx::built();
 #else
-  return false;  // no AVX-512-BF16, or AMX, where oneDNN's tile kernels are faster
+  return false;
 #endif
 }
 
@@ -270,7 +238,8 @@ at::Tensor checked_linear(const char* name, const at::Tensor& x, const at::Tenso
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                   reinterpret_cast<const uint16_t*>(wp.data_ptr()), wp.size(1),
                   reinterpret_cast<uint16_t*>(out.data_ptr()), n, bp};
-  run_all<NP, RT, RC, SILU>(p, m, blocks);
+  if (use_amx()) kvserve_amx::run(p, m, blocks, SILU);
+  else run_all<NP, RT, RC, SILU>(p, m, blocks);
 #endif
   return out;
 }
@@ -312,6 +281,8 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& wp,
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("bf16_gemm_available() -> bool", &bf16_gemm_available);  // no tensors: catch-all
   m.def("bf16_gemm_preferred() -> bool", &bf16_gemm_preferred);
+  m.def("bf16_gemm_use_amx(bool enable) -> bool", &bf16_gemm_use_amx);
+  m.def("bf16_gemm_amx() -> bool", &kvserve_amx::ready);
   m.def("bf16_pack_weight(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor wp, Tensor? bias, int n) -> Tensor");
   m.def("bf16_linear_silu_mul(Tensor x, Tensor wp, Tensor? bias, int inter) -> Tensor");
