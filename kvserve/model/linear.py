@@ -10,12 +10,12 @@ to 2048), which the engine's batch invariance (README, "Determinism") relies on.
 On a CPU with AVX-512-BF16, bf16 weights go to ``KernelLinear`` instead: the project's
 own GEMM (``csrc/bf16_gemm.cpp``), 1.2–1.5× oneDNN's speed at decode sizes (M ≤ 64, where
 oneDNN's call alone costs ~20 µs) and at parity for prefill. Where the CPU also has AMX,
-it runs on AMX tiles (``csrc/bf16_gemm_amx.cpp``): at M = 32 ahead of oneDNN's AMX
-kernels before their per-call cost, at M = 2048 ~0.8× of them; with the decoder stack in
-one C++ call it made a SmolLM2 decode step 25 % shorter (BENCHMARKS.md, "Twentieth round"). Its rows are batch invariant by construction (one
-accumulator per output, K in order); oneDNN's are not on AMX (its sum order there depends
-on M), so on AMX machines only layers the kernel cannot take (odd ``in_features``,
-float16) keep oneDNN and its last-bit batch dependence.
+it runs on AMX tiles (``csrc/bf16_gemm_amx.cpp``): 1.2–1.4× oneDNN's AMX kernels at
+M = 8–256, ~0.85× at M = 2048; with the decoder stack then in one C++ call, a SmolLM2
+decode step is ~30 % shorter there (BENCHMARKS.md, "Twentieth round"). Its rows are batch
+invariant by construction (one accumulator per output, K in order); oneDNN's are not on
+AMX (its sum order there depends on M), so on AMX machines only layers the kernel cannot
+take (odd ``in_features``, float16) keep oneDNN and its last-bit batch dependence.
 
 ``prepack_linears`` swaps each ``nn.Linear`` of a loaded model for one of the two; it
 applies only to bf16/fp16 weights on a CPU with native kernels for that dtype, and changes
