@@ -166,7 +166,9 @@ template <int NP, int RT, int RC, bool SILU>
 void run_all(const Problem& p, int64_t m, int64_t nblocks) {
   kvserve_gemm::for_items<NP, RT, RC>(
       m, nblocks,
-      [&](int64_t m0, int64_t m1, int64_t nb0) { run_item<NP, RT, SILU>(p, nblocks, m0, m1, nb0); },
+      [&](int64_t m0, int64_t m1, int64_t nb0) {
+        run_item<NP, RT, SILU>(p, nblocks, m0, m1, nb0);
+      },
       [] {});
 }
 #endif
@@ -185,8 +187,8 @@ std::atomic<bool> g_use_amx{true};
 
 bool use_amx() { return g_use_amx.load() && kvserve_amx::ready(); }
 
-// Sets whether the AMX kernel may run; returns the previous setting. Layers packed while
-// one kernel ran must not be computed by the other where batch invariance matters.
+// Sets whether the AMX kernel may run; returns the previous setting. The two kernels may
+// differ in a last bit, so a switch while an engine runs breaks its batch invariance.
 bool bf16_gemm_use_amx(bool enable) { return g_use_amx.exchange(enable); }
 
 // True where kvserve's GEMM is the faster choice than oneDNN: AVX-512-BF16 without AMX in

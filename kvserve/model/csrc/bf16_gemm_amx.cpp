@@ -201,17 +201,29 @@ void run_item(const Problem& p, int64_t nblocks, int64_t m0, int64_t m1, int64_t
     const uint16_t* a = p.a + m * p.lda;
     uint16_t* c = p.c + m * p.n;
     const uint16_t* pf = m == m0 ? next : nullptr;  // the first tile prefetches the next panel
-    if constexpr (SILU) {
-      if (r1 > 0) micro<true, 2, true>(p, a, r0, r1, c, nb0, pf);
-      else micro<false, 2, true>(p, a, r0, r1, c, nb0, pf);
-    } else if (nr == 2) {
-      if (r1 > 0) micro<true, 2, false>(p, a, r0, r1, c, nb0, pf);
-      else micro<false, 2, false>(p, a, r0, r1, c, nb0, pf);
-    } else {
+    if (SILU || nr == 2) {  // a SiLU panel is always one (gate, up) pair of blocks
+      if (r1 > 0) micro<true, 2, SILU>(p, a, r0, r1, c, nb0, pf);
+      else micro<false, 2, SILU>(p, a, r0, r1, c, nb0, pf);
+    } else if constexpr (!SILU) {
       if (r1 > 0) micro<true, 1, false>(p, a, r0, r1, c, nb0, pf);
       else micro<false, 1, false>(p, a, r0, r1, c, nb0, pf);
     }
   }
+}
+
+// Every item of the product (kvserve_gemm::for_items); each thread writes its last tile,
+// still pending, and releases the tiles when its items are done.
+template <bool SILU>
+void run_all(const Problem& p, int64_t m, int64_t nblocks) {
+  kvserve_gemm::for_items<kPanel, kRowTile, kRowChunk>(
+      m, nblocks,
+      [&](int64_t m0, int64_t m1, int64_t nb0) { run_item<SILU>(p, nblocks, m0, m1, nb0); },
+      [&] {
+        PendingSlots& ps = tl_pending;
+        epilogue<SILU>(p, ps.slot[ps.next ^ 1]);
+        _tile_release();
+        tl_config = -1;
+      });
 }
 
 bool request_tile_state() {
@@ -231,23 +243,8 @@ bool ready() {
 }
 
 void run(const Problem& p, int64_t m, int64_t nblocks, bool silu) {
-  auto done = [&] {  // the thread's last tile is still pending
-    PendingSlots& ps = tl_pending;
-    if (silu) epilogue<true>(p, ps.slot[ps.next ^ 1]);
-    else epilogue<false>(p, ps.slot[ps.next ^ 1]);
-    _tile_release();
-    tl_config = -1;
-  };
-  if (silu)
-    kvserve_gemm::for_items<kPanel, kRowTile, kRowChunk>(
-        m, nblocks, [&](int64_t m0, int64_t m1, int64_t nb0) {
-          run_item<true>(p, nblocks, m0, m1, nb0);
-        }, done);
-  else
-    kvserve_gemm::for_items<kPanel, kRowTile, kRowChunk>(
-        m, nblocks, [&](int64_t m0, int64_t m1, int64_t nb0) {
-          run_item<false>(p, nblocks, m0, m1, nb0);
-        }, done);
+  if (silu) run_all<true>(p, m, nblocks);
+  else run_all<false>(p, m, nblocks);
 }
 
 }  // namespace kvserve_amx
