@@ -34,6 +34,7 @@ _SOURCES = [
     for n in (
         "paged_attention.cpp",
         "paged_attention_tiles.cpp",
+        "paged_attention_amx.cpp",
         "fused_ops.cpp",
         "kv_quant.cpp",
         "shm_comm.cpp",

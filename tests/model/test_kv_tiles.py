@@ -1,9 +1,13 @@
 """The tiled layout of plain bf16 caches (``csrc/kv_tiles.h``, ``kv/cache.py``): written by
-``write_kv`` as ``tiles_from_rows`` permutes, read by its own attention kernel (spans of
-four cells per softmax update) correctly and batch-invariantly, never a source of another
-sequence's stale values, and a different stored format from rows."""
+``write_kv`` as ``tiles_from_rows`` permutes, read by its own attention kernels (spans of
+four cells per softmax update, on AVX-512 or on AMX tiles) correctly and batch-invariantly,
+never a source of another sequence's stale values, and a different stored format from
+rows."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -13,6 +17,21 @@ from hypothesis import strategies as st
 
 from kvserve.kv.cache import TILE, KVCacheSpec, block_tensors, rows_from_tiles, tiles_from_rows
 from kvserve.model.cpu_kernels import load_cpu_kernels
+
+AMX = load_cpu_kernels() and bool(torch.ops.kvserve.attention_amx())
+# bf16 tiles have two kernels: AVX-512-BF16 spans, and AMX tiles where the CPU has them; on
+# an AMX machine the tests run both.
+KERNELS = ["avx512", "amx"] if AMX else ["avx512"]
+
+
+@contextmanager
+def kernel(name: str) -> Iterator[None]:
+    """Within the block bf16 tiles are read by the kernel ``name`` ("amx" or "avx512")."""
+    before = torch.ops.kvserve.attention_use_amx(name == "amx")
+    try:
+        yield
+    finally:
+        torch.ops.kvserve.attention_use_amx(before)
 
 
 def _attend(q, k, v, tables, lens, starts, window, sinks):
@@ -49,6 +68,7 @@ def test_tiles_and_rows_are_inverse_permutations(tiles, h, d, seed):
     assert kt == rows[0, s, hh, dd] and vt == rows[1, s, hh, dd]
 
 
+@pytest.mark.parametrize("name", KERNELS)
 @settings(max_examples=25, deadline=None)
 @given(
     bs=st.sampled_from([16, 32]),
@@ -58,7 +78,7 @@ def test_tiles_and_rows_are_inverse_permutations(tiles, h, d, seed):
     seqs=st.lists(st.tuples(st.integers(1, 150), st.integers(0, 149)), min_size=1, max_size=5),
     seed=st.integers(0, 2**16),
 )
-def test_tiled_rows_are_correct_and_invariant(bs, heads, d, window, seqs, seed):
+def test_tiled_rows_are_correct_and_invariant(name, bs, heads, d, window, seqs, seed):
     """Decode and prefill rows over tiles (spans of 4 cells, partial cells, windows, sinks):
     within bf16's precision of float32 attention, and bit for bit the same whether a row is
     computed alone as a decode token, in a prefill chunk of either split, or beside other
@@ -71,6 +91,12 @@ def test_tiled_rows_are_correct_and_invariant(bs, heads, d, window, seqs, seed):
     v = torch.randn(nb, bs, hkv, d, generator=g).bfloat16()
     kt, vt = _as_tiles(k, v)
     q = torch.randn(int(starts[-1]), hq, d, generator=g).bfloat16()
+    with kernel(name):
+        _check_rows(q, k, v, kt, vt, seqs, tables, lens, starts, bs, window)
+
+
+def _check_rows(q, k, v, kt, vt, seqs, tables, lens, starts, bs, window) -> None:
+    d = q.shape[-1]
     out = _attend(q, kt, vt, tables, lens, starts, *window)
 
     def alone(rows: torch.Tensor, s: int, ctx: int) -> torch.Tensor:
@@ -89,24 +115,26 @@ def test_tiled_rows_are_correct_and_invariant(bs, heads, d, window, seqs, seed):
             assert torch.equal(torch.cat(chunks), rows)
 
 
-def test_stale_values_in_a_tile_are_never_read():
-    """A tile's lanes past a sequence's end (and before its window) may hold another
+@pytest.mark.parametrize("name", KERNELS)
+def test_stale_values_in_a_tile_are_never_read(name):
+    """A tile's lanes past a sequence's end, and before its window, may hold another
     sequence's values, even NaN: the result is the one with zeros there."""
     assert load_cpu_kernels()
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, ctx = 9, 3, 64, 37  # 37: lanes 5..15 of the third tile are not this sequence's
     k = torch.randn(3, 16, hkv, d, generator=g).bfloat16()
     v = torch.randn(3, 16, hkv, d, generator=g).bfloat16()
-    clean_k, clean_v = k.clone(), v.clone()
-    clean_k.view(-1, hkv, d)[ctx:] = 0
-    clean_v.view(-1, hkv, d)[ctx:] = 0
-    k.view(-1, hkv, d)[ctx:] = float("nan")
-    v.view(-1, hkv, d)[ctx:] = float("nan")
     q = torch.randn(4, hq, d, generator=g).bfloat16()
     table, lens, starts = torch.tensor([[0, 1, 2]]), torch.tensor([ctx]), torch.tensor([0, 4])
-    for window in [(0, 0), (10, 0), (10, 3)]:  # a window starts mid-pair in some rows
-        want = _attend(q, *_as_tiles(clean_k, clean_v), table, lens, starts, *window)
-        got = _attend(q, *_as_tiles(k, v), table, lens, starts, *window)
+    # a window starts mid-pair in some rows; positions [3, 24) no row of (10, 3) sees
+    for window, hidden in [((0, 0), []), ((10, 0), []), ((10, 3), [(3, 24)])]:
+        clean_k, clean_v, bad_k, bad_v = k.clone(), v.clone(), k.clone(), v.clone()
+        for a, b in [(ctx, 48), *hidden]:
+            for t, value in [(clean_k, 0.0), (clean_v, 0.0), (bad_k, "nan"), (bad_v, "nan")]:
+                t.view(-1, hkv, d)[a:b] = float(value)
+        with kernel(name):
+            want = _attend(q, *_as_tiles(clean_k, clean_v), table, lens, starts, *window)
+            got = _attend(q, *_as_tiles(bad_k, bad_v), table, lens, starts, *window)
         assert torch.isfinite(got.float()).all() and torch.equal(got, want)
 
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_config.h"
 #include "float_convert.h"
 #include "gemm_items.h"
 #include "silu16.h"
@@ -32,6 +33,7 @@
 
 namespace {
 
+using kvserve_amx::TileConfig;
 using kvserve_gemm::Problem;
 
 constexpr int kRowTile = 32;  // two A tiles of 16 rows
@@ -39,14 +41,6 @@ constexpr int kPanel = 2;     // two B tiles of one 16-column block each
 // Rows that share one pass over a weight panel: 256 rows (x's 295 KB at K = 576 stays in
 // L2) measured 5-10 % faster at M = 2048 than 128 and 64, and 512 much slower.
 constexpr int kRowChunk = 256;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // The rows of the two A/C tile halves the loaded configuration has; -1: none loaded by
 // this call on this thread (another library may have loaded its own in between calls).
@@ -62,7 +56,7 @@ inline void configure(int r0, int r1) {
   if (r1 > 0)
     for (int t : {2, 3, 5}) cfg.rows[t] = r1, cfg.colsb[t] = 64;
   for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  kvserve_amx::load_config(cfg);
   tl_config = key;
 }
 

@@ -72,4 +72,14 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      int64_t window, int64_t sinks, const c10::Half* k_scale,
                      const c10::Half* v_scale);
 
+// True when bf16 tiles are read on AMX tiles (paged_attention_amx.cpp): a build and CPU
+// with AMX-BF16, the tile state granted, and the kernel not turned off (attention_use_amx).
+bool attention_amx_usable();
+
+// attention_tiles for a bf16 cache on AMX tiles; needs attention_amx_usable().
+void attention_tiles_amx(const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& tables,
+                         const at::Tensor& lens, const at::Tensor& query_start, at::Tensor& out,
+                         double scale, int64_t window, int64_t sinks);
+
 }  // namespace kvserve_tiles

@@ -36,18 +36,10 @@ using kvserve_cell::CELL;
 using kvserve_cell::NEG_BIG;
 using kvserve_cell::SPAN;
 using kvserve_items::Item;
+using kvserve_items::row_lanes;
 using kvserve_items::Visible;
 static_assert(TILE == CELL, "a tile is one cell");
 static_assert(SPAN <= kvserve_items::PREFETCH_CELLS, "a Trickle holds a span's cells");
-
-// The lanes of the cell at position `cl` that a row with visible keys `v` sees.
-inline uint16_t row_lanes(const Visible& v, int64_t cl) {
-  auto range = [](int64_t a, int64_t b) -> uint32_t {  // lanes [a, b) clipped to the cell
-    a = std::max<int64_t>(a, 0), b = std::min<int64_t>(b, CELL);
-    return a < b ? ((1u << b) - 1u) & ~((1u << a) - 1u) : 0u;
-  };
-  return static_cast<uint16_t>(range(-cl, v.sink_end - cl) | range(v.start - cl, v.len - cl));
-}
 
 #ifdef __AVX512BF16__
 // 32 codes of a tile as their bf16 values (exact), at `to`.
@@ -242,7 +234,11 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                         sinks, ks, vs);
   };
   switch (k_cache.scalar_type()) {
-    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kBFloat16:
+      if (attention_amx_usable())
+        return attention_tiles_amx(q, k_cache, v_cache, tables, lens, query_start, out, scale,
+                                   window, sinks);
+      return run(c10::BFloat16{});
     case at::kChar: return run(int8_t{});
     case at::kFloat8_e4m3fn: return run(c10::Float8_e4m3fn{});
     case at::kFloat8_e5m2: return run(c10::Float8_e5m2{});

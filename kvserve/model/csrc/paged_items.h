@@ -26,6 +26,15 @@ inline Visible visible(int64_t len, int64_t window, int64_t sinks) {
   return {std::min(sinks, start), start, len};
 }
 
+// The lanes of the cell at position `cl` that a row with visible keys `v` sees.
+inline uint16_t row_lanes(const Visible& v, int64_t cl) {
+  auto range = [](int64_t a, int64_t b) -> uint32_t {  // lanes [a, b) clipped to the cell
+    a = std::max<int64_t>(a, 0), b = std::min<int64_t>(b, CELL);
+    return a < b ? ((1u << b) - 1u) & ~((1u << a) - 1u) : 0u;
+  };
+  return static_cast<uint16_t>(range(-cl, v.sink_end - cl) | range(v.start - cl, v.len - cl));
+}
+
 struct Item {  // one sequence's query rows [r0, r1) against its KV heads [h0, h1)
   int64_t seq, r0, r1, h0, h1, cost;
   int64_t lo, hi;  // the positions some row of the item sees lie in [lo, hi)
