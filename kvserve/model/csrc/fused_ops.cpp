@@ -185,9 +185,39 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+#ifdef KVSERVE_AVX512_BF16
+// One bf16 head of rope_rows, 16 lanes at a time: the same roundings (each product to bf16,
+// then the sum); x1 * c - x2 * s as a1 - bf16(x2 * s), which is a1 + bf16(-x2 * s) exactly.
+inline void rope_head_bf16(c10::BFloat16* x, const c10::BFloat16* c, const c10::BFloat16* s,
+                           int64_t half) {
+  using kvserve_cpu::first_lanes;
+  using kvserve_cpu::widen_bf16;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = first_lanes(half - i);
+    const auto load = [&](const c10::BFloat16* p) {
+      return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
+    };
+    const auto round = [](__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); };
+    const __m512 x1 = load(x + i), x2 = load(x + i + half);
+    const __m512 a1 = widen_bf16(round(_mm512_mul_ps(x1, load(c + i))));
+    const __m512 b1 = widen_bf16(round(_mm512_mul_ps(x2, load(s + i))));
+    const __m512 a2 = widen_bf16(round(_mm512_mul_ps(x2, load(c + i + half))));
+    const __m512 b2 = widen_bf16(round(_mm512_mul_ps(x1, load(s + i + half))));
+    _mm256_mask_storeu_epi16(x + i, m, round(_mm512_sub_ps(a1, b1)));
+    _mm256_mask_storeu_epi16(x + i + half, m, round(_mm512_add_ps(a2, b2)));
+  }
+}
+#endif
+
 template <typename T>
 void rope_rows(T* base, int64_t stride_t, int64_t heads, int64_t D, const T* c, const T* s) {
   const int64_t half = D / 2;
+#ifdef KVSERVE_AVX512_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t h = 0; h < heads; ++h) rope_head_bf16(base + h * D, c, s, half);
+    return;
+  }
+#endif
   for (int64_t h = 0; h < heads; ++h) {
     T* x = base + h * D;
 #pragma omp simd
