@@ -69,11 +69,11 @@ def test_tiles_and_rows_are_inverse_permutations(tiles, h, d, seed):
 
 
 @pytest.mark.parametrize("name", KERNELS)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(
     bs=st.sampled_from([16, 32]),
-    heads=st.sampled_from([(9, 3), (4, 4), (6, 2), (8, 1), (12, 3)]),
-    d=st.sampled_from([32, 64, 128]),
+    heads=st.sampled_from([(9, 3), (4, 4), (6, 2), (8, 1), (12, 3), (24, 1)]),
+    d=st.sampled_from([32, 64, 96, 128, 256]),
     window=st.sampled_from([(0, 0), (7, 0), (20, 4), (33, 17), (70, 5)]),
     seqs=st.lists(st.tuples(st.integers(1, 150), st.integers(0, 149)), min_size=1, max_size=5),
     seed=st.integers(0, 2**16),
@@ -108,11 +108,16 @@ def _check_rows(q, k, v, kt, vt, seqs, tables, lens, starts, bs, window) -> None
         ref = attention_reference(qs, k, v, tables[s].tolist(), ctx, n, bs, *window, d**-0.5)
         assert (rows.float() - ref).abs().max().item() < 3e-2
         for j in {0, n // 2, n - 1}:  # the row alone, as a decode token
-            assert torch.equal(alone(qs[j : j + 1], s, ctx - n + j + 1)[0], rows[j]), (s, j)
+            assert _same_bits(alone(qs[j : j + 1], s, ctx - n + j + 1)[0], rows[j]), (s, j)
         if n > 1:  # the same rows as two chunks of a chunked prefill
             cut = n // 2
             chunks = [alone(qs[:cut], s, ctx - n + cut), alone(qs[cut:], s, ctx)]
-            assert torch.equal(torch.cat(chunks), rows)
+            assert _same_bits(torch.cat(chunks), rows)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (``torch.equal`` would take -0 for +0)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -135,7 +140,7 @@ def test_stale_values_in_a_tile_are_never_read(name):
         with kernel(name):
             want = _attend(q, *_as_tiles(clean_k, clean_v), table, lens, starts, *window)
             got = _attend(q, *_as_tiles(bad_k, bad_v), table, lens, starts, *window)
-        assert torch.isfinite(got.float()).all() and torch.equal(got, want)
+        assert torch.isfinite(got.float()).all() and _same_bits(got, want)
 
 
 def test_write_kv_scatters_slots_into_tiles_and_refuses_bad_input():

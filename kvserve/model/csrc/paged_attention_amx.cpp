@@ -15,9 +15,13 @@
 // Determinism (the rule of attention_span.h): a key sits at index position - 64 * span of
 // its span's 64 keys in both products, whatever the item; a row's softmax reads its own
 // lanes only; and AMX computes each output from its own A row alone, over K in a fixed
-// order. A key the row does not see has weight 0 and a finite value, an exact zero in its
-// sums, and a step whose keys are all hidden from a tile's rows adds nothing when skipped.
-// So a row's bits do not depend on the batch, the chunking or which A tile it lands in.
+// order. A key the row does not see has weight 0, an exact zero in its sums when its value
+// is finite, and a step whose keys are all hidden from a tile's rows adds nothing when
+// skipped. So a row's bits do not depend on the batch, the chunking or which A tile it
+// lands in. Contract: the values at positions some row of the item sees are finite, as the
+// model writes them (lanes no row sees are zeroed in the copy, and a window frees only
+// positions no later row sees). An inf or NaN there, from a model that overflowed, would
+// reach the item's rows that do not see it too, where the AVX-512 spans zero it per row.
 // This kernel and the AVX-512 spans are not bitwise equal to each other: a process uses
 // one of them for every row (attention_use_amx switches it, for tests).
 #include <ATen/core/Tensor.h>
@@ -165,11 +169,13 @@ void fill_v(const uint16_t* const* vt, const uint16_t* uni, Scratch<D>& s,
 // cells mk[a][0..3]) against the span of one head: K tiles kt[i] (cell i, or nullptr),
 // V in s.v (fill_v). Updates the rows' running max m, sum l and accumulators acc [n][D];
 // a row that sees no key of the span is left as it is. Issues up to a_steps<D>() of `tr`'s
-// prefetch steps on the way (they move lines into the cache, never a value).
+// prefetch steps on the way (they move lines into the cache, never a value). Never
+// inlined: every caller runs exactly this code (the rule of attention_span.h).
 template <int D>
-void a_tile(const uint16_t* qa, int n, const uint16_t (*mk)[SPAN],
-            const uint16_t* const* kt, float scale, Scratch<D>& s,
-            kvserve_items::Trickle& tr, float* m, float* l, float* acc) {
+__attribute__((noinline)) void a_tile(const uint16_t* qa, int n, const uint16_t (*mk)[SPAN],
+                                      const uint16_t* const* kt, float scale, Scratch<D>& s,
+                                      kvserve_items::Trickle& tr, float* m, float* l,
+                                      float* acc) {
   unsigned cells = 0;  // the cells some row of the tile sees
   for (int a = 0; a < n; ++a)
     for (int i = 0; i < SPAN; ++i) cells |= mk[a][i] ? 1u << i : 0u;
@@ -195,10 +201,13 @@ void a_tile(const uint16_t* qa, int n, const uint16_t (*mk)[SPAN],
     c_store<T>(&s.s[0][T * CELL], KEYS * 4);
   });
   const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(NEG_BIG);
+  bool seen[AT];  // whether row a sees a key of the span
   for (int a = 0; a < n; ++a) {
     __m512 mx = neg;
+    seen[a] = false;
     for (int i = 0; i < SPAN; ++i) {
       if (!mk[a][i]) continue;
+      seen[a] = true;
       const __m512 x =
           _mm512_mask_mov_ps(neg, mk[a][i], _mm512_mul_ps(_mm512_loadu_ps(&s.s[a][i * CELL]), sc));
       _mm512_storeu_ps(&s.s[a][i * CELL], x);
@@ -223,9 +232,7 @@ void a_tile(const uint16_t* qa, int n, const uint16_t (*mk)[SPAN],
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(&s.p[a][i * CELL]), w);
     }
-    bool seen = false;
-    for (int i = 0; i < SPAN; ++i) seen |= mk[a][i] != 0;
-    if (!seen) continue;
+    if (!seen[a]) continue;
     l[a] = l[a] * s.corr[a] + _mm512_reduce_add_ps(sum);
     m[a] = s.bm[a];
   }
@@ -252,9 +259,7 @@ void a_tile(const uint16_t* qa, int n, const uint16_t (*mk)[SPAN],
     });
   }
   for (int a = 0; a < n; ++a) {
-    bool seen = false;
-    for (int i = 0; i < SPAN; ++i) seen |= mk[a][i] != 0;
-    if (!seen) continue;
+    if (!seen[a]) continue;
     const __m512 cv = _mm512_set1_ps(s.corr[a]);
     float* ar = acc + a * D;
     for (int d = 0; d < D; d += 16)
@@ -348,7 +353,7 @@ void amx_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
             uni[i] |= lanes;
           }
         if (nr > 1) trickle.drain();
-        else trickle.pace((h1 - h0) * (SPAN + a_steps<D>()));
+        else trickle.pace((h1 - h0) * (SPAN + (na + AT - 1) / AT * a_steps<D>()));
         for (int64_t h = h0; h < h1; ++h) {
           const uint16_t* kh[SPAN];
           const uint16_t* vh[SPAN];
