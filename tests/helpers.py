@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -138,3 +140,16 @@ def attention_reference(q, k, v, table, ctx, n, bs, window, sinks, scale):
         s = s.masked_fill(~ok, -math.inf).softmax(-1)
         out[j] = torch.einsum("ht,thd->hd", s, vv)
     return out
+
+
+@contextmanager
+def amx_switched(switch: Callable[[bool], bool], name: str) -> Iterator[None]:
+    """Within the block the kernels ``switch`` governs run ``name``: "amx" (AMX tiles, where
+    the CPU has them) or "avx512". ``switch`` is an op such as
+    ``torch.ops.kvserve.attention_use_amx``: it takes whether AMX may run and returns the
+    previous setting, which is restored after the block."""
+    before = switch(name == "amx")
+    try:
+        yield
+    finally:
+        switch(before)

@@ -6,12 +6,11 @@ rows."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
-from helpers import attention_reference, paged_batch
+from helpers import amx_switched, attention_reference, paged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,14 +23,9 @@ AMX = load_cpu_kernels() and bool(torch.ops.kvserve.attention_amx())
 KERNELS = ["avx512", "amx"] if AMX else ["avx512"]
 
 
-@contextmanager
-def kernel(name: str) -> Iterator[None]:
+def kernel(name: str) -> AbstractContextManager[None]:
     """Within the block bf16 tiles are read by the kernel ``name`` ("amx" or "avx512")."""
-    before = torch.ops.kvserve.attention_use_amx(name == "amx")
-    try:
-        yield
-    finally:
-        torch.ops.kvserve.attention_use_amx(before)
+    return amx_switched(torch.ops.kvserve.attention_use_amx, name)
 
 
 def _attend(q, k, v, tables, lens, starts, window, sinks):

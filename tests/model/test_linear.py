@@ -4,13 +4,12 @@ kernels)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import greedy, make_engine, run_to_end
+from helpers import amx_switched, greedy, make_engine, run_to_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -36,14 +35,9 @@ KERNELS = ["avx512", "amx"] if AMX else ["avx512"]
 INVARIANT = [KernelLinear] if AMX else [PackedLinear, KernelLinear]
 
 
-@contextmanager
-def kernel(name: str) -> Iterator[None]:
+def kernel(name: str) -> AbstractContextManager[None]:
     """Within the block kvserve's GEMM runs the kernel ``name`` ("amx" or "avx512")."""
-    before = torch.ops.kvserve.bf16_gemm_use_amx(name == "amx")
-    try:
-        yield
-    finally:
-        torch.ops.kvserve.bf16_gemm_use_amx(before)
+    return amx_switched(torch.ops.kvserve.bf16_gemm_use_amx, name)
 
 
 def test_this_machine_runs_the_packed_path():
