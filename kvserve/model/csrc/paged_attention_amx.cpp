@@ -43,6 +43,7 @@
 #include "gemm_items.h"
 #include "kv_tiles.h"
 #include "paged_items.h"
+#include "tiled_rows.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define KVSERVE_AMX_ATTENTION 1
@@ -72,7 +73,6 @@ using kvserve_cell::CELL;
 using kvserve_cell::NEG_BIG;
 using kvserve_cell::SPAN;
 using kvserve_items::Item;
-using kvserve_items::Visible;
 constexpr int KEYS = SPAN * CELL;  // keys of a span: 64, two K steps of 32
 constexpr int AT = 16;             // A rows per tile
 
@@ -279,58 +279,28 @@ template <int D>
 void amx_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& query_start,
                 at::Tensor& out, double scale, int64_t window, int64_t sinks) {
-  const int64_t S = lens.size(0), Hq = q.size(1);
-  const int64_t BS = k_cache.size(1) * TILE, Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, MB = tables.size(1);
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  const int64_t q_row = q.stride(0);
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* qs = query_start.data_ptr<int64_t>();
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  const int64_t row = Hkv * D;
   // rows per item: 32 for G = 3 (6 A tiles per copy of a span's V), up to 128 for G = 1.
   // Against 16 rows for G = 3, prefill attention 8 x 256 tokens took 0.92x the time; 64
   // rows gave the same as 32.
-  const int64_t tile = 16 * std::max<int64_t>(1, 8 / G);
-  const int threads = at::get_num_threads();
-  const std::vector<Item> items =
-      kvserve_items::make_items(S, qs, lp, tile, Hkv, window, sinks, threads);
-  const kvserve_items::CellLines cell_lines{reinterpret_cast<const char*>(kp),
-                                            reinterpret_cast<const char*>(vp), tp, MB, BS,
-                                            row * static_cast<int64_t>(sizeof(uint16_t)), true};
+  const int64_t G = q.size(1) / k_cache.size(2);
+  const TiledCall call(q, k_cache, v_cache, tables, lens, query_start, out,
+                       16 * std::max<int64_t>(1, 8 / G), window, sinks);
   std::atomic<int64_t> counter{0};
   const float sc = static_cast<float>(scale);
 
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(call.threads)
   {
-    const int64_t AR = tile * G;  // A rows per head
-    std::vector<float> acc(Hkv * AR * D), m(Hkv * AR), l(Hkv * AR);
-    std::vector<uint16_t> qb(Hkv * AR * D);  // [Hkv][A row][D]
-    std::vector<Visible> vis(tile);
+    ItemRows rows(call);
+    const int64_t AR = rows.per_head;  // A rows per KV head
     std::vector<uint16_t> mk(AR * SPAN);  // per A row: its lanes of the span's cells
     auto scratch = std::make_unique<Scratch<D>>();
-    kvserve_items::Claims claims(items, counter, cell_lines);
+    kvserve_items::Claims claims(call.items, counter, call.lines);
     kvserve_items::Trickle trickle;
     while (const Item* it = claims.next()) {
       const Item& item = *it;
       const int64_t s = item.seq, nr = item.r1 - item.r0, h0 = item.h0, h1 = item.h1;
-      const int64_t n = qs[s + 1] - qs[s], first_pos = lp[s] - n, na = nr * G;
-      const int64_t c0 = item.lo / CELL, c1 = (item.hi - 1) / CELL;
-      for (int64_t r = 0; r < nr; ++r) {
-        vis[r] = kvserve_items::visible(first_pos + item.r0 + r + 1, window, sinks);
-        const int64_t tok = qs[s] + item.r0 + r;
-        for (int64_t h = h0; h < h1; ++h)
-          std::memcpy(qb.data() + (h * AR + r * G) * D, qp + tok * q_row + h * G * D,
-                      G * D * sizeof(uint16_t));
-      }
-      for (int64_t h = h0; h < h1; ++h) {
-        std::fill_n(acc.begin() + h * AR * D, na * D, 0.f);
-        std::fill_n(m.begin() + h * AR, na, NEG_BIG);
-        std::fill_n(l.begin() + h * AR, na, 0.f);
-      }
+      const int64_t na = nr * G, c0 = item.lo / CELL, c1 = (item.hi - 1) / CELL;
+      rows.begin(call, item);
       for (int64_t span = c0 / SPAN; span <= c1 / SPAN; ++span) {
         trickle.reset();
         const int64_t ca = std::max(span * SPAN, c0), cb = std::min(span * SPAN + SPAN - 1, c1);
@@ -338,17 +308,16 @@ void amx_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
         const uint16_t* vt[SPAN] = {};
         uint16_t uni[SPAN] = {};  // the lanes some row of the item sees
         for (int64_t c = ca; c <= cb; ++c) {
-          const int64_t pos = c * CELL, i = c - span * SPAN;
-          const int64_t slot = tp[s * MB + pos / BS] * BS + pos % BS;
-          kt[i] = kp + slot * row;
-          vt[i] = vp + slot * row;
+          const int64_t i = c - span * SPAN, slot = call.slot(s, c);
+          kt[i] = call.k_at<uint16_t>(slot);
+          vt[i] = call.v_at<uint16_t>(slot);
           trickle.add(claims.ahead(c - c0));
         }
         for (int64_t r = 0; r < nr; ++r)
           for (int i = 0; i < SPAN; ++i) {
             const int64_t c = span * SPAN + i;
             const uint16_t lanes =
-                c >= ca && c <= cb ? kvserve_items::row_lanes(vis[r], c * CELL) : 0;
+                c >= ca && c <= cb ? kvserve_items::row_lanes(rows.vis[r], c * CELL) : 0;
             for (int64_t g = 0; g < G; ++g) mk[(r * G + g) * SPAN + i] = lanes;
             uni[i] |= lanes;
           }
@@ -365,27 +334,15 @@ void amx_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
           for (int64_t a0 = 0; a0 < na; a0 += AT) {
             const int an = static_cast<int>(std::min<int64_t>(AT, na - a0));
             const int64_t ai = h * AR + a0;
-            a_tile<D>(qb.data() + ai * D, an,
+            a_tile<D>(rows.q.data() + ai * D, an,
                       reinterpret_cast<const uint16_t(*)[SPAN]>(mk.data() + a0 * SPAN), kh, sc,
-                      *scratch, trickle, m.data() + ai, l.data() + ai, acc.data() + ai * D);
+                      *scratch, trickle, rows.m.data() + ai, rows.l.data() + ai,
+                      rows.acc.data() + ai * D);
           }
         }
         trickle.drain();
       }
-      for (int64_t r = 0; r < nr; ++r) {
-        const int64_t tok = qs[s] + item.r0 + r;
-        for (int64_t h = h0; h < h1; ++h)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t ai = h * AR + r * G + g;
-            const __m512 inv = _mm512_set1_ps(1.f / l[ai]);
-            uint16_t* o = op + (tok * Hq + h * G + g) * D;
-            for (int64_t d = 0; d < D; d += 16) {
-              const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc.data() + ai * D + d), inv);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
-                                  (__m256i)_mm512_cvtneps_pbh(x));
-            }
-          }
-      }
+      rows.finish(call, item);
     }
     _tile_release();
     tl_rows = -1;

@@ -27,6 +27,7 @@
 #include "kv_codes.h"
 #include "kv_tiles.h"
 #include "paged_items.h"
+#include "tiled_rows.h"
 
 namespace kvserve_tiles {
 
@@ -37,7 +38,6 @@ using kvserve_cell::NEG_BIG;
 using kvserve_cell::SPAN;
 using kvserve_items::Item;
 using kvserve_items::row_lanes;
-using kvserve_items::Visible;
 static_assert(TILE == CELL, "a tile is one cell");
 static_assert(SPAN <= kvserve_items::PREFETCH_CELLS, "a Trickle holds a span's cells");
 
@@ -53,57 +53,30 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const at::Tensor& tables, const at::Tensor& lens,
                   const at::Tensor& query_start, at::Tensor& out, double scale, int64_t window,
                   int64_t sinks, const c10::Half* ksp, const c10::Half* vsp) {
-  const int64_t S = lens.size(0), Hq = q.size(1);
-  const int64_t BS = k_cache.size(1) * TILE, Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, MB = tables.size(1);
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  const int64_t q_row = q.stride(0);  // rows may be strided (a view of the QKV output)
-  const auto* kp = static_cast<const CT*>(k_cache.data_ptr());
-  const auto* vp = static_cast<const CT*>(v_cache.data_ptr());
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* qs = query_start.data_ptr<int64_t>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t row = Hkv * D;  // elements per slot; a tile is CELL * row
-  const int64_t tile = std::max<int64_t>(1, kvserve_items::TILE_FLOATS / (G * D));
-  const int threads = at::get_num_threads();
-  const std::vector<Item> items =
-      kvserve_items::make_items(S, qs, lp, tile, Hkv, window, sinks, threads);
-  const kvserve_items::CellLines cell_lines{reinterpret_cast<const char*>(kp),
-                                            reinterpret_cast<const char*>(vp), tp, MB, BS,
-                                            row * static_cast<int64_t>(sizeof(CT)), true};
+  const int64_t G = q.size(1) / k_cache.size(2);
+  const TiledCall call(q, k_cache, v_cache, tables, lens, query_start, out,
+                       std::max<int64_t>(1, kvserve_items::TILE_FLOATS / (G * D)), window,
+                       sinks);
+  const int64_t Hkv = call.Hkv;
   std::atomic<int64_t> counter{0};
 
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(call.threads)
   {
-    const int64_t per_head = tile * G * D;
-    std::vector<float> acc(Hkv * per_head), m(Hkv * tile * G), l(Hkv * tile * G);
-    std::vector<uint32_t> qb(Hkv * per_head / 2);  // bf16 pairs [Hkv][tile][G][D / 2]
-    std::vector<Visible> vis(tile);
+    ItemRows rows(call);
+    const int64_t per_head = rows.per_head * D;  // elements of q and acc per KV head
     // 8-bit codes, an item of several rows: a span's K and V tiles of one head, converted
     // to bf16 once for all its rows instead of once per row (prefill 256-token prompts:
     // each key is read by ~128 rows)
     constexpr bool codes = !std::is_same_v<CT, c10::BFloat16>;
     std::vector<c10::BFloat16> conv(codes ? 2 * SPAN * CELL * D : 0);
-    kvserve_items::Claims claims(items, counter, cell_lines);
+    kvserve_items::Claims claims(call.items, counter, call.lines);
     kvserve_items::Trickle trickle;
     while (const Item* it = claims.next()) {
       const Item& item = *it;
       const int64_t s = item.seq, nr = item.r1 - item.r0, h0 = item.h0, h1 = item.h1;
-      const int64_t n = qs[s + 1] - qs[s], first_pos = lp[s] - n;
       const int64_t c0 = item.lo / CELL, c1 = (item.hi - 1) / CELL;  // its cells [c0, c1]
-      for (int64_t r = 0; r < nr; ++r) {
-        vis[r] = kvserve_items::visible(first_pos + item.r0 + r + 1, window, sinks);
-        const int64_t tok = qs[s] + item.r0 + r;
-        for (int64_t h = h0; h < h1; ++h)
-          std::memcpy(qb.data() + (h * per_head + r * G * D) / 2, qp + tok * q_row + h * G * D,
-                      G * D * sizeof(uint16_t));
-      }
-      for (int64_t h = h0; h < h1; ++h) {
-        std::fill(acc.begin() + h * per_head, acc.begin() + h * per_head + nr * G * D, 0.f);
-        std::fill(m.begin() + h * tile * G, m.begin() + h * tile * G + nr * G, NEG_BIG);
-        std::fill(l.begin() + h * tile * G, l.begin() + h * tile * G + nr * G, 0.f);
-      }
+      rows.begin(call, item);
+      const auto* qb = reinterpret_cast<const uint32_t*>(rows.q.data());  // bf16 pairs
       for (int64_t span = c0 / SPAN; span <= c1 / SPAN; ++span) {
         trickle.reset();
         const int64_t ca = std::max(span * SPAN, c0), cb = std::min(span * SPAN + SPAN - 1, c1);
@@ -111,10 +84,10 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         const CT* vt[SPAN];
         int64_t first_slot[SPAN];
         for (int64_t c = ca; c <= cb; ++c) {
-          const int64_t pos = c * CELL, i = c - ca;
-          first_slot[i] = tp[s * MB + pos / BS] * BS + pos % BS;
-          kt[i] = kp + first_slot[i] * row;
-          vt[i] = vp + first_slot[i] * row;
+          const int64_t i = c - ca;
+          first_slot[i] = call.slot(s, c);
+          kt[i] = call.k_at<CT>(first_slot[i]);
+          vt[i] = call.v_at<CT>(first_slot[i]);
           trickle.add(claims.ahead(c - c0));
         }
         // a decode row: the span's prefetches, a few lines at each step of its folds (one
@@ -140,7 +113,7 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             uint16_t mk[SPAN];
             int nc = 0;
             for (int64_t c = ca; c <= cb; ++c) {
-              const uint16_t lanes = row_lanes(vis[r], c * CELL);
+              const uint16_t lanes = row_lanes(rows.vis[r], c * CELL);
               if (!lanes) continue;
               kr[nc] = kt[c - ca] + h * CELL * D;
               vr[nc] = vt[c - ca] + h * CELL * D;
@@ -157,30 +130,22 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             }
             if (!nc) continue;
             const int64_t off = h * per_head + r * G * D;
-            const int64_t ml = h * tile * G + r * G;
+            const int64_t ml = h * rows.per_head + r * G;
             const float sc = static_cast<float>(scale);
+            float* const m = rows.m.data() + ml;
+            float* const l = rows.l.data() + ml;
             if (convert)
-              kvserve_cell::fold_span<D, c10::BFloat16, true>(
-                  qb.data() + off / 2, G, sc, kc, vc, ksc, vsc, mk, nc, trickle, m.data() + ml,
-                  l.data() + ml, acc.data() + off);
+              kvserve_cell::fold_span<D, c10::BFloat16, true>(qb + off / 2, G, sc, kc, vc, ksc,
+                                                              vsc, mk, nc, trickle, m, l,
+                                                              rows.acc.data() + off);
             else
-              kvserve_cell::fold_span<D, CT>(qb.data() + off / 2, G, sc, kr, vr, ksc, vsc, mk,
-                                             nc, trickle, m.data() + ml, l.data() + ml,
-                                             acc.data() + off);
+              kvserve_cell::fold_span<D, CT>(qb + off / 2, G, sc, kr, vr, ksc, vsc, mk, nc,
+                                             trickle, m, l, rows.acc.data() + off);
           }
         }
         trickle.drain();  // what rows with fewer cells than the span left
       }
-      for (int64_t r = 0; r < nr; ++r) {
-        const int64_t tok = qs[s] + item.r0 + r;
-        for (int64_t h = h0; h < h1; ++h)
-          for (int64_t g = 0; g < G; ++g) {
-            const float inv = 1.f / l[h * tile * G + r * G + g];
-            const float* a = acc.data() + h * per_head + (r * G + g) * D;
-            for (int64_t d = 0; d < D; ++d)
-              kvserve_codes::store(op, (tok * Hq + h * G + g) * D + d, a[d] * inv);
-          }
-      }
+      rows.finish(call, item);
     }
   }
 }
