@@ -10,8 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.sampling import Logprob, SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.sampling.guided import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +68,9 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | None = None  # the stop token id that ended it (None: EOS/length)
+    # the structured output's grammar matcher (engine core only, rebuilt on a resume)
+    guide: Guide | None = field(default=None, repr=False)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized
 
     @property
     def num_prompt_tokens(self) -> int:

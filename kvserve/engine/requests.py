@@ -16,6 +16,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
+from kvserve.sampling.guided import Grammars
 
 
 def context_length_error(num_prompt: int, max_tokens: int, max_model_len: int) -> str | None:
@@ -49,6 +50,7 @@ class RequestFactory:
         self.eos_token_ids = eos_token_ids
         self.tenant_isolation = tenant_isolation
         self.rng = rng
+        self._grammars: Grammars | None = None  # built by the first structured request
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -104,7 +106,7 @@ class RequestFactory:
         req_seed = seed if seed is not None else params.seed
         if req_seed is None:
             req_seed = self.rng.getrandbits(63)
-        return Request(
+        req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
             params=params,
@@ -116,6 +118,45 @@ class RequestFactory:
             tenant=tenant,
             priority=priority,
         )
+        self._add_processors(req)
+        return req
+
+    def _add_processors(self, req: Request) -> None:
+        """The request's grammar matcher and tokenized bad words; raises EngineError."""
+        p = req.params
+        bad = [t for t in (p.allowed_token_ids or []) + list(p.logit_bias or {})
+               if t >= self.vocab_size]  # fmt: skip
+        if bad:
+            raise EngineError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if p.bad_words:
+            req.bad_words_ids = self._bad_words_ids(p.bad_words)
+        if p.structured is not None:
+            try:
+                req.guide = self.grammars().guide(p.structured)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+
+    def grammars(self) -> Grammars:
+        """The grammar compiler of this model's vocabulary (built on first use, ~1 s)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise EngineError(f"{self.model} has no tokenizer.json: no structured outputs")
+            vocab = self.tokenizer.vocab_bytes()
+            self._grammars = Grammars(vocab, self.vocab_size, list(self.eos_token_ids))
+        return self._grammars
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids, as written and after a space (how it is tokenized
+        inside a text), without duplicates."""
+        if self.tokenizer is None:
+            raise EngineError(f"{self.model} has no tokenizer.json: bad_words needs one")
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def check_delivered(self, req: Request, delivered: Sequence[int]) -> list[int]:
         """The output tokens a client already has of a resumed stream; raises EngineError
@@ -123,4 +164,6 @@ class RequestFactory:
         ids = [int(t) for t in delivered]
         if any(not 0 <= t < self.vocab_size for t in ids) or len(ids) >= req.max_tokens:
             raise EngineError("delivered tokens outside the vocabulary or past max_tokens")
+        if req.guide is not None and not all(req.guide.advance(t) for t in ids):
+            raise EngineError("the delivered tokens do not follow the request's grammar")
         return ids

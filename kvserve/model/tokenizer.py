@@ -138,6 +138,14 @@ class Tokenizer:
                 pass
         return self.decode([token_id], skip_special_tokens=False).encode()
 
+    def vocab_bytes(self) -> list[bytes]:
+        """Every token's bytes by id (a grammar engine's vocabulary); special tokens (EOS,
+        template markers) are ``b""``, so no grammar spells text with one."""
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return [
+            b"" if i in special else self.token_bytes(i) for i in range(self.vocab_size)
+        ]
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -168,6 +176,8 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise ValueError(f"chat template error: {e}") from None
+        except (TypeError, KeyError, AttributeError, IndexError) as e:  # e.g. None + "text"
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from None
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:

@@ -40,6 +40,14 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         return bad_request(first.get("msg", "invalid text"), ctx.get("path"))
     if kind == "model_attributes_type" and not loc:
         return bad_request("the body must be a JSON object")
+    if kind == "extra_forbidden":  # a field kvserve does not implement: refused, not ignored
+        name = ".".join(loc)
+        return bad_request(
+            f"{name}: this field is not supported by kvserve (docs/agents.md lists the "
+            "fields it accepts)",
+            name,
+            "unsupported_field",
+        )
     msg = first.get("msg", "invalid request")
     return bad_request(f"{'.'.join(loc) or 'body'}: {msg}", ".".join(loc) or None)
 

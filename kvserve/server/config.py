@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.server.tools.parsers import PARSER_NAMES
 from kvserve.tenants import TenantsConfig
 
 ROLES = ("both", "prefill", "decode")
@@ -26,11 +27,19 @@ class ServerConfig:
     # what routers send here: both (whole requests), prefill (prompts, handed off after
     # the first token) or decode (the continuations); any worker can serve any request
     role: str = "both"
+    # how tool calls are read out of a chat output: auto (from the chat template), hermes,
+    # llama3_json or mistral
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")

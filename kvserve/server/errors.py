@@ -113,8 +113,17 @@ class APIError(Exception):
         )
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "BadRequestError", param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "BadRequestError", param, code)
+
+
+def field_error(e: ValueError) -> APIError:
+    """The 400 for a ValueError whose message starts with the field it is about
+    (``"logit_bias: keys must be token ids"`` → param ``logit_bias``)."""
+    message = str(e)
+    head = message.split(":", 1)[0]
+    param = head if ":" in message and head.replace(".", "_").isidentifier() else None
+    return bad_request(message, param)
 
 
 def unavailable(message: str) -> APIError:

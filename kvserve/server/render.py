@@ -12,6 +12,7 @@ from typing import Any
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import RequestOutput
 from kvserve.sampling import Logprob, SamplingParams
+from kvserve.server.tools.stream import ToolCallStream
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -34,8 +35,11 @@ class ChoiceState:
         chat: bool,
         return_token_ids: bool = False,
         echo: str = "",
+        tools: ToolCallStream | None = None,
     ):
         self.index = index
+        self.tools = tools  # reads tool calls out of a chat choice's text
+        self._tools_from: int | None = None
         self._echo = echo  # completions ``echo``: the prompt text, sent before the output
         self._echo_sent = not echo
         self.return_token_ids = return_token_ids
@@ -62,6 +66,7 @@ class ChoiceState:
         self._ids_sent = num_token_ids
         self._sent = max(0, num_chars - len(self._echo))  # the client has the echo too
         self._echo_sent = True
+        self._tools_from = self._sent  # the tool-call stream catches up silently
 
     @property
     def num_tokens(self) -> int:
@@ -82,12 +87,20 @@ class ChoiceState:
             end = len(self.text) - self._hold
             while end > self._sent and self.text[end - 1] == "\ufffd":
                 end -= 1
-        delta = self.text[self._sent : end] if end > self._sent else ""
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            if self._tools_from is not None:  # a resumed stream: what the client has
+                self.tools.step(self.text[: self._tools_from], False)
+                self._tools_from = None
+            delta, calls = self.tools.step(self.text[: max(end, self._sent)], out.finished)
+            self.finish_reason = self._reason(self.finish_reason)
+        else:
+            delta = self.text[self._sent : end] if end > self._sent else ""
         if not self._echo_sent:
             delta, self._echo_sent = self._echo + delta, True
         new_lps = self.logprobs[self._lp_sent :]
         new_ids = self.token_ids[self._ids_sent :] if self.return_token_ids else []
-        if not delta and not new_lps and not new_ids and not out.finished:
+        if not delta and not calls and not new_lps and not new_ids and not out.finished:
             return None
         self._ids_sent = len(self.token_ids)
         first = self._lp_sent
@@ -97,10 +110,12 @@ class ChoiceState:
         if self.chat:
             choice = {
                 "index": self.index,
-                "delta": {"content": delta},
+                "delta": {"content": delta} if delta or not calls else {},
                 "logprobs": lp,
                 "finish_reason": self.finish_reason,
             }
+            if calls:
+                choice["delta"]["tool_calls"] = calls
         else:
             choice = {
                 "index": self.index,
@@ -112,6 +127,12 @@ class ChoiceState:
         if self.return_token_ids:
             choice["token_ids"] = new_ids
         return choice
+
+    def _reason(self, reason: str | None) -> str | None:
+        """OpenAI's ``tool_calls`` for a choice that stopped after calling tools."""
+        if reason == "stop" and self.tools is not None and self.tools.called:
+            return "tool_calls"
+        return reason
 
     def role_delta(self) -> dict[str, Any]:
         return {
@@ -127,11 +148,16 @@ class ChoiceState:
             self._offset = 0
             lp = self._render_logprobs(0, self.logprobs)
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}
+            if self.tools is not None:
+                message["content"], calls = self.tools.message(self.text)
+                if calls:
+                    message["tool_calls"] = calls
             choice = {
                 "index": self.index,
-                "message": {"role": "assistant", "content": self.text},
+                "message": message,
                 "logprobs": lp,
-                "finish_reason": self.finish_reason,
+                "finish_reason": self._reason(self.finish_reason),
             }
         else:
             choice = {

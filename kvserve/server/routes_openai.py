@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.async_llm import RequestStream
 from kvserve.engine.errors import EngineDeadError, EngineError
 from kvserve.sampling import SamplingParams, child_seed
+from kvserve.sampling.guided import check_spec
 from kvserve.server.auth import Principal, authenticate
-from kvserve.server.errors import APIError, bad_request, unavailable
+from kvserve.server.errors import APIError, bad_request, field_error, unavailable
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import respond
@@ -110,6 +111,17 @@ def openai_routes(state: ServerState) -> APIRouter:
             raise unavailable(str(e)) from None
         return streams
 
+    async def _check_structured(params: SamplingParams, field: str) -> None:
+        """A 400 naming ``field`` before any token when the structured output cannot be
+        enforced (checked off the event loop: a large schema takes milliseconds)."""
+        if params.structured is None:
+            return
+        try:
+            await asyncio.to_thread(check_spec, params.structured)
+        except ValueError as e:
+            message = str(e)
+            raise ValueError(message if message.startswith(field) else f"{field}: {e}") from None
+
     @router.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         principal = authenticate(request, state.config)
@@ -117,8 +129,9 @@ def openai_routes(state: ServerState) -> APIRouter:
         try:
             prompts = body.prompts()
             params = body.sampling_params()
+            await _check_structured(params, body.structured_field())
         except ValueError as e:
-            raise bad_request(str(e)) from None
+            raise field_error(e) from None
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
         streams = await _start(prompts, params, principal, body, request)
@@ -134,12 +147,19 @@ def openai_routes(state: ServerState) -> APIRouter:
         principal = authenticate(request, state.config)
         _admit(body)
         try:
-            params = body.sampling_params()
+            params, tools = state.chat_params(body)
+            field = "tools" if tools.structured is not None else body.structured_field()
+            await _check_structured(params, field)
+        except ValueError as e:
+            raise field_error(e) from None
+        try:
             prompt = await asyncio.to_thread(state.chat_prompt_ids, body)  # off the event loop
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         streams = await _start([prompt], params, principal, body, request)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await respond(state, body, streams, params, "chat.completion", rid, request)
+        return await respond(
+            state, body, streams, params, "chat.completion", rid, request, tools=tools
+        )
 
     return router

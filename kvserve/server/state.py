@@ -9,9 +9,12 @@ from pathlib import Path
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.messages import SetTenantBudgets
 from kvserve.kv.tenant_ledger import Budget
+from kvserve.sampling import SamplingParams
 from kvserve.server.config import ServerConfig
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.tools.parsers import parser_for_template
+from kvserve.server.tools.spec import ToolPlan, plan_tools
 from kvserve.tenants import TenantsConfig
 
 DEFAULT_MODEL_ID = "kvserve-default"
@@ -88,3 +91,13 @@ class ServerState:
         if self.tokenizer is None:
             raise ValueError("the model has no tokenizer, so chat is unavailable")
         return body.prompt_ids(self.tokenizer)
+
+    def chat_params(self, body: ChatCompletionRequest) -> tuple[SamplingParams, ToolPlan]:
+        """A chat request's sampling parameters and tool plan (the same for its first run
+        and a resume elsewhere). Raises ValueError naming the field."""
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        parser = parser_for_template(self.config.tool_call_parser, template)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
+        # Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens: keep them
+        specials = plan.parser is not None and plan.parser.name in ("mistral", "llama3_json")
+        return body.sampling_params(plan.structured, False if specials else None), plan

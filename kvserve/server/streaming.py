@@ -18,6 +18,8 @@ from kvserve.sampling import SamplingParams
 from kvserve.server.errors import unavailable
 from kvserve.server.render import ChoiceState, usage
 from kvserve.server.state import ServerState
+from kvserve.server.tools.spec import ToolPlan
+from kvserve.server.tools.stream import ToolCallStream
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -65,15 +67,24 @@ async def respond(
     request: Request,
     resume: tuple[int, int] | None = None,
     echo: list[str] | None = None,
+    tools: ToolPlan | None = None,
 ) -> Response:
     """``resume``: (token ids, text characters) the client already has — the response
     continues after them (a failover). ``echo``: per stream, text sent before its output
-    (completions ``echo``)."""
+    (completions ``echo``). ``tools``: a chat request's tool plan (its calls are read out of
+    the text when it has a parser)."""
     chat = kind == "chat.completion"
     ids = bool(getattr(body, "return_token_ids", False))
     echo = echo or [""] * len(streams)
+
+    def tool_stream() -> ToolCallStream | None:
+        if tools is None or tools.parser is None:
+            return None
+        return ToolCallStream(tools.parser, tools.parallel)
+
     choices = [
-        ChoiceState(i, state.tokenizer, params, chat, ids, echo[i]) for i in range(len(streams))
+        ChoiceState(i, state.tokenizer, params, chat, ids, echo[i], tool_stream())
+        for i in range(len(streams))
     ]
     if resume is not None:
         choices[0].resume_after(*resume)

@@ -233,9 +233,25 @@ class InputBuilder:
 
     @staticmethod
     def _row(req: Request) -> SampleRow:
+        """The sampler's view of ``req``'s next token: forbidden ids (EOS and stop ids
+        under ``min_tokens``, bad words whose other tokens end the output), its grammar's
+        mask, and its tokens when a penalty needs them."""
         params = req.params
-        suppress: tuple[int, ...] = ()
-        if len(req.output_token_ids) < params.min_tokens:
+        out = req.output_token_ids
+        suppress: set[int] = set()
+        if len(out) < params.min_tokens:
             eos = () if params.ignore_eos else req.eos_token_ids
-            suppress = tuple(set(eos) | set(params.stop_token_ids or ()))
-        return SampleRow(params, req.seed, req.num_tokens, suppress)
+            suppress = set(eos) | set(params.stop_token_ids or ())
+        for word in req.bad_words_ids:
+            head = word[:-1]
+            if not head or out[len(out) - len(head) :] == head:
+                suppress.add(word[-1])
+        return SampleRow(
+            params,
+            req.seed,
+            req.num_tokens,
+            tuple(sorted(suppress)),
+            mask=None if req.guide is None else req.guide.mask(),
+            output_ids=out if params.penalized else None,
+            prompt_ids=req.prompt_token_ids if params.repetition_penalty != 1.0 else None,
+        )

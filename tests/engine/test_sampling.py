@@ -104,7 +104,7 @@ def test_the_cpu_argmax_kernel_picks_torch_argmax(vocab):
     """The sampler's CPU kernel (argmax_rows) and torch.argmax agree: the first of tied
     maxima, a NaN counts as the maximum (the first one), an all -inf row gives 0."""
     from kvserve.model.cpu_kernels import kernels_loaded, load_cpu_kernels
-    from kvserve.sampling import _argmax
+    from kvserve.sampling.sampler import _argmax
 
     assert load_cpu_kernels() and kernels_loaded()
     g = torch.Generator().manual_seed(vocab)

@@ -1,122 +1,41 @@
-"""Sampling parameters and the batched, per-request-deterministic sampler.
+"""The batched, per-request-deterministic sampler (the worker's side of sampling).
 
 Determinism contract: the random draw for a request at sequence position ``p`` depends only
 on ``(seed, p)`` — not on the batch it runs in, the device, or the node. Noise is drawn on
 the CPU from a generator seeded by a mix of the two, so a standby continuing a stream
-samples exactly the token the primary would have.
+samples exactly the token the primary would have. Every logits processor (``processors``)
+changes a row from that row's own ``SampleRow`` only, so a row's token never depends on the
+other rows either.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.model.cpu_kernels import kernels_loaded
-
-_GREEDY_EPS = 1e-5
-_MASK64 = (1 << 64) - 1
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling options, named as in vLLM / the OpenAI API.
-
-    ``temperature`` 0 means greedy. ``top_k`` 0 or -1 disables top-k. ``seed`` None gets a
-    random seed when the request is created (kept with the request, so preemption and
-    failover reproduce the same tokens). ``logprobs`` N returns the sampled token's
-    log-probability plus the top N, computed from the raw model logits; ``prompt_logprobs``
-    N does the same for every prompt token after the first (it disables prefix-cache hits
-    for the request, since cached positions are not recomputed).
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    detokenize: bool = True
-    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not -1 <= self.top_k < 2**31:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
-        self.stop_strings = tuple(stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be token ids (integers in [0, 2**31))")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """Log-probability of one token, its rank (1 = most likely) and decoded text."""
-
-    logprob: float
-    rank: int
-    decoded_token: str | None = None
-
-
-def child_seed(seed: int | None, index: int) -> int | None:
-    """Seed of output ``index`` of an ``n > 1`` request: the request's own seed for the
-    first, a derived one for the others (None stays None: random seeds)."""
-    return None if seed is None or index == 0 else position_seed(seed, -1 - index)
-
-
-def position_seed(seed: int, position: int) -> int:
-    """Mix (seed, position) into a 63-bit generator seed (splitmix64 finalizer)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+from kvserve.sampling.params import Logprob, SamplingParams, position_seed
+from kvserve.sampling.processors import process_logits
 
 
 @dataclass
 class SampleRow:
-    """What the sampler needs to know about one row of the logits."""
+    """What the sampler needs to know about one row of the logits.
+
+    ``suppress``: token ids forbidden here (EOS under ``min_tokens``, bad words' last
+    tokens). ``mask``: the structured output's allowed tokens as a packed bitmask (int32,
+    bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed), or None. ``output_ids`` /
+    ``prompt_ids``: the request's tokens so far, only when a penalty needs them.
+    """
 
     params: SamplingParams
     seed: int
     position: int  # index in the sequence of the token being sampled
-    suppress: tuple[int, ...] = ()  # token ids forbidden here (EOS under min_tokens)
+    suppress: tuple[int, ...] = ()
+    mask: torch.Tensor | None = None
+    output_ids: list[int] | None = None
+    prompt_ids: list[int] | None = None
 
 
 @dataclass
@@ -170,10 +89,9 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """Pick one token per row of ``logits`` ``[len(rows), vocab]`` (float32)."""
-    for i, r in enumerate(rows):
-        if r.suppress:
-            logits[i, list(r.suppress)] = float("-inf")
+    """Pick one token per row of ``logits`` ``[len(rows), vocab]`` (float32; changed in
+    place by the logits processors)."""
+    process_logits(logits, rows)
     tokens = _argmax(logits)
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_idx:

@@ -1,0 +1,44 @@
+"""One real ``kvserve serve`` of the bundled model for the agent-API tests (tools,
+structured outputs, sampling controls, conformance), driven by the official client."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+
+from kvserve.default_model import DEFAULT_MODEL_DIR
+
+MODEL = "kvserve-default"
+FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+BUNDLED = DEFAULT_MODEL_DIR
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def post(server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """A raw POST (fields the client would not send); the status and the JSON body."""
+    req = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), method="POST"
+    )
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat_body(**kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "max_tokens": 128,
+    }
+    body.update(kw)
+    return body
