@@ -1,5 +1,6 @@
 """Internal endpoints of a cluster worker (``/internal/*``, cluster secret required):
-resume a failed-over stream, drain, accept a primary's direct push, the KV snapshot."""
+resume a failed-over stream, drain, accept a primary's direct push, the KV snapshot, the
+tokenizer's files (for a router's prefix placement)."""
 
 from __future__ import annotations
 
@@ -168,6 +169,23 @@ def cluster_routes(state: ServerState) -> APIRouter:
         from kvserve.server.kv_events import SNAPSHOT_MEDIA_TYPE
 
         return Response(pub.encoded_snapshot(), media_type=SNAPSHOT_MEDIA_TYPE)
+
+    @router.get("/internal/tokenizer")
+    async def internal_tokenizer(request: Request) -> Response:
+        """The files this worker's tokenizer was loaded from, with its fingerprint (msgpack
+        ``TokenizerExport``): a router rebuilds the same tokenizer from them for
+        prefix-aware placement (``server.tokenizer_export``)."""
+        _cluster_auth(request)
+        tok = state.tokenizer
+        if tok is None:
+            raise APIError(404, "this worker's model has no tokenizer", "NotFoundError")
+        from kvserve.server.tokenizer_export import TOKENIZER_MEDIA_TYPE, export_tokenizer
+
+        try:  # megabytes read from disk: not on the event loop
+            data = await asyncio.to_thread(export_tokenizer, tok)
+        except (OSError, ValueError) as e:
+            raise unavailable(f"cannot read the tokenizer's files: {e}") from None
+        return Response(data, media_type=TOKENIZER_MEDIA_TYPE)
 
     @router.post("/internal/replica")
     async def internal_replica(request: Request) -> JSONResponse:
