@@ -37,7 +37,8 @@ import torch
 from torch.utils.cpp_extension import load
 
 from kvserve.kv.cache import tiles_from_rows
-from kvserve.model.cpu_kernels import _CFLAGS, _LDFLAGS, load_cpu_kernels
+from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.kernel_build import CFLAGS, LDFLAGS
 
 L, B, HKV, HQ, D, BS = 30, 32, 3, 9, 64, 16
 
@@ -77,8 +78,8 @@ def build_baseline(checkout: Path) -> bool:
     load(
         name=f"kvattn_ab_{digest.hexdigest()[:12]}",
         sources=[str(out / n) for n in names],
-        extra_cflags=list(_CFLAGS),
-        extra_ldflags=list(_LDFLAGS),
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
         is_python_module=False,
     )
     return "paged_attention_tiles.cpp" in names

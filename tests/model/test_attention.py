@@ -120,25 +120,30 @@ def test_decode_kernel_reads_quantized_cache_like_the_dequantizing_path(fmt, win
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_kernel_cache_is_keyed_by_sources_torch_and_flags(tmp_path, monkeypatch):
-    """Two checkouts with different kernels never share (or overwrite) one cached .so."""
+def test_kernel_cache_is_keyed_by_sources_torch_flags_and_cpu(tmp_path, monkeypatch):
+    """Two checkouts with different kernels never share (or overwrite) one cached .so; the
+    same kernels elsewhere share it; a library for another CPU is never this one's."""
     import shutil
 
     import kvserve.model.cpu_kernels as ck
+    import kvserve.model.kernel_build as kb
 
     assert load_cpu_kernels()
     name = ck.build_name()
     assert name.startswith("kvserve_cpu_kernels_")
-    assert (ck._build_dir(name) / f"{name}.so").is_file()  # what this process loaded
+    assert ck.loaded_library().name == f"{name}.so"  # what this process loaded
     copy = tmp_path / "csrc"
-    shutil.copytree(ck.CSRC, copy)
-    monkeypatch.setattr(ck, "CSRC", copy)
+    shutil.copytree(kb.CSRC, copy)
+    monkeypatch.setattr(kb, "CSRC", copy)
     assert ck.build_name() == name  # same sources elsewhere: the same build is reused
     src = copy / "fused_ops.cpp"
     src.write_text(src.read_text() + "\n// changed\n")
     changed = ck.build_name()
     assert changed != name
-    monkeypatch.setattr(ck, "_CFLAGS", (*ck._CFLAGS, "-DX"))
+    monkeypatch.setattr(kb, "CFLAGS", (*kb.CFLAGS, "-DX"))
     assert ck.build_name() not in (name, changed)
+    flags = ck.build_name()
+    monkeypatch.setattr(kb, "cpu_features", lambda: "fpu sse sse2")
+    assert ck.build_name() not in (name, changed, flags)
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert len({ck.build_name(), name, changed}) == 3
+    assert len({ck.build_name(), name, changed, flags}) == 4
