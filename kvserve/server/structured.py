@@ -102,8 +102,10 @@ class StructuredFields(BaseModel):
             if spec is not None:
                 found.append((name, spec))
         if len(found) > 1:
-            names = ", ".join(n for n, _ in found)
-            raise ValueError(f"{names}: give only one structured-output constraint")
+            others = ", ".join(n for n, _ in found[1:])
+            raise ValueError(
+                f"{found[0][0]}: also given {others}; give only one structured-output constraint"
+            )
         return found
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import make_engine, run_to_end
 
 from kvserve.default_model import DEFAULT_MODEL_DIR
+from kvserve.engine.errors import EngineError
 from kvserve.sampling import SampleRow, SamplingParams, StructuredSpec, sample
 from kvserve.sampling.processors import process_logits, unpack_bitmask
 
@@ -138,3 +140,25 @@ def test_a_constrained_request_gives_the_same_tokens_alone_and_among_31_others()
     value = json.loads(text)
     assert set(value) == {"name", "n", "tags"} and len(value["name"]) <= 8
     engine.check_integrity()
+
+
+def test_a_resumed_constrained_stream_continues_exactly():
+    """Failover: the record travels as JSON (the spec inside the params), the grammar is
+    rebuilt from the delivered tokens, and the rest equals the uninterrupted run."""
+    from kvserve.ha.record import SessionRecord
+
+    engine = make_engine(DEFAULT_MODEL_DIR, dtype="bfloat16", kv_cache_memory="64MiB",
+                         max_model_len=256)  # fmt: skip
+    prompt = engine.tokenize("def parse(line):")
+    req = engine.add_request("a", prompt, _constrained(3))
+    want = run_to_end(engine)["a"]
+    record = SessionRecord.from_json(SessionRecord.of_request(req, 16).to_json())
+    assert record.params == req.params
+    other = make_engine(DEFAULT_MODEL_DIR, dtype="bfloat16", kv_cache_memory="64MiB",
+                        max_model_len=256)  # fmt: skip
+    other.resume_request("b", record, want[:9])
+    assert run_to_end(other)["b"] == want
+    # a delivered token the grammar refuses is a refused resume, not a broken stream
+    bad = engine.tokenize(" x")[:1]
+    with pytest.raises(EngineError, match="grammar"):
+        other.resume_request("c", record, bad)
