@@ -330,14 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=ROUTING_CHOICES,
         help="where a request without a session owner goes: prefix (the worker holding the "
-        "most of its prompt, against load), least-loaded, round-robin; auto: prefix with "
-        "--tokenizer, else least-loaded (default: auto)",
+        "most of its prompt, against load; with the workers' own tokenizer, fetched from "
+        "them, or --tokenizer; least-loaded until the router has one), least-loaded, "
+        "round-robin; auto: prefix (default: auto)",
     )
     rt.add_argument(
         "--tokenizer",
         default=None,
         metavar="DIR",
-        help="the model's directory (its tokenizer.json): prompt token ids for --routing prefix",
+        help="prefix routing: the model's directory (its tokenizer.json), used for the "
+        "workers with its tokenizer instead of fetching theirs (default: fetch each "
+        "model's tokenizer from its workers)",
     )
     rt.add_argument(
         "--routing-load-weight",

@@ -33,12 +33,13 @@ class Cluster:
     def coord(self) -> Coordinator:
         return Coordinator.from_url(self.url)
 
-    def add_router(self) -> ServerProcess:
-        """Start one more router and wait until it routes to every live worker."""
+    def add_router(self, *extra: str) -> ServerProcess:
+        """Start one more router (``router_args``, then ``extra``) and wait until it is
+        ready (routes to at least one worker)."""
         n = len(self.routers)
         r = ServerProcess(
             None,
-            "--cluster", self.url, "--cluster-secret", SECRET, *self.router_args,
+            "--cluster", self.url, "--cluster-secret", SECRET, *self.router_args, *extra,
             log=self.tmp / f"router{n}.log", command="router",
         )  # fmt: skip
         self.routers.append(r)

@@ -4,7 +4,10 @@
 affinity, failover); ``GET /v1/models`` is answered by any routable worker; ``/health``
 (the router process is up), ``/ready`` (at least one routable worker), ``/metrics``
 (Prometheus, the router's own ``kvserve_router_*`` series) and ``GET /router/workers``
-(the router's view, JSON) are local. Errors use OpenAI's format. Responses name the worker
+(the router's view, JSON: workers, the routing policy, the tokenizers held and wanted)
+are local. Prefix placement tokenizes with ``--tokenizer``'s tokenizer or the ones it
+takes from the workers (``tokenizers``); until it has one for a request's candidates,
+the request is placed least-loaded. Errors use OpenAI's format. Responses name the worker
 that took the request in ``X-Kvserve-Worker`` (the first one, for a stream that later
 failed over).
 """
@@ -20,23 +23,18 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.ha.coordination import Coordinator
 from kvserve.router.config import RouterConfig
 from kvserve.router.index import PrefixIndex
 from kvserve.router.kv_sync import KVSync
+from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompts import PromptReader
 from kvserve.router.relay import Flow, Relay, Unroutable
 from kvserve.router.scoring import Placement
+from kvserve.router.tokenizers import Tokenizers, load_override
 from kvserve.router.workers import WorkerPool
 from kvserve.server.errors import (
     INVALID_TEXT,
@@ -45,94 +43,6 @@ from kvserve.server.errors import (
     invalid_text_path,
     json_error_message,
 )
-
-
-class RouterMetrics:
-    def __init__(self, pool_view: Any):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "kvserve_router_requests", "Client requests routed", ["endpoint"], registry=r
-        )
-        self.failovers = Counter(
-            "kvserve_router_failovers", "Streams continued on a standby", registry=r
-        )
-        self.failovers_detected = Counter(
-            "kvserve_router_worker_failures",
-            "Worker failures seen mid-request, by how they showed",
-            ["how"],
-            registry=r,
-        )
-        self.failover_failures = Counter(
-            "kvserve_router_failover_failures",
-            "Requests that failed because no standby could continue them",
-            registry=r,
-        )
-        self.failover_seconds = Histogram(
-            "kvserve_router_failover_seconds",
-            "From detecting a failure to the standby's answer",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
-            registry=r,
-        )
-        workers = Gauge("kvserve_router_workers", "Workers by state", ["state"], registry=r)
-        workers.labels("known").set_function(lambda: len(pool_view().workers))
-        workers.labels("routable").set_function(lambda: len(pool_view().routable()))
-        self.decisions = Counter(
-            "kvserve_router_decisions",
-            "Placements by reason: affinity (the session's owner), prefix (the cheapest "
-            "worker holds part of the prompt), load (no worker holds any), least_loaded, "
-            "round_robin",
-            ["reason"],
-            registry=r,
-        )
-        self.cached_tokens = Counter(
-            "kvserve_router_cached_tokens",
-            "Prompt tokens served from cache on placed requests: predicted by the prefix "
-            "index vs actual (the worker's usage)",
-            ["kind"],
-            registry=r,
-        )
-        self.placed_prompt_tokens = Counter(
-            "kvserve_router_placed_prompt_tokens",
-            "Prompt tokens of the requests placed by prefix routing",
-            registry=r,
-        )
-        self.handoffs = Counter(
-            "kvserve_router_handoffs",
-            "Disaggregated requests handed from their prefill worker to a decode worker",
-            registry=r,
-        )
-        self.handoff_seconds = Histogram(
-            "kvserve_router_handoff_seconds",
-            "From the prefill worker's first token to the decode worker's answer",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
-            registry=r,
-        )
-        self.decision_seconds = Histogram(
-            "kvserve_router_decision_seconds",
-            "From a client request's arrival to its worker chosen (body parsing, "
-            "tokenization, session owner look-up, placement)",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1),
-            registry=r,
-        )
-        self.kv_batches = Counter(
-            "kvserve_router_kv_event_batches", "KV event batches applied", registry=r
-        )
-        self.kv_snapshots = Counter(
-            "kvserve_router_kv_snapshots",
-            "KV snapshots read (a worker joined, restarted or lost events)",
-            registry=r,
-        )
-
-    def observe_cached(self, flow: Flow) -> None:
-        """Count a placed request's predicted and actual cached tokens once it ended
-        (with the worker's usage; a request that never got one is left out)."""
-        if flow.predicted_cached is None or flow.cached_tokens is None:
-            return
-        self.cached_tokens.labels("predicted").inc(flow.predicted_cached)
-        self.cached_tokens.labels("actual").inc(flow.cached_tokens)
-        self.placed_prompt_tokens.inc(len(flow.prompt.token_ids or ()))
-        flow.predicted_cached = None
 
 
 def _error(status: int, message: str, type_: str | None = None, param: str | None = None):
@@ -144,22 +54,26 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
     # short round trips: while Redis is away requests are routed without affinity
     coord = coord or Coordinator.from_url(config.cluster, timeout=config.probe_timeout * 2)
     holder: dict[str, Any] = {}
-    metrics = RouterMetrics(lambda: holder["pool"])
+    metrics = RouterMetrics(lambda: holder["pool"], lambda: holder.get("tokenizers"))
     policy = config.routing_policy
-    prompts = PromptReader.from_path(config.tokenizer if policy == "prefix" else None)
-    index = PrefixIndex() if policy == "prefix" else None
-    placement = Placement(
-        policy, index, prompts.fingerprint, config.routing_load_weight, config.routing_host_weight
-    )
+    prefix = policy == "prefix"
+    override = load_override(config.tokenizer) if prefix else None  # a bad path: at start
+    index = PrefixIndex() if prefix else None
+    placement = Placement(policy, index, config.routing_load_weight, config.routing_host_weight)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         pool = WorkerPool(coord, config)
-        sync = None
+        sync = tokenizers = None
         if index is not None:
             timeout = config.probe_timeout * 4
             sync = KVSync(index, pool.client, config.cluster_secret, timeout, metrics)
-            pool.on_refresh = sync.follow
+            tokenizers = Tokenizers(
+                override, pool.client, config.cluster_secret, timeout, pool.secret_matches, metrics
+            )
+            pool.on_refresh += [sync.follow, tokenizers.follow]
+            holder["tokenizers"] = tokenizers
+            holder["prompts"] = PromptReader(tokenizers)
             sync.start()
         holder["pool"] = pool
         holder["relay"] = Relay(pool, coord, config, metrics, placement)
@@ -168,6 +82,8 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
         try:
             yield
         finally:
+            if tokenizers is not None:
+                await tokenizers.stop()
             if sync is not None:
                 await sync.stop()
             await pool.stop()
@@ -194,6 +110,7 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
     @app.get("/router/workers")
     async def workers() -> JSONResponse:
         pool: WorkerPool = holder["pool"]
+        tokenizers: Tokenizers | None = holder.get("tokenizers")
         routable = {w.node_id for w in pool.routable()}
         return JSONResponse(
             {
@@ -212,10 +129,12 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
                         "kv_index": None
                         if index is None or "kv_events" not in w.info
                         else {"synced": index.is_synced(w.node_id), **index.sizes(w.node_id)},
+                        "tokenizer_fp": w.info.get("tokenizer_fp"),
                     }
                     for w in pool.workers.values()
                 ],
                 "routing": policy,
+                "tokenizers": None if tokenizers is None else tokenizers.view(),
             }
         )
 
@@ -247,8 +166,9 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
             return _error(400, f"{bad_text}: {INVALID_TEXT}", param=bad_text)
         flow = Flow.from_client(kind, body, request.headers)
         flow.arrived = arrived
-        if policy == "prefix":
-            flow.prompt = await prompts.read(kind, body)
+        if prefix:  # in the tokens of each model the candidates serve
+            fps = {w.info.get("tokenizer_fp") for w in holder["pool"].routable()}
+            flow.prompt = await holder["prompts"].read(kind, body, fps)
         relay: Relay = holder["relay"]
         try:
             w, resp = await relay.open(flow)

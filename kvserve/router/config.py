@@ -22,28 +22,24 @@ class RouterConfig:
     failover_timeout: float = 10.0
     registry_grace: float = 10.0  # keep routing to a worker missing from an unreadable registry
     graceful_timeout: float = 30.0
-    # placement of requests without a session owner (router.scoring); auto: prefix with
-    # a tokenizer, else least-loaded
+    # placement of requests without a session owner (router.scoring); auto is prefix:
+    # by prefix overlap for workers whose tokenizer the router has (--tokenizer, or taken
+    # from the workers: router.tokenizers), least-loaded until it has one
     routing: str = "auto"
-    tokenizer: str | None = None  # the model's directory: prompt token ids for prefix
+    # a model directory: its tokenizer serves the workers with its fingerprint (no fetch
+    # from them); the others' tokenizers are still taken from the workers
+    tokenizer: str | None = None
     routing_load_weight: float = 256.0  # tokens of prefill one open request is worth
     routing_host_weight: float = 0.8  # a host-tier hit's worth against a device-pool hit
 
     @property
     def routing_policy(self) -> str:
-        """``routing`` with ``auto`` resolved."""
-        if self.routing != "auto":
-            return self.routing
-        return "prefix" if self.tokenizer else "least-loaded"
+        """``routing`` with ``auto`` resolved (to ``prefix``: it needs no flag any more)."""
+        return "prefix" if self.routing == "auto" else self.routing
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_CHOICES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_CHOICES)}")
-        if self.routing == "prefix" and not self.tokenizer:
-            raise ValueError(
-                "--routing prefix needs --tokenizer (the model's directory, as the workers "
-                "load it): the router computes each prompt's block hashes from its tokens"
-            )
         if self.routing_load_weight < 0 or not 0 <= self.routing_host_weight <= 1:
             raise ValueError("routing_load_weight must be >= 0, routing_host_weight in [0, 1]")
         if not 0 < self.port < 65536:

@@ -1,69 +1,73 @@
 """The router's reading of a request's prompt: token ids, computed as a worker computes
-them (``--tokenizer``: the model's directory), for prefix-aware placement.
+them, with the tokenizer of each fingerprint the candidate workers registered
+(``tokenizers.Tokenizers``: ``--tokenizer``'s or one taken from a worker).
 
-A body the router cannot read (invalid, several prompts, no tokenizer) gets
-``PromptInfo(None)``: it is placed by load and the worker answers it as it would anyway
-(a bad body is the worker's 400, worded once).
+``read`` never fails: a body the router cannot read (invalid, several prompts, no
+tokenizer for any candidate yet) gets no token ids for the fingerprints concerned and is
+placed by load; the worker answers it as it would anyway (a bad body is the worker's
+400, worded once). Long prompts are tokenized off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvserve.model.tokenizer import Tokenizer, load_tokenizer
+from kvserve.model.tokenizer import Tokenizer
 from kvserve.router.scoring import PromptInfo
+from kvserve.router.tokenizers import Tokenizers
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 _INLINE_CHARS = 8192  # longer prompts are tokenized off the event loop
 
 
 class PromptReader:
-    def __init__(self, tokenizer: Tokenizer | None):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizers: Tokenizers):
+        self.tokenizers = tokenizers
 
-    @classmethod
-    def from_path(cls, path: str | None) -> PromptReader:
-        """The reader for ``--tokenizer PATH`` (a model directory, or the directory of a
-        ``tokenizer.json``); no tokenizer without a path. Raises ValueError when the
-        path has no tokenizer."""
-        if path is None:
-            return cls(None)
-        p = Path(path)
-        tok = load_tokenizer(p.parent if p.is_file() else p)
-        if tok is None:
-            raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
-        return cls(tok)
-
-    @property
-    def fingerprint(self) -> str | None:
-        return self.tokenizer.fingerprint if self.tokenizer is not None else None
-
-    async def read(self, kind: str, body: dict[str, Any]) -> PromptInfo:
+    async def read(self, kind: str, body: dict[str, Any], fps: Iterable[str | None]) -> PromptInfo:
+        """The prompt's token ids for each fingerprint in ``fps`` the router has a
+        tokenizer for (``kind``: ``chat`` or ``completion``), and its ``cache_salt``."""
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
-        if self.tokenizer is None:
-            return PromptInfo(None, salt)
-        try:
-            size = len(str(body.get("messages") or body.get("prompt") or ""))
-            if size > _INLINE_CHARS:
-                ids = await asyncio.to_thread(self._ids, kind, body)
-            else:
-                ids = self._ids(kind, body)
-        except (ValidationError, ValueError, TypeError):
-            ids = None
+        toks = {fp: t for fp in set(fps) if fp and (t := self.tokenizers.get(fp)) is not None}
+        if not toks:
+            return PromptInfo({}, salt)
+        size = len(str(body.get("messages") or body.get("prompt") or ""))
+        if size * len(toks) > _INLINE_CHARS:
+            ids = await asyncio.to_thread(_all_ids, kind, body, toks)
+        else:
+            ids = _all_ids(kind, body, toks)
         return PromptInfo(ids, salt)
 
-    def _ids(self, kind: str, body: dict[str, Any]) -> list[int] | None:
-        tok = self.tokenizer
-        assert tok is not None
+
+def _all_ids(kind: str, body: dict[str, Any], toks: dict[str, Tokenizer]) -> dict[str, list[int]]:
+    """fingerprint → prompt ids, for the tokenizers that can read the body."""
+    try:
+        req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
-            return ChatCompletionRequest.model_validate(body).prompt_ids(tok)
-        prompts = CompletionRequest.model_validate(body).prompts()
-        if len(prompts) != 1:
-            return None
-        p = prompts[0]
-        return tok.encode(p) if isinstance(p, str) else list(p)
+            req = ChatCompletionRequest.model_validate(body)
+        else:
+            req = CompletionRequest.model_validate(body)
+            if len(req.prompts()) != 1:
+                return {}
+    except (ValidationError, ValueError, TypeError):
+        return {}
+    out: dict[str, list[int]] = {}
+    for fp, tok in toks.items():
+        try:
+            ids = _ids(req, tok)
+        except (ValueError, TypeError):  # this tokenizer cannot (no chat template, say)
+            continue
+        out[fp] = ids
+    return out
+
+
+def _ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer) -> list[int]:
+    if isinstance(req, ChatCompletionRequest):
+        return req.prompt_ids(tok)
+    p = req.prompts()[0]
+    return tok.encode(p) if isinstance(p, str) else list(p)

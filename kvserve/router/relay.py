@@ -91,10 +91,11 @@ class Flow:
     created: int | None = None
     failed: set[str] = field(default_factory=set)
     failovers: int = 0
-    prompt: PromptInfo = field(default_factory=lambda: PromptInfo(None))
+    prompt: PromptInfo = field(default_factory=PromptInfo)
     strip_usage: bool = False  # the router asked for the usage chunk, not the client
     cached_tokens: int | None = None  # the worker's usage.prompt_tokens_details
     predicted_cached: int | None = None  # placement's guess (prefix routing only)
+    placed_prompt_tokens: int = 0  # the prompt in the placed worker's tokens (with the guess)
     arrived: float = field(default_factory=time.perf_counter)  # the client's request came
     stream: bool = False
     handoff_to: str | None = None  # disaggregated: the decode worker after the first token
@@ -187,7 +188,7 @@ class Relay:
         placement: Placement | None = None,
     ):
         self.pool = pool
-        self.placement = placement or Placement("least-loaded", None, None)
+        self.placement = placement or Placement("least-loaded", None)
         self.coord = coord
         self.config = config
         self.metrics = metrics
@@ -286,8 +287,9 @@ class Relay:
         else:
             d = self.placement.choose(cands, flow.session, flow.prompt)
         self.metrics.decisions.labels(d.reason).inc()
-        if flow.prompt.token_ids is not None and d.reason in ("prefix", "load"):
+        if d.prompt_tokens:  # tokenized for the chosen worker: a guess to check later
             flow.predicted_cached = d.predicted_cached
+            flow.placed_prompt_tokens = d.prompt_tokens
         return d.worker, decode
 
     def _path(self, flow: Flow) -> str:

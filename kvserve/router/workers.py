@@ -69,8 +69,9 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._secret_fp = secret_fingerprint(config.cluster_secret)
         self._mismatch_logged: set[str] = set()
-        # told the workers after every registry read (the KV index follows them)
-        self.on_refresh: Callable[[dict[str, Worker]], None] | None = None
+        # each told the workers after every registry read (the KV index and the
+        # tokenizers follow them); one that raises is logged, the others still run
+        self.on_refresh: list[Callable[[dict[str, Worker]], None]] = []
 
     # ---- view -----------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -107,11 +108,11 @@ class WorkerPool:
                 client = self._clients.pop(node_id, None)
                 if client is not None:
                     asyncio.get_running_loop().create_task(client.aclose())
-            if self.on_refresh is not None:
+            for follow in self.on_refresh:
                 try:
-                    self.on_refresh(self.workers)
-                except Exception:  # the KV index must not stop the health probes
-                    logger.exception("following the workers' KV events failed")
+                    follow(self.workers)
+                except Exception:  # following must not stop the health probes
+                    logger.exception("following the workers (%s) failed", follow)
         await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
 
     async def _probe(self, w: Worker) -> None:

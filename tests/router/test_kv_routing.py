@@ -1,19 +1,22 @@
-"""Prefix-aware routing on real processes (issue 18): two workers publishing KV events, a
-router with ``--tokenizer``, one ``redis-server`` as coordinator and shared KV tier, the
-official ``openai`` client.
+"""Prefix-aware routing on real processes (issues 18 and 46): two workers publishing KV
+events, a router started with no ``--tokenizer`` (it takes the tokenizer from a worker),
+one ``redis-server`` as coordinator and shared KV tier, the official ``openai`` client.
 
 A request sharing a 1k-token document with an earlier one (another session, no session
 id) lands on the worker holding it and reports those tokens as cached — for completions
 and for chat; a router restarted mid-run rebuilds its index from the workers' snapshots
-and routes the same way, as does a second router beside it; with the holder draining the
-request goes to the other worker, which restores the prefix from the shared tier."""
+and routes the same way, as does a second router beside it started with ``--tokenizer``
+(the override: nothing fetched); with the holder draining the request goes to the other
+worker, which restores the prefix from the shared tier."""
 
 from __future__ import annotations
 
 import json
 import signal
+import urllib.error
 import urllib.request
 
+import pytest
 import redis
 from cluster_proc import SECRET, cluster, router_view
 from router_client import router_client
@@ -53,16 +56,27 @@ def _complete(client, model, prompt):
     return raw.headers["x-kvserve-worker"], out.usage.prompt_tokens_details.cached_tokens
 
 
+def _tokenizer_source(router) -> str | None:
+    """Where the router's one tokenizer came from (``worker N`` / ``--tokenizer DIR``)."""
+    held = router_view(router)["tokenizers"]["held"]
+    return next(iter(held.values()), None)
+
+
 def test_a_shared_document_is_routed_to_its_holder(llama_dir, tmp_path):
     tok = load_tokenizer(llama_dir)
     doc = _document(tok, 1024)
     n_doc = len(tok.encode(doc))
-    args = ("--tokenizer", str(llama_dir))
-    with cluster(
-        llama_dir, tmp_path, worker_args=("--max-model-len", "1536"), router_args=args
-    ) as c:
-        router = c.routers[0]
-        assert router_view(router)["routing"] == "prefix"
+    with cluster(llama_dir, tmp_path, worker_args=("--max-model-len", "1536")) as c:
+        router = c.routers[0]  # no --tokenizer: it takes the workers' (one fingerprint)
+        view = router_view(router)
+        assert view["routing"] == "prefix"
+        assert {w["tokenizer_fp"] for w in view["workers"]} == {tok.fingerprint}
+        wait_until(lambda: _tokenizer_source(router) is not None, 30, "the tokenizer fetched")
+        assert _tokenizer_source(router) in ("worker a", "worker b")
+        assert router_view(router)["tokenizers"]["held"].keys() == {tok.fingerprint}
+        assert _metric(router, "kvserve_router_tokenizer_fetches_total", 'outcome="ok"') == 1
+        assert _metric(router, "kvserve_router_tokenizers", 'source="worker"') == 1
+        assert "taken from worker" in router.log.read_text()
         wait_until(lambda: _synced(router), 30, "the router's index synced with both workers")
         client = router_client(router)
         model = str(llama_dir)
@@ -108,14 +122,25 @@ def test_a_shared_document_is_routed_to_its_holder(llama_dir, tmp_path):
         c.routers.clear()
         router = c.add_router()
         wait_until(lambda: _synced(router, min_device=blocks, holder=holder), 30, "snapshots")
+        wait_until(lambda: _tokenizer_source(router) is not None, 30, "the tokenizer again")
         assert _metric(router, "kvserve_router_kv_snapshots_total") >= 2
         w, cached = _complete(router_client(router), model, doc + " after the restart")
         assert w == holder and cached >= n_doc - 32
-        # a second router, beside it, builds the same index and places the same way
-        second = c.add_router()
+        # a second router, beside it, builds the same index and places the same way; it
+        # has --tokenizer (the override), so it fetches nothing
+        second = c.add_router("--tokenizer", str(llama_dir))
         wait_until(lambda: _synced(second, min_device=blocks, holder=holder), 30, "second")
+        assert _tokenizer_source(second) == f"--tokenizer {llama_dir}"
         for r in (router, second):
             assert _complete(router_client(r), model, doc + " two routers")[0] == holder
+        assert _metric(second, "kvserve_router_tokenizer_fetches_total") == 0
+        assert _metric(second, "kvserve_router_tokenizers", 'source="flag"') == 1
+        assert _metric(second, "kvserve_router_decisions_total", 'reason="prefix"') == 1
+
+        # the tokenizer endpoint is internal: no cluster secret, no tokenizer
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(c.workers[holder].url + "/internal/tokenizer", timeout=5)
+        assert e.value.code == 401
 
         # the holder drains: the other worker restores the document from the shared tier
         ids = tok.encode(doc + " while draining")

@@ -82,19 +82,25 @@ def test_placement_weighs_overlap_against_load():
     chain = hash_blocks(root_hash("m", "kv=bf16", "block_size=4"), ids[:40], 4)
     _synced(ix, "a", device=chain[:8])
     _synced(ix, "b", device=chain[:2], host=chain[2:10])
-    p = Placement("prefix", ix, "tok", load_weight=10, host_weight=0.5)
+    p = Placement("prefix", ix, load_weight=10, host_weight=0.5)
     a, b, c = _worker("a"), _worker("b"), _worker("c")
-    assert p.cached_tokens(a, ids, None) == (32, 0)
-    assert p.cached_tokens(b, ids, None) == (8, 32)
-    d = p.choose([a, b, c], "s", PromptInfo(ids))
-    assert (d.worker.node_id, d.reason, d.predicted_cached) == ("a", "prefix", 32)
+    prompt = PromptInfo({"tok": ids})
+    assert p.cached_tokens(a, prompt) == (32, 0)
+    assert p.cached_tokens(b, prompt) == (8, 32)
+    d = p.choose([a, b, c], "s", prompt)
+    assert (d.worker.node_id, d.reason, d.predicted_cached, d.prompt_tokens) == (
+        "a",
+        "prefix",
+        32,
+        41,
+    )
     a.inflight = 2  # 20 tokens of load: a costs 41-32+20=29, b 41-8-16=17
-    assert p.choose([a, b, c], "s", PromptInfo(ids)).worker.node_id == "b"
+    assert p.choose([a, b, c], "s", prompt).worker.node_id == "b"
     a.inflight = b.inflight = 5
-    d = p.choose([a, b, c], "s", PromptInfo(ids))
+    d = p.choose([a, b, c], "s", prompt)
     assert d.worker.node_id == "c" and d.reason == "load"
     # another salt is another chain: nothing matches
-    assert p.cached_tokens(a, ids, "other") == (0, 0)
+    assert p.cached_tokens(a, PromptInfo({"tok": ids}, "other")) == (0, 0)
 
 
 def test_placement_never_trusts_a_worker_it_cannot_match():
@@ -103,22 +109,47 @@ def test_placement_never_trusts_a_worker_it_cannot_match():
     chain = hash_blocks(root_hash("m", "kv=bf16", "block_size=4"), ids[:16], 4)
     for n in "abc":
         _synced(ix, n, device=chain)
-    p = Placement("prefix", ix, "tok")
-    assert p.cached_tokens(_worker("a", fp="other"), ids, None) == (0, 0)
-    assert p.cached_tokens(_worker("b", tenant_isolation=True), ids, None) == (0, 0)
+    p = Placement("prefix", ix)
+    prompt = PromptInfo({"tok": ids})
+    assert p.cached_tokens(_worker("a", fp="other"), prompt) == (0, 0)
+    assert p.cached_tokens(_worker("b", tenant_isolation=True), prompt) == (0, 0)
     ix.mark_unsynced("c")
-    assert p.cached_tokens(_worker("c"), ids, None) == (0, 0)
-    assert p.cached_tokens(_worker("d"), ids, None) == (0, 0)  # never heard of
+    assert p.cached_tokens(_worker("c"), prompt) == (0, 0)
+    assert p.cached_tokens(_worker("d"), prompt) == (0, 0)  # never heard of
+
+
+def test_each_worker_is_matched_in_its_own_tokenizers_ids():
+    """Two models behind one router: a worker is matched with the ids of the tokenizer it
+    registered, never with another model's, and a worker whose tokenizer the router does
+    not have yet is placed by load."""
+    ix = PrefixIndex()
+    ids_m, ids_n = list(range(17)), list(range(100, 117))  # one prompt, two tokenizers
+    root = root_hash("m", "kv=bf16", "block_size=4")
+    _synced(ix, "a", device=hash_blocks(root, ids_m[:16], 4))
+    _synced(ix, "b", device=hash_blocks(root, ids_n[:16], 4))
+    a, b, c = _worker("a", fp="m"), _worker("b", fp="n"), _worker("c", fp="unknown")
+    p = Placement("prefix", ix, load_weight=0)
+    both = PromptInfo({"m": ids_m, "n": ids_n})
+    assert p.cached_tokens(a, both) == (16, 0) and p.cached_tokens(b, both) == (16, 0)
+    # with only model m's tokenizer, b (model n) matches nothing, even though the same
+    # block hashes would be found in its index under m's ids
+    _synced(ix, "b", device=hash_blocks(root, ids_m[:16], 4))
+    only_m = PromptInfo({"m": ids_m})
+    assert p.cached_tokens(b, only_m) == (0, 0) and p.cached_tokens(c, only_m) == (0, 0)
+    assert p.choose([b, c, a], "s", only_m).worker.node_id == "a"
+    d = p.choose([b, c], "s", only_m)
+    assert d.reason == "load" and d.prompt_tokens == 0  # no guess to check for b or c
+    assert p.choose([b, c], "s", PromptInfo()).reason == "least_loaded"
 
 
 def test_round_robin_and_least_loaded():
     ws = [_worker("b", load=1), _worker("a", load=3), _worker("c", load=2)]
-    rr = Placement("round-robin", None, None)
-    assert [rr.choose(ws, "s", PromptInfo(None)).worker.node_id for _ in range(4)] == [
+    rr = Placement("round-robin", None)
+    assert [rr.choose(ws, "s", PromptInfo()).worker.node_id for _ in range(4)] == [
         "a",
         "b",
         "c",
         "a",
     ]
-    ll = Placement("least-loaded", None, None)
-    assert ll.choose(ws, "s", PromptInfo([1, 2, 3])).worker.node_id == "b"
+    ll = Placement("least-loaded", None)
+    assert ll.choose(ws, "s", PromptInfo({"tok": [1, 2, 3]})).worker.node_id == "b"
