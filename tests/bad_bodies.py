@@ -23,6 +23,9 @@ BAD_BODIES: list[tuple[str, bytes, str | None]] = [
     ("/v1/completions", b'{"prompt": "\xff\xfe x"}', None),
     ("/v1/completions", b"{not json", None),
     ("/v1/completions", b"[1, 2]", None),
+    # fields a router sets itself: a wrong type must still reach the worker (issue 46)
+    ("/v1/completions", b'{"prompt": "x", "return_token_ids": "yes"}', "return_token_ids"),
+    ("/v1/completions", b'{"prompt": "x", "session_id": 123}', "session_id"),
 ]
 
 

@@ -175,8 +175,8 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
         except Unroutable as u:
             return JSONResponse(u.body, status_code=u.status)
         served = {"X-Kvserve-Worker": w.node_id, "X-Session-Id": flow.session}
-        if flow.ephemeral:
-            served.pop("X-Session-Id")
+        if flow.ephemeral or not (flow.session.isascii() and flow.session.isprintable()):
+            served.pop("X-Session-Id")  # (a header carries printable ASCII only)
         if resp.status_code != 200:  # the worker's own answer (a 4xx): relay it as is
             content = await resp.aread()
             await resp.aclose()

@@ -9,7 +9,10 @@ stream can be continued with the same draws; the seed is random, so nothing chan
 the client) and, on streams, ``stream_options.include_usage`` (the router learns how many
 prompt tokens the worker had cached; the usage chunk is dropped again unless asked).
 It also sends ``X-Kvserve-Session-Epoch``: the session's epoch as the router saw it,
-which the worker's claim is conditional on.
+which the worker's claim is conditional on. Everything else goes up as the client sent it
+(tools, response_format, penalties …: the worker validates and answers). A body whose
+``session_id`` or ``return_token_ids`` has the wrong type goes up with no additions at
+all, so the worker refuses it with the same 400 it gives a direct client.
 
 Placement: the session's owner when it is routable (affinity, whatever the policy), else
 ``scoring.Placement`` (prefix overlap against load, least-loaded or round-robin).
@@ -102,20 +105,25 @@ class Flow:
 
     @classmethod
     def from_client(cls, kind: str, body: dict[str, Any], headers: Any) -> Flow:
-        session = body.get("session_id") or headers.get("x-session-id")
+        # fields the router sets: with a wrong type they must reach the worker as sent
+        valid = isinstance(body.get("session_id"), str | None) and isinstance(
+            body.get("return_token_ids", False), bool
+        )
+        session = (body.get("session_id") or headers.get("x-session-id")) if valid else None
         ephemeral = not session
         if ephemeral:
             session = f"rt-{uuid.uuid4().hex}"
         n = body.get("n") or 1
-        resumable = n == 1 and not body.get("logprobs") and not body.get("echo")
-        up = dict(body, session_id=session)
+        resumable = valid and n == 1 and not body.get("logprobs") and not body.get("echo")
+        up = dict(body, session_id=session) if valid else dict(body)
         if resumable:
             up["return_token_ids"] = True
             if up.get("seed") is None:
                 up["seed"] = secrets.randbits(62)
         options = body.get("stream_options")
         strip_usage = (
-            bool(body.get("stream"))
+            valid
+            and bool(body.get("stream"))
             and isinstance(options, dict | None)  # (anything else: the worker's 400)
             and not (options or {}).get("include_usage")
         )

@@ -260,6 +260,11 @@ def test_router_errors_are_openai_shaped(llama_dir, tmp_path):
             client.completions.create(model=str(llama_dir), prompt="x", max_tokens=100_000)
         models = client.models.list()
         assert [m.id for m in models.data] == [llama_dir.name]  # no filesystem path
+        # a session id a header cannot carry is served, not a 500 (the echo is left out)
+        raw = client.completions.with_raw_response.create(
+            model=str(llama_dir), prompt="x", max_tokens=2, extra_body={"session_id": "日本"}
+        )
+        assert raw.status_code == 200 and "x-session-id" not in raw.headers
 
         c.workers["a"].stop(signal.SIGKILL)  # no worker left: refused, not hung
         wait_until(lambda: not router_view(router)["workers"], 30, "worker gone")
