@@ -29,7 +29,9 @@ subcommand. Environment: `KVSERVE_CLUSTER_SECRET` (the cluster secret),
 `KVSERVE_CACHE_DIR` (converted GGUF checkpoints), `KVSERVE_NO_MALLOC_TUNING=1`,
 `KVSERVE_HUGEPAGES=0` (no huge pages for the KV cache and weights), `KVSERVE_TCMALLOC`
 (`0`: no tcmalloc for a CPU engine core; a path: that library),
-`TORCH_EXTENSIONS_DIR` (the compiled CPU kernels).
+`TORCH_EXTENSIONS_DIR` (CPU kernels compiled at a first start go to its `kvserve/`),
+`KVSERVE_PREBUILT_KERNELS=0` (ignore the CPU kernels compiled at install),
+`KVSERVE_KERNEL_BUILD_TIMEOUT` (seconds a start waits for another's kernel build, 900).
 """
 
 
