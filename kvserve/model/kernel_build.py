@@ -18,8 +18,9 @@ Contract:
 3. This module imports only the standard library (torch when it builds), so it also runs
    as a script before kvserve's dependencies are installed: setup.py's build_ext runs
    ``python -P kernel_build.py --dest DIR`` with the interpreter being installed into.
-   Exit status 0: built (the path is stdout's last line); 2: no torch in this interpreter;
-   1: the build failed (the compiler's output is on stderr).
+   It compiles nothing where ``DIR`` already holds this build's name. Exit status 0: built
+   or up to date (the path is stdout's last line); 2: no torch in this interpreter; 1: the
+   build failed (the compiler's output is on stderr).
 """
 
 from __future__ import annotations
@@ -134,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvserve: no torch in {sys.executable} ({e})", file=sys.stderr)
         return 2
     say = functools.partial(print, file=sys.stderr, flush=True)
+    built = args.dest / f"{build_name()}.so"
+    if built.is_file():  # a reinstall with nothing changed: the same inputs, the same library
+        say(f"kvserve: the CPU kernels are up to date: {built}")
+        print(built)
+        return 0
     say(
         f"kvserve: compiling the CPU kernels for torch {torch.__version__} "
         f"({torch.__file__}) into {args.dest}; about 1-3 minutes"
