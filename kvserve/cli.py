@@ -15,6 +15,7 @@ import time
 from kvserve.config import EngineArgs
 from kvserve.router.config import ROUTING_CHOICES
 from kvserve.server.config import ROLES
+from kvserve.server.tools.parsers import PARSER_NAMES
 
 
 def _default_model() -> str:
@@ -96,6 +97,7 @@ def _serve(ns: argparse.Namespace) -> int:
         cluster_secret=ns.cluster_secret or os.environ.get("KVSERVE_CLUSTER_SECRET"),
         advertise_url=ns.advertise_url,
         role=ns.role,
+        tool_call_parser=ns.tool_call_parser,
     )
     if config.role != "both" and not engine_args.cluster:
         raise ValueError("--role prefill|decode needs --cluster (a router hands requests over)")
@@ -288,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ROLES,
         help="in a cluster, what routers send here: both (whole requests), prefill (prompts, "
         "handed to a decode worker after the first token) or decode (default: both)",
+    )
+    sv.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=PARSER_NAMES,
+        help="how tool calls are read out of chat outputs with tool_choice auto: hermes "
+        "(<tool_call> JSON, Qwen/Hermes), llama3_json, mistral ([TOOL_CALLS]), or auto: "
+        "chosen from the chat template (default: auto)",
     )
     sv.add_argument(
         "--max-waiting-requests", type=int, default=1024, help="queue bound; beyond: 429"

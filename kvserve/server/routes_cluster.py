@@ -91,6 +91,9 @@ def cluster_routes(state: ServerState) -> APIRouter:
         except EngineError as e:
             raise APIError(409, str(e), "ConflictError") from None
         params = record.params
+        tools = (
+            state.chat_params(original)[1] if isinstance(original, ChatCompletionRequest) else None
+        )
         kind = "chat.completion" if chat else "text_completion"
         resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await respond(
@@ -103,6 +106,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             request,
             resume=(len(delivered), chars),
             echo=[_echo_text(original)],
+            tools=tools,
         )
 
     def _echo_text(original: CompletionRequest | ChatCompletionRequest) -> str:
@@ -121,7 +125,10 @@ def cluster_routes(state: ServerState) -> APIRouter:
         """The session record of ``original`` as its primary started it (nothing
         generated): a stream resumes from it when its primary replicated nothing yet.
         Exact for greedy and seeded requests. Raises ValueError."""
-        params = original.sampling_params()
+        if isinstance(original, ChatCompletionRequest):
+            params = state.chat_params(original)[0]
+        else:
+            params = original.sampling_params()
         if params.n != 1:
             raise ValueError("only single-choice (n = 1) streams can be resumed")
         if chat:
