@@ -60,13 +60,27 @@ class ChoiceState:
         self._offset = 0  # completions text_offset of the next token
         self._hold = max((len(s) for s in params.stop_strings), default=1) - 1
 
-    def resume_after(self, num_token_ids: int, num_chars: int) -> None:
-        """The client already has this many token ids and text characters: stream only
-        what follows them."""
-        self._ids_sent = num_token_ids
+    def resume_after(self, delivered: list[int], num_chars: int) -> None:
+        """The client already has the output tokens ``delivered`` and this many text
+        characters: stream only what follows them. A choice whose tool calls are read out
+        of its text instead recomputes what the primary had sent — the parse of the
+        delivered tokens' text up to the same held-back end — since a router counts only
+        content characters, not the tool-call text around them."""
+        self._ids_sent = len(delivered)
         self._sent = max(0, num_chars - len(self._echo))  # the client has the echo too
         self._echo_sent = True
+        if self.tools is not None and self.tok is not None:
+            text = self.tok.decode(delivered, skip_special_tokens=self.params.skip_special_tokens)
+            self._sent = self._visible_end(text, 0)
         self._tools_from = self._sent  # the tool-call stream catches up silently
+
+    def _visible_end(self, text: str, sent: int) -> int:
+        """How much of an unfinished output's ``text`` may be sent: all but the tail a stop
+        string could still claim and an unfinished UTF-8 character."""
+        end = len(text) - self._hold
+        while end > sent and text[end - 1] == "\ufffd":
+            end -= 1
+        return max(end, sent)
 
     @property
     def num_tokens(self) -> int:
@@ -84,9 +98,7 @@ class ChoiceState:
             self.finish_reason, self.stop_reason = comp.finish_reason, comp.stop_reason
             end = len(self.text)
         else:
-            end = len(self.text) - self._hold
-            while end > self._sent and self.text[end - 1] == "\ufffd":
-                end -= 1
+            end = self._visible_end(self.text, self._sent)
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
             if self._tools_from is not None:  # a resumed stream: what the client has

@@ -104,7 +104,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             kind,
             resp_id,
             request,
-            resume=(len(delivered), chars),
+            resume=(delivered, chars),
             echo=[_echo_text(original)],
             tools=tools,
         )

@@ -65,11 +65,11 @@ async def respond(
     kind: str,
     rid: str,
     request: Request,
-    resume: tuple[int, int] | None = None,
+    resume: tuple[list[int], int] | None = None,
     echo: list[str] | None = None,
     tools: ToolPlan | None = None,
 ) -> Response:
-    """``resume``: (token ids, text characters) the client already has — the response
+    """``resume``: (output token ids, text characters) the client already has — the response
     continues after them (a failover). ``echo``: per stream, text sent before its output
     (completions ``echo``). ``tools``: a chat request's tool plan (its calls are read out of
     the text when it has a parser)."""
