@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -20,48 +21,62 @@ if TYPE_CHECKING:
 
 _NEG_INF = float("-inf")
 _BAN = -100.0  # a logit_bias at or below this bans the token, as OpenAI documents
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
-def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A packed int32 bitmask → a bool tensor ``[vocab]`` (True = allowed); tokens past
-    the mask's last word are forbidden."""
-    bits = (mask.to(torch.int32).view(-1, 1) >> _SHIFTS) & 1
-    allowed = bits.view(-1).bool()
-    if allowed.numel() >= vocab:
-        return allowed[:vocab]
-    return torch.cat([allowed, torch.zeros(vocab - allowed.numel(), dtype=torch.bool)])
+def unpack_bitmask(masks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 bitmasks ``[R, W]`` (or one ``[W]``) → bool ``[R, vocab]`` (``[vocab]``),
+    True = allowed; tokens past the masks' last word are forbidden."""
+    packed = masks.to(torch.int32).contiguous().numpy()
+    bits = np.unpackbits(packed.view(np.uint8), axis=-1, bitorder="little")
+    if bits.shape[-1] < vocab:
+        pad = [(0, 0)] * (bits.ndim - 1) + [(0, vocab - bits.shape[-1])]
+        bits = np.pad(bits, pad)
+    return torch.from_numpy(np.ascontiguousarray(bits[..., :vocab]).view(np.bool_))
+
+
+def _may_empty(row: SampleRow) -> bool:
+    """Can this row's processors forbid every token? Only a grammar mask together with
+    other bans can (allowed ids are in the vocabulary; penalties never forbid)."""
+    p = row.params
+    banned = bool(p.logit_bias) and min(p.logit_bias.values()) <= _BAN
+    return row.mask is not None and bool(row.suppress or p.allowed_token_ids or banned)
 
 
 def _needs_processing(row: SampleRow) -> bool:
     p = row.params
     return bool(
-        row.suppress
-        or row.mask is not None
-        or p.allowed_token_ids is not None
-        or p.logit_bias
-        or p.penalized
+        row.suppress or p.allowed_token_ids is not None or p.logit_bias or p.penalized
     )
 
 
 def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """Apply every row's processors to ``logits`` ``[len(rows), vocab]`` in place."""
     vocab = logits.shape[1]
+    guided = [i for i, r in enumerate(rows) if r.mask is not None]
+    fragile = [i for i in guided if _may_empty(rows[i])]
+    raw = logits[fragile].clone() if fragile else None
     for i, row in enumerate(rows):
-        if not _needs_processing(row):
-            continue
-        raw = logits[i].clone()
-        grammar = None if row.mask is None else unpack_bitmask(row.mask, vocab)
-        _process_row(logits[i], row, grammar)
-        if bool(torch.isneginf(logits[i]).all()):  # nothing left: only the grammar's rule
-            logits[i] = raw if grammar is None else raw.masked_fill(~grammar, _NEG_INF)
+        if _needs_processing(row):
+            _process_row(logits[i], row)
+    if guided:  # every grammar mask at once: one unpack, one fill
+        allowed = unpack_bitmask(torch.stack([rows[i].mask for i in guided]), vocab)
+        idx = torch.tensor(guided, dtype=torch.long)
+        logits[idx] = logits[idx].masked_fill_(~allowed, _NEG_INF)
+    if raw is not None:  # nothing left: only the grammar's rule
+        dead = (logits[fragile].amax(dim=1) == _NEG_INF).tolist()
+        for k, i in enumerate(fragile):
+            if dead[k]:
+                keep = unpack_bitmask(rows[i].mask, vocab)  # type: ignore[arg-type]
+                logits[i] = raw[k].masked_fill(~keep, _NEG_INF)
 
 
 def _ids(ids: list[int] | tuple[int, ...], vocab: int) -> list[int]:
     return [t for t in ids if 0 <= t < vocab]
 
 
-def _process_row(x: torch.Tensor, row: SampleRow, grammar: torch.Tensor | None) -> None:
+def _process_row(x: torch.Tensor, row: SampleRow) -> None:
+    """Everything but the grammar mask, in ``SamplingParams``' order (the mask forbids
+    and the penalties only lower or scale: applying the mask after them is the same)."""
     p = row.params
     vocab = x.shape[0]
     if p.allowed_token_ids is not None:
@@ -79,8 +94,6 @@ def _process_row(x: torch.Tensor, row: SampleRow, grammar: torch.Tensor | None) 
             x[ids] += torch.tensor([b for _, b in added], dtype=x.dtype)
         if banned:
             x[banned] = _NEG_INF
-    if grammar is not None:
-        x.masked_fill_(~grammar, _NEG_INF)
     if p.presence_penalty or p.frequency_penalty:
         out = torch.tensor(_ids(row.output_ids or [], vocab), dtype=torch.long)
         if out.numel():
