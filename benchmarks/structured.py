@@ -8,9 +8,11 @@ which kind goes first). Reported: generated tokens per second (completion tokens
 time) per engine and kind, and each engine's json_schema/unconstrained ratio. vLLM runs at
 its best as benchmarks/serving.py starts it: tcmalloc preloaded, OpenMP threads bound to
 every allowed CPU. Both engines generate compact JSON (vLLM with ``disable_any_whitespace``,
-kvserve's default), so the outputs have the same shape. Unconstrained requests ignore EOS
-and run to ``--max-tokens``; constrained ones end when their JSON is complete (the schema
-asks for six items, about as long).
+kvserve's default), so the outputs have the same shape. The two kinds generate the same
+token counts: a warm-up run of the constrained requests records each one's length (they
+are seeded), and its unconstrained twin ignores EOS and runs to exactly that length — so
+the ratio is the cost per token, not a difference in how much a prompt's prefill is
+amortized over.
 
     python benchmarks/structured.py --rounds 2 --out benchmarks/results/structured.json
 """
@@ -59,8 +61,11 @@ LEVELS = ((1, 6), (32, 64))  # (concurrency, requests)
 KINDS = ("unconstrained", "json_schema")
 
 
-async def load(url: str, n: int, conc: int, kind: str, max_tokens: int) -> float:
-    """Generated tokens per second of ``n`` chat requests, ``conc`` at a time."""
+async def load(
+    url: str, n: int, conc: int, kind: str, max_tokens: int, lengths: dict[int, int]
+) -> float:
+    """Generated tokens per second of ``n`` chat requests, ``conc`` at a time. Constrained
+    requests record their lengths in ``lengths``; unconstrained ones run to them."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
     sem = asyncio.Semaphore(conc)
     tokens = 0
@@ -68,15 +73,18 @@ async def load(url: str, n: int, conc: int, kind: str, max_tokens: int) -> float
     async def one(i: int) -> None:
         nonlocal tokens
         kw: dict = {"extra_body": {"ignore_eos": True}}
+        limit = lengths.get(i, max_tokens) if kind == "unconstrained" else max_tokens
         if kind == "json_schema":
             kw = {"response_format": {"type": "json_schema",
                                       "json_schema": {"name": "list", "schema": SCHEMA}}}
         async with sem:
             r = await client.chat.completions.create(
                 model="smol", messages=[{"role": "user", "content": f"A shopping list, {i}."}],
-                max_tokens=max_tokens, temperature=0.7, seed=i, **kw,
+                max_tokens=limit, temperature=0.7, seed=i, **kw,
             )  # fmt: skip
         tokens += r.usage.completion_tokens
+        if kind == "json_schema":
+            lengths[i] = r.usage.completion_tokens
         if kind == "json_schema" and r.choices[0].finish_reason == "stop":
             json.loads(r.choices[0].message.content)
 
@@ -150,12 +158,13 @@ def main() -> None:
             cmd, env, url = engines[name]
             proc = serve(cmd, env, url, Path(f"/tmp/structured-{name}-r{r}.log"))
             try:
-                asyncio.run(load(url, 4, 4, "json_schema", a.max_tokens))  # warm-up
-                asyncio.run(load(url, 4, 4, "unconstrained", a.max_tokens))
+                lengths: dict[int, int] = {}  # warm-up, and each request's length
+                asyncio.run(load(url, 64, 32, "json_schema", a.max_tokens, lengths))
+                asyncio.run(load(url, 4, 4, "unconstrained", a.max_tokens, lengths))
                 for conc, n in LEVELS:
                     kinds = KINDS if (r + conc) % 2 == 0 else tuple(reversed(KINDS))
                     for kind in kinds:
-                        tps = asyncio.run(load(url, n, conc, kind, a.max_tokens))
+                        tps = asyncio.run(load(url, n, conc, kind, a.max_tokens, lengths))
                         runs[name][f"c={conc}"][kind].append(tps)
                         print(f"round {r} {name} c={conc} {kind}: {tps:.1f} tok/s", flush=True)
             finally:

@@ -124,18 +124,27 @@ def _other(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, seed=900 + i, max_tokens=24, **kinds[i % 4])
 
 
-def test_a_constrained_request_gives_the_same_tokens_alone_and_among_31_others():
-    """Batch invariance of the whole path (grammar masks, penalties, bias) in bfloat16."""
+@pytest.mark.parametrize("preempt", [False, True])
+def test_a_constrained_request_gives_the_same_tokens_alone_and_among_31_others(preempt):
+    """Batch invariance of the whole path (grammar masks, penalties, bias) in bfloat16;
+    with a cache too small for the batch, through recompute preemptions too (a preempted
+    request's grammar state stays with its delivered tokens)."""
     engine = make_engine(DEFAULT_MODEL_DIR, dtype="bfloat16", kv_cache_memory="64MiB",
                          max_model_len=256)  # fmt: skip
     prompt = engine.tokenize("def parse(line):")
     engine.add_request("alone", prompt, _constrained(0))
     alone = run_to_end(engine)["alone"]
+    if preempt:
+        spec = engine.kv_spec
+        engine = make_engine(DEFAULT_MODEL_DIR, dtype="bfloat16", max_model_len=256,
+                             kv_cache_memory=24 * spec.bytes_per_block,
+                             preemption_mode="recompute")  # fmt: skip
     engine.add_request("target", prompt, _constrained(0))
     for i in range(31):
         engine.add_request(f"o{i}", engine.tokenize(f"class C{i}:"), _other(i))
     got = run_to_end(engine)
     assert got["target"] == alone
+    assert (engine.scheduler.num_preemptions > 0) == preempt
     text = engine.tokenizer.decode(alone, skip_special_tokens=True)
     value = json.loads(text)
     assert set(value) == {"name", "n", "tags"} and len(value["name"]) <= 8

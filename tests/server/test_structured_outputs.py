@@ -154,3 +154,17 @@ def test_what_cannot_be_enforced_is_a_400_naming_the_field(server, extra, param)
     status, err = post(server, "/v1/chat/completions", chat_body(**extra))
     assert status == 400, err
     assert err["error"]["param"] == param, err
+
+
+def test_n_choices_each_follow_the_schema(server):
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b", "c"]},
+              "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["k", "n"], "additionalProperties": False}  # fmt: skip
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "?"}], n=4, seed=5,
+        temperature=1.0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+    )  # fmt: skip
+    assert len(r.choices) == 4
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
