@@ -36,6 +36,7 @@ from kvserve.router.relay import Flow, Relay, Unroutable
 from kvserve.router.scoring import Placement
 from kvserve.router.tokenizers import Tokenizers, load_override
 from kvserve.router.workers import WorkerPool
+from kvserve.server.disconnect import ClientGone, unless_disconnected
 from kvserve.server.errors import (
     INVALID_TEXT,
     NOT_UTF8,
@@ -170,6 +171,16 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
             fps = {w.info.get("tokenizer_fp") for w in holder["pool"].routable()}
             flow.prompt = await holder["prompts"].read(kind, body, fps)
         relay: Relay = holder["relay"]
+        if body.get("stream"):  # a stream notices a disconnect when it writes
+            return await _answer(relay, flow, body)
+        try:  # a client that leaves closes the worker's connection: it aborts there
+            return await unless_disconnected(request, _answer(relay, flow, body))
+        except ClientGone as gone:
+            return gone.response()
+
+    async def _answer(relay: Relay, flow: Flow, body: dict[str, Any]) -> Response:
+        """Open the request on a worker and relay its answer: an SSE stream, or the whole
+        JSON (continued elsewhere on failures)."""
         try:
             w, resp = await relay.open(flow)
         except Unroutable as u:

@@ -51,6 +51,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 import httpx
 
 from kvserve.ha.coordination import Coordinator
@@ -182,6 +183,15 @@ class Flow:
         return payload
 
 
+async def _closed(resp: httpx.Response) -> None:
+    """Close ``resp`` (its connection, when unfinished: the worker aborts the request),
+    also from a cancelled task: a client's disconnect cancels the ASGI server's task group,
+    whose cancellation would otherwise cut this very close short and leave the worker
+    generating for nobody."""
+    with anyio.CancelScope(shield=True):
+        await resp.aclose()
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -219,9 +229,9 @@ class Relay:
                     self.metrics.failovers_detected.labels("stall").inc()
                     raise WorkerFailed(f"{w.node_id} stopped answering")
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
+            if not task.done():  # waited for even when this task is being cancelled, so
+                task.cancel()  # the read has stopped before the response is closed
+                with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
                     await task
 
     async def _owner(self, session: str):
@@ -454,7 +464,7 @@ class Relay:
                 w, resp = moved
                 current = w
         finally:  # also when the client goes away: close the worker's stream (it aborts)
-            await resp.aclose()
+            await _closed(resp)
             if current is not None:
                 current.inflight -= 1
             self.metrics.observe_cached(flow)
@@ -499,7 +509,7 @@ class Relay:
                 assert out is not None  # (a whole response is never a usage-only chunk)
                 return out
         finally:
-            await resp.aclose()
+            await _closed(resp)
             if current is not None:
                 current.inflight -= 1
             self.metrics.observe_cached(flow)

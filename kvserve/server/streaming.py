@@ -15,6 +15,7 @@ from kvserve.engine.async_llm import RequestStream
 from kvserve.engine.errors import EngineDeadError
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.server.disconnect import ClientGone, unless_disconnected
 from kvserve.server.errors import unavailable
 from kvserve.server.render import ChoiceState, usage
 from kvserve.server.state import ServerState
@@ -111,12 +112,24 @@ async def respond(
 
     metrics.prompt_tokens.labels(name).inc(sum(s.num_prompt_tokens for s in streams))
     if not body.stream:
+
+        async def collect() -> None:
+            try:
+                async for i, out in _merge(streams):
+                    observe(choices[i], out)
+                    choices[i].update(out)
+            except asyncio.CancelledError:  # the client went away: free the KV now
+                for s in streams:
+                    s.abort()
+                metrics.request_success.labels(name, "abort").inc(len(streams))
+                raise
+
         try:
-            async for i, out in _merge(streams):
-                observe(choices[i], out)
-                choices[i].update(out)
+            await unless_disconnected(request, collect())
         except EngineDeadError as e:
             raise unavailable(str(e)) from None
+        except ClientGone as gone:
+            return gone.response()
         completion_tokens = sum(c.num_tokens for c in choices)
         cached = sum(c.num_cached_tokens for c in choices) // max(params.n, 1)
         response = {
@@ -185,6 +198,9 @@ async def respond(
         finally:
             for s in streams:  # a disconnect cancels this generator: free the KV now
                 s.abort()
+            left = sum(c.finish_reason is None for c in choices)
+            if left:  # counted as the engine's own aborts are
+                metrics.request_success.labels(name, "abort").inc(left)
 
     return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

@@ -1,0 +1,66 @@
+"""An abandoned non-streaming request stops consuming the engine: a client that gives up
+after a second on a 1,900-token completion — straight to a worker, or through the router
+— leaves no request running and no KV blocks held within a bounded time, and the
+completion is counted as aborted, not as finished by length."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+
+import pytest
+from cluster_proc import cluster
+from server_proc import running_server, wait_until
+
+from kvserve.default_model import DEFAULT_MODEL_DIR
+
+LONG = 1900
+FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048")
+
+
+def _abandon(url: str, path: str, body: dict, after: float = 1.0) -> None:
+    """POST ``body`` and close the connection: a non-streaming request after ``after``
+    seconds without an answer, a stream once its first event has arrived."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=after)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    if body["stream"]:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    else:
+        with pytest.raises((socket.timeout, TimeoutError)):
+            conn.getresponse()  # the answer would take seconds: the client gives up
+    conn.close()
+
+
+def _completion(stream: bool = False) -> dict:
+    return {"prompt": "def main():", "max_tokens": LONG, "ignore_eos": True,
+            "temperature": 0.0, "stream": stream}  # fmt: skip
+
+
+def _idle(server) -> bool:
+    return (
+        server.metric("kvserve_num_requests_running") == 0
+        and server.metric("kvserve_kv_cache_blocks", 'state="used"') == 0
+    )
+
+
+def test_a_worker_aborts_an_abandoned_request(tmp_path):
+    with running_server(DEFAULT_MODEL_DIR, *FLAGS, log=tmp_path / "s.log") as server:
+        for stream in (False, True):
+            _abandon(server.url, "/v1/completions", _completion(stream))
+            wait_until(lambda: _idle(server), 10, "the abandoned request is gone")
+        assert server.metric("kvserve_request_success_total", 'finished_reason="length"') == 0
+        assert server.metric("kvserve_request_success_total", 'finished_reason="abort"') >= 2
+        assert server.metric("kvserve_generation_tokens_total") < LONG
+
+
+def test_the_router_passes_a_disconnect_on(tmp_path):
+    with cluster(DEFAULT_MODEL_DIR, tmp_path, nodes=("a",), worker_args=FLAGS) as c:
+        worker, router = c.workers["a"], c.routers[0]
+        for stream in (False, True):
+            _abandon(router.url, "/v1/completions", _completion(stream))
+            wait_until(lambda: _idle(worker), 10, "the abandoned request is gone")
+        assert worker.metric("kvserve_request_success_total", 'finished_reason="length"') == 0
+        assert worker.metric("kvserve_generation_tokens_total") < LONG
