@@ -8,6 +8,7 @@ many of them have K/V in the cache. Preemption by recompute resets it to 0; by s
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from kvserve.sampling import Logprob, SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.sampling.guided import Guide
+
+logger = logging.getLogger("kvserve")
 
 
 class RequestStatus(enum.Enum):
@@ -97,9 +100,15 @@ class Request:
         """The finished state that ``token`` (just appended) puts the request in, or None:
         stopped by a stop token id (recorded in ``stop_reason``) or EOS once ``min_tokens``
         are out; length at ``max_tokens`` or the context limit. Stop strings are checked on
-        the text by the client."""
+        the text by the client. A request with a grammar moves its matcher past ``token``
+        and stops once the grammar is complete and took a stop token."""
         p = self.params
         n_out = len(self.output_token_ids)
+        if self.guide is not None:  # (a refused token cannot happen: the mask allowed it)
+            if not self.guide.advance(token):
+                logger.error("request %s: token %d breaks its grammar", self.request_id, token)
+            if self.guide.terminated:
+                return RequestStatus.FINISHED_STOPPED
         if n_out >= p.min_tokens:
             if token in p.stop_token_ids:
                 self.stop_reason = token

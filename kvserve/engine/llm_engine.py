@@ -215,11 +215,6 @@ class LLMEngine:
         if lp is not None:
             req.output_logprobs.append(lp)
         status = req.stop_status(token, self.max_model_len)
-        if req.guide is not None:  # a refused token cannot happen: the mask allowed it
-            if not req.guide.advance(token):
-                logger.error("request %s: token %d breaks its grammar", req.request_id, token)
-            if req.guide.terminated:  # the grammar is complete and took a stop token
-                status = status or RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish(req, status)
         self._after_token(req)

@@ -28,11 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.ha.coordination import Coordinator
 from kvserve.router.config import RouterConfig
+from kvserve.router.flow import Flow
 from kvserve.router.index import PrefixIndex
 from kvserve.router.kv_sync import KVSync
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompts import PromptReader
-from kvserve.router.relay import Flow, Relay, Unroutable
+from kvserve.router.relay import Relay, Unroutable
 from kvserve.router.scoring import Placement
 from kvserve.router.tokenizers import Tokenizers, load_override
 from kvserve.router.workers import WorkerPool

@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvserve.router.relay import Flow
+from kvserve.router.flow import Flow
 
 
 class RouterMetrics:

@@ -4,12 +4,13 @@ core side). ``from kvserve.sampling import X`` names every public part."""
 
 from kvserve.sampling.params import (
     Logprob,
+    SampleRow,
     SamplingParams,
     StructuredSpec,
     child_seed,
     position_seed,
 )
-from kvserve.sampling.sampler import SampleResult, SampleRow, sample, token_logprobs
+from kvserve.sampling.sampler import SampleResult, sample, token_logprobs
 
 __all__ = [
     "Logprob",

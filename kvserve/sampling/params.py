@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 _GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
@@ -160,6 +163,25 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row of the logits.
+
+    ``suppress``: token ids forbidden here (EOS under ``min_tokens``, bad words' last
+    tokens). ``mask``: the structured output's allowed tokens as a packed bitmask (int32,
+    bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed), or None. ``output_ids`` /
+    ``prompt_ids``: the request's tokens so far, only when a penalty needs them.
+    """
+
+    params: SamplingParams
+    seed: int
+    position: int  # index in the sequence of the token being sampled
+    suppress: tuple[int, ...] = ()
+    mask: torch.Tensor | None = None
+    output_ids: list[int] | None = None
+    prompt_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

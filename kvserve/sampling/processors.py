@@ -11,13 +11,10 @@ sampling from nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from kvserve.sampling.sampler import SampleRow
+from kvserve.sampling.params import SampleRow
 
 _NEG_INF = float("-inf")
 _BAN = -100.0  # a logit_bias at or below this bans the token, as OpenAI documents

@@ -15,27 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.model.cpu_kernels import kernels_loaded
-from kvserve.sampling.params import Logprob, SamplingParams, position_seed
+from kvserve.sampling.params import Logprob, SampleRow, position_seed
 from kvserve.sampling.processors import process_logits
-
-
-@dataclass
-class SampleRow:
-    """What the sampler needs to know about one row of the logits.
-
-    ``suppress``: token ids forbidden here (EOS under ``min_tokens``, bad words' last
-    tokens). ``mask``: the structured output's allowed tokens as a packed bitmask (int32,
-    bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed), or None. ``output_ids`` /
-    ``prompt_ids``: the request's tokens so far, only when a penalty needs them.
-    """
-
-    params: SamplingParams
-    seed: int
-    position: int  # index in the sequence of the token being sampled
-    suppress: tuple[int, ...] = ()
-    mask: torch.Tensor | None = None
-    output_ids: list[int] | None = None
-    prompt_ids: list[int] | None = None
 
 
 @dataclass
