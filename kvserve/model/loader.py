@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -63,6 +65,23 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+@contextlib.contextmanager
+def _no_param_init() -> Iterator[None]:
+    """Modules built on the meta device skip their parameters' random init (the checkpoint
+    fills them). Not only wasted work: torch runs a meta tensor's ``normal_`` through a
+    path that imports ``torch._dynamo``, which imports Triton where it is installed (it
+    comes with xgrammar), whose bindings then print leak warnings at every exit."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "ones_", "zeros_", "trunc_normal_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    for n in names:
+        setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def load_model(
     model_dir: str | Path,
     spec: ModelSpec,
@@ -80,7 +99,7 @@ def load_model(
     wrong shape, or is not part of the architecture.
     """
     model_dir = Path(model_dir)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_param_init():
         model = LlamaForCausalLM(spec, backend, ops, tp)
     model = model.to_empty(device=device).to(dtype)
     expected = model.expected_weights()
