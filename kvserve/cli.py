@@ -99,6 +99,14 @@ def _serve(ns: argparse.Namespace) -> int:
         role=ns.role,
         tool_call_parser=ns.tool_call_parser,
     )
+    if config.tenants is not None and engine_args.prefix_cache_isolation is None:
+        # tenants do not learn from one another's TTFT what the others sent
+        engine_args = dataclasses.replace(engine_args, prefix_cache_isolation="tenant")
+    elif config.tenants is not None and engine_args.prefix_cache_isolation == "none":
+        logging.getLogger("kvserve").warning(
+            "--prefix-cache-isolation none with --tenants: tenants share prefix blocks, so a "
+            "tenant can tell from its time to first token whether another sent a prompt"
+        )
     if config.role != "both" and not engine_args.cluster:
         raise ValueError("--role prefill|decode needs --cluster (a router hands requests over)")
     if config.role == "prefill" and "standby" not in engine_args.replicate_to:

@@ -240,7 +240,9 @@ def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None, serve:
 
 _SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
 _LIST_FIELDS = {"kv_store", "replicate_to"}
-_STR_FIELDS = {"kv_usage_log", "cluster", "node_id", "distributed_init_method"}
+_STR_FIELDS = {
+    "kv_usage_log", "cluster", "node_id", "distributed_init_method", "prefix_cache_isolation"
+}
 _ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}  # extra flag that sets False
 
 
@@ -288,8 +290,12 @@ class EngineArgs:
         "start on a text shipped with kvserve; softmax ignores the shift)",
     )
     enable_prefix_caching: bool = _arg(True, "share full KV blocks between equal prefixes")
-    prefix_cache_isolation: str = _arg(
-        "none", "tenant: share prefix blocks only within a tenant", PREFIX_CACHE_ISOLATION
+    prefix_cache_isolation: str | None = _arg(
+        None,
+        "tenant: share prefix blocks only within a tenant; none: across tenants too (a "
+        "shared cache tells, through TTFT, whether another tenant sent a prompt); default: "
+        "tenant with --tenants, else none",
+        PREFIX_CACHE_ISOLATION,
     )
     sliding_window: int | None = _arg(None, "attend to the last N tokens only (frees blocks)")
     attention_sinks: int | None = _arg(
@@ -371,7 +377,7 @@ class EngineArgs:
             self.kv_cache_dtype,
             self.calculate_kv_scales,
             self.enable_prefix_caching,
-            self.prefix_cache_isolation,
+            self.prefix_cache_isolation or "none",
             self.sliding_window,
             self.attention_sinks,
             parse_size(self.swap_space),

@@ -159,6 +159,29 @@ def test_server_maps_keys_to_tenants(llama_dir, tmp_path):
     assert not any("beta" in s.get("tenants", {}) for s in samples)
 
 
+@pytest.mark.parametrize("flag", [(), ("--prefix-cache-isolation", "none")])
+def test_tenants_share_prefix_blocks_only_within_a_tenant_by_default(llama_dir, tmp_path, flag):
+    import yaml
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(_config()))
+    with running_server(
+        llama_dir, "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--tenants",
+        str(path), *flag, log=tmp_path / "serve.log",
+    ) as server:  # fmt: skip
+
+        def cached(key: str) -> int:
+            c = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            out = c.completions.create(model=str(llama_dir), prompt="x" * 40, max_tokens=1)
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        assert cached(ACME_KEY) == 0
+        assert cached(ACME_KEY) >= 16  # the same tenant: its blocks are reused
+        assert (cached(BETA_KEY) == 0) == (flag == ())  # another: only when shared on purpose
+    if flag:
+        assert "tenants share prefix blocks" in (tmp_path / "serve.log").read_text()
+
+
 def _labelled(server, name: str, **labels: str) -> float | None:
     """The value of metric ``name`` whose labels include ``labels`` (None if absent)."""
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
