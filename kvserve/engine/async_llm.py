@@ -213,6 +213,20 @@ class AsyncLLM:
         self._calls.clear()
         self.dead.set()
 
+    def end_all(self, reason: str) -> int:
+        """End every running request now: the core aborts them (their KV blocks are
+        freed) and each stream raises ``EngineDeadError(reason)`` — a 503 or an error event
+        (which a router answers by resuming the stream elsewhere). The engine stays up.
+        Returns how many requests were ended."""
+        ended = list(self._streams)
+        for rid in ended:
+            self.outputs.abort(rid)
+            self._streams.pop(rid).put_nowait(EngineDeadError(reason))
+        if ended and self.error is None:
+            with contextlib.suppress(EngineDeadError):
+                self._send(Abort(ended))
+        return len(ended)
+
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Ask the core to flush and exit; kill it after ``timeout`` s."""
         self._closing = True  # its exit is expected from now on

@@ -5,8 +5,10 @@ requests; an invalid file is logged and the old tenants stay.
 
 Shutdown: the first signal marks the server draining (``/ready`` → 503, new requests → 503)
 and uvicorn stops accepting connections, then waits up to ``graceful_timeout`` seconds for
-running requests and streams to finish; then the engine core is told to shut down (it
-flushes the KV store and exits). The engine core runs in its own process
+running requests and streams to finish; shortly before that deadline, the requests still
+running are ended (a 503, or an error event a router resumes elsewhere), so none is
+cancelled mid-flight; then the engine core is told to shut down (it flushes the KV store
+and exits). The engine core runs in its own process
 (``engine.core_proc``); if it dies, running streams end with an error event, new requests
 and ``/health`` get 503, and the server exits 1.
 """
@@ -198,7 +200,18 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
     def drain() -> None:
         if not app.state.kv.draining:
             logger.info("draining: refusing new requests, finishing running ones")
+            # before uvicorn's own deadline cancels what still runs (with a traceback),
+            # end those requests: a 503 or an error event, which a router resumes elsewhere
+            grace = config.graceful_timeout
+            margin = min(2.0, grace / 4)
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(loop.call_later, grace - margin, end_running)
         app.state.kv.draining = True
+
+    def end_running() -> None:
+        n = engine.end_all("the server is shutting down")
+        if n:
+            logger.warning("graceful timeout: ended %d running request(s)", n)
 
     uv_config = uvicorn.Config(
         app,

@@ -1,17 +1,21 @@
 """An abandoned non-streaming request stops consuming the engine: a client that gives up
 after a second on a 1,900-token completion — straight to a worker, or through the router
 — leaves no request running and no KV blocks held within a bounded time, and the
-completion is counted as aborted, not as finished by length."""
+completion is counted as aborted, not as finished by length. A SIGTERM ends what outlives
+the grace period cleanly."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
+import threading
+import time
 
 import pytest
 from cluster_proc import cluster
-from server_proc import running_server, wait_until
+from server_proc import ServerProcess, running_server, wait_until
 
 from kvserve.default_model import DEFAULT_MODEL_DIR
 
@@ -64,3 +68,44 @@ def test_the_router_passes_a_disconnect_on(tmp_path):
             wait_until(lambda: _idle(worker), 10, "the abandoned request is gone")
         assert worker.metric("kvserve_request_success_total", 'finished_reason="length"') == 0
         assert worker.metric("kvserve_generation_tokens_total") < LONG
+
+
+def test_sigterm_ends_what_outlives_the_grace_period_without_a_traceback(tmp_path):
+    """Draining waits --graceful-timeout for running requests; the ones still running
+    then end with a 503 (whole) or an error event (stream: a router resumes it) instead
+    of being cancelled mid-flight with a traceback, and the server exits 0."""
+    server = ServerProcess(DEFAULT_MODEL_DIR, "--kv-cache-memory", "64MiB", "--max-model-len",
+                           "8192", "--graceful-timeout", "1", log=tmp_path / "s.log")  # fmt: skip
+    body = {**_completion(True), "max_tokens": 8000}
+    results: dict[str, object] = {}
+    try:
+        server.wait_ready()
+        host, port = server.url.removeprefix("http://").split(":")
+        stream = http.client.HTTPConnection(host, int(port), timeout=60)
+        stream.request("POST", "/v1/completions", json.dumps(body),
+                       {"Content-Type": "application/json"})  # fmt: skip
+        resp = stream.getresponse()
+        assert resp.readline().startswith(b"data: ")
+
+        def whole() -> None:
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps({**body, "stream": False}),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            results["whole"] = conn.getresponse().status
+
+        t = threading.Thread(target=whole)
+        t.start()
+        wait_until(lambda: server.metric("kvserve_num_requests_running") == 2, 30, "both run")
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        rest = resp.read().decode()  # the stream ends: an error event, then the connection
+        t.join(30)
+        assert '"error"' in rest and "shutting down" in rest
+        assert results["whole"] == 503
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - start < 15
+    finally:
+        server.stop(signal.SIGKILL)
+    log = (tmp_path / "s.log").read_text()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert "ended 2 running request(s)" in log
