@@ -180,20 +180,28 @@ class Tokenizer:
             raise ValueError(f"chat template error: {type(e).__name__}: {e}") from None
 
 
+# the files load_tokenizer reads: all a tokenizer is built from (a router rebuilds a worker's
+# from exactly these: server.tokenizer_export)
+TOKENIZER_JSON, TOKENIZER_CONFIG, CHAT_TEMPLATE = (
+    "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"
+)  # fmt: skip
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, CHAT_TEMPLATE)
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """Load the tokenizer of ``model_dir``; None when it has no ``tokenizer.json``."""
     model_dir = Path(model_dir)
-    path = model_dir / "tokenizer.json"
+    path = model_dir / TOKENIZER_JSON
     if not path.is_file():
         return None
-    cfg_path = model_dir / "tokenizer_config.json"
+    cfg_path = model_dir / TOKENIZER_CONFIG
     config: dict[str, Any] = {}
     if cfg_path.is_file():
         try:
             config = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
-    template_file = model_dir / "chat_template.jinja"
+    template_file = model_dir / CHAT_TEMPLATE
     if "chat_template" not in config and template_file.is_file():
         config["chat_template"] = template_file.read_text()
     return Tokenizer(HFTokenizer.from_file(str(path)), config, model_dir)

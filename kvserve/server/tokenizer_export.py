@@ -4,8 +4,8 @@ Prefix-aware placement needs the router to turn a request into exactly the token
 worker will compute. Rather than a second copy of the model on the router (``--tokenizer``,
 still an override), a worker hands over what its own tokenizer was built from:
 
-1. ``export_tokenizer`` (worker) reads ``TOKENIZER_FILES`` — the files
-   ``model.tokenizer.load_tokenizer`` reads — from the directory the worker loaded its
+1. ``export_tokenizer`` (worker) reads ``model.tokenizer.TOKENIZER_FILES`` — the files
+   ``load_tokenizer`` reads — from the directory the worker loaded its
    tokenizer from. For a GGUF model that is the converted directory (``model.gguf``), so a
    GGUF-derived tokenizer travels like any HF one. The answer (msgpack
    ``TokenizerExport``) carries the raw bytes and the fingerprint the worker registers as
@@ -27,12 +27,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvserve.model.tokenizer import Tokenizer, load_tokenizer
+from kvserve.model.tokenizer import TOKENIZER_FILES, TOKENIZER_JSON, Tokenizer, load_tokenizer
 
-# every file model/tokenizer.py's load_tokenizer reads (keep the two in step: a file read
-# there and not shipped here would make a router's tokenizer differ — a refused fingerprint
-# if it decides token ids, a silent difference otherwise)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TOKENIZER_PATH = "/internal/tokenizer"
 TOKENIZER_MEDIA_TYPE = "application/vnd.kvserve.tokenizer+msgpack"
 
@@ -52,7 +48,7 @@ def export_tokenizer(tok: Tokenizer) -> bytes:
     ValueError when ``tokenizer.json`` is not there any more."""
     found = [tok.source / n for n in TOKENIZER_FILES if (tok.source / n).is_file()]
     files = {p.name: p.read_bytes() for p in found}
-    if "tokenizer.json" not in files:
+    if TOKENIZER_JSON not in files:
         raise ValueError(f"{tok.source}: tokenizer.json is gone")
     return msgspec.msgpack.encode(TokenizerExport(tok.fingerprint, str(tok.source), files))
 
