@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import AcceptPush, ReadCheckpoint
 from kvserve.ha.record import SessionRecord
+from kvserve.sampling import SamplingParams
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError, bad_request, unavailable
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -62,8 +63,12 @@ def cluster_routes(state: ServerState) -> APIRouter:
             raise bad_request("streams with logprobs cannot be resumed")
         principal = authenticate(request, state.config)  # the client's key, forwarded
         try:
+            if isinstance(original, ChatCompletionRequest):
+                params, tools = state.chat_params(original)
+            else:
+                params, tools = original.sampling_params(), None
             record = _record_from_request(
-                original, principal.tenant, session_id, chat, bool(body.get("ephemeral"))
+                original, params, principal.tenant, session_id, chat, bool(body.get("ephemeral"))
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -91,9 +96,6 @@ def cluster_routes(state: ServerState) -> APIRouter:
         except EngineError as e:
             raise APIError(409, str(e), "ConflictError") from None
         params = record.params
-        tools = (
-            state.chat_params(original)[1] if isinstance(original, ChatCompletionRequest) else None
-        )
         kind = "chat.completion" if chat else "text_completion"
         resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await respond(
@@ -117,6 +119,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
 
     def _record_from_request(
         original: CompletionRequest | ChatCompletionRequest,
+        params: SamplingParams,
         tenant: str,
         session_id: str,
         chat: bool,
@@ -125,10 +128,6 @@ def cluster_routes(state: ServerState) -> APIRouter:
         """The session record of ``original`` as its primary started it (nothing
         generated): a stream resumes from it when its primary replicated nothing yet.
         Exact for greedy and seeded requests. Raises ValueError."""
-        if isinstance(original, ChatCompletionRequest):
-            params = state.chat_params(original)[0]
-        else:
-            params = original.sampling_params()
         if params.n != 1:
             raise ValueError("only single-choice (n = 1) streams can be resumed")
         if chat:

@@ -53,6 +53,9 @@ class ServerState:
         self.created = int(time.time())
         self.max_model_len = engine.info.max_model_len
         self.tokenizer = engine.tokenizer
+        # how tool_choice auto reads calls (parsers keep no state: one serves every request)
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        self.tool_parser = parser_for_template(config.tool_call_parser, template)
         self.kv_events = None  # the KVEventPublisher, when this worker publishes
         self.coord = None  # the cluster coordinator, for session owner look-ups
         if engine.info.cluster is not None:
@@ -95,9 +98,6 @@ class ServerState:
     def chat_params(self, body: ChatCompletionRequest) -> tuple[SamplingParams, ToolPlan]:
         """A chat request's sampling parameters and tool plan (the same for its first run
         and a resume elsewhere). Raises ValueError naming the field."""
-        template = self.tokenizer.chat_template if self.tokenizer is not None else None
-        parser = parser_for_template(self.config.tool_call_parser, template)
-        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
-        # Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens: keep them
-        specials = plan.parser is not None and plan.parser.name in ("mistral", "llama3_json")
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
+        specials = plan.parser is not None and plan.parser.keeps_special_tokens
         return body.sampling_params(plan.structured, False if specials else None), plan

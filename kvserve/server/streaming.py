@@ -110,6 +110,15 @@ async def respond(
             reason = out.outputs[0].finish_reason or "abort"
             metrics.request_success.labels(name, reason).inc()
 
+    def abort_unfinished() -> None:
+        """Free the KV of every stream now (a client gone, a generator closed) and count
+        the choices that had not finished as aborted, as the engine's own aborts are."""
+        for s in streams:
+            s.abort()
+        left = sum(c.finish_reason is None for c in choices)
+        if left:
+            metrics.request_success.labels(name, "abort").inc(left)
+
     metrics.prompt_tokens.labels(name).inc(sum(s.num_prompt_tokens for s in streams))
     if not body.stream:
 
@@ -118,10 +127,8 @@ async def respond(
                 async for i, out in _merge(streams):
                     observe(choices[i], out)
                     choices[i].update(out)
-            except asyncio.CancelledError:  # the client went away: free the KV now
-                for s in streams:
-                    s.abort()
-                metrics.request_success.labels(name, "abort").inc(len(streams))
+            except asyncio.CancelledError:  # the client went away
+                abort_unfinished()
                 raise
 
         try:
@@ -195,12 +202,8 @@ async def respond(
                 }
             }
             yield sse(err)
-        finally:
-            for s in streams:  # a disconnect cancels this generator: free the KV now
-                s.abort()
-            left = sum(c.finish_reason is None for c in choices)
-            if left:  # counted as the engine's own aborts are
-                metrics.request_success.labels(name, "abort").inc(left)
+        finally:  # a disconnect cancels this generator
+            abort_unfinished()
 
     return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

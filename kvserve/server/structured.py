@@ -11,6 +11,7 @@ the field for two sources at once or an empty one; whether a spec can be enforce
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Literal
 
@@ -60,15 +61,16 @@ class StructuredFields(BaseModel):
 
     def structured_spec(self) -> StructuredSpec | None:
         """The one constraint these fields ask for, or None; raises ValueError."""
-        found = self._found()
-        return found[0][1] if found else None
+        return self._source[1] if self._source else None
 
     def structured_field(self) -> str:
         """The name of the field the constraint comes from (errors name it)."""
-        found = self._found()
-        return found[0][0] if found else "response_format"
+        return self._source[0] if self._source else "response_format"
 
-    def _found(self) -> list[tuple[str, StructuredSpec]]:
+    @functools.cached_property
+    def _source(self) -> tuple[str, StructuredSpec] | None:
+        """(field, constraint) of the one source given (read once: a schema is dumped
+        once however often it is asked for); raises ValueError."""
         found: list[tuple[str, StructuredSpec]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -106,7 +108,7 @@ class StructuredFields(BaseModel):
             raise ValueError(
                 f"{found[0][0]}: also given {others}; give only one structured-output constraint"
             )
-        return found
+        return found[0] if found else None
 
 
 def _json(schema: dict[str, Any] | str) -> StructuredSpec:

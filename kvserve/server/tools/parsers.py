@@ -47,6 +47,8 @@ def _settle(parsed: Parsed, text: str, final: bool) -> Parsed:
 
 class ToolParser(ABC):
     name: ClassVar[str]
+    # its markers are special tokens: the text it reads must keep them
+    keeps_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> Parsed:
@@ -81,6 +83,7 @@ class HermesParser(ToolParser):
 
 class MistralParser(ToolParser):
     name = "mistral"
+    keeps_special_tokens = True
     MARK = "[TOOL_CALLS]"
 
     def parse(self, text: str, final: bool) -> Parsed:
@@ -102,6 +105,7 @@ class MistralParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    keeps_special_tokens = True
     TAG = "<|python_tag|>"
 
     def parse(self, text: str, final: bool) -> Parsed:
