@@ -203,9 +203,7 @@ class AsyncLLM:
     def _fail(self, err: EngineDeadError) -> None:
         logger.error("%s", err)
         self.error = err
-        for q in self._streams.values():
-            q.put_nowait(err)
-        self._streams.clear()
+        self._end_streams(err)
         for fut in [*self._adds.values(), *self._calls.values()]:
             if not fut.done():
                 fut.set_exception(err)
@@ -218,14 +216,21 @@ class AsyncLLM:
         freed) and each stream raises ``EngineDeadError(reason)`` — a 503 or an error event
         (which a router answers by resuming the stream elsewhere). The engine stays up.
         Returns how many requests were ended."""
-        ended = list(self._streams)
+        ended = self._end_streams(EngineDeadError(reason))
         for rid in ended:
             self.outputs.abort(rid)
-            self._streams.pop(rid).put_nowait(EngineDeadError(reason))
         if ended and self.error is None:
             with contextlib.suppress(EngineDeadError):
                 self._send(Abort(ended))
         return len(ended)
+
+    def _end_streams(self, err: EngineDeadError) -> list[str]:
+        """Raise ``err`` in every running stream and forget them; their request ids."""
+        ended = list(self._streams)
+        for q in self._streams.values():
+            q.put_nowait(err)
+        self._streams.clear()
+        return ended
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Ask the core to flush and exit; kill it after ``timeout`` s."""

@@ -28,7 +28,6 @@ import functools
 import logging
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -133,13 +132,9 @@ def _build_or_wait(cache: Path, name: str, prebuilt: Path | None) -> Path:
             "building the CPU kernels into %s (%s; ~1-3 min on 2 cores)", cache, _why(prebuilt)
         )
         start = time.monotonic()
-        done = threading.Event()
-        threading.Thread(target=_report, args=(done, start), daemon=True).start()
-        try:
-            verbose = os.environ.get("KVSERVE_VERBOSE_BUILD") == "1"
+        verbose = os.environ.get("KVSERVE_VERBOSE_BUILD") == "1"
+        with kernel_build.progress(_still_building, every=10.0):
             _loaded = kernel_build.compile_kernels(cache, verbose=verbose)
-        finally:
-            done.set()
         logger.warning("built the CPU kernels in %.0f s", time.monotonic() - start)
         return _loaded
     finally:
@@ -160,6 +155,5 @@ def _why(prebuilt: Path | None) -> str:
     )
 
 
-def _report(done: threading.Event, start: float) -> None:
-    while not done.wait(10.0):
-        logger.warning("still building the CPU kernels (%.0f s)", time.monotonic() - start)
+def _still_building(seconds: float) -> None:
+    logger.warning("still building the CPU kernels (%.0f s)", seconds)

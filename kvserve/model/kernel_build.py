@@ -26,6 +26,7 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import os
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
@@ -145,15 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         f"({torch.__file__}) into {args.dest}; about 1-3 minutes"
     )
     start = time.monotonic()
-    done = threading.Event()
-    threading.Thread(target=_progress, args=(done, start, say), daemon=True).start()
+    still = lambda s: say(f"kvserve: still compiling the CPU kernels ({s:.0f} s)")  # noqa: E731
     try:
-        path = compile_kernels(args.dest, verbose=os.environ.get("KVSERVE_VERBOSE_BUILD") == "1")
+        with progress(still, every=30.0):
+            path = compile_kernels(args.dest, os.environ.get("KVSERVE_VERBOSE_BUILD") == "1")
     except Exception as e:
         say(f"kvserve: compiling the CPU kernels failed: {e}")
         return 1
-    finally:
-        done.set()
     for old in args.dest.glob(f"{PREFIX}*.so"):  # earlier installs' sources
         if old != path:
             old.unlink(missing_ok=True)
@@ -162,9 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _progress(done: threading.Event, start: float, say) -> None:
-    while not done.wait(30.0):
-        say(f"kvserve: still compiling the CPU kernels ({time.monotonic() - start:.0f} s)")
+@contextlib.contextmanager
+def progress(report: Callable[[float], None], every: float) -> Iterator[None]:
+    """Call ``report(seconds so far)`` every ``every`` seconds from a daemon thread until
+    the block ends (a long compile that says nothing looks hung)."""
+    start, done = time.monotonic(), threading.Event()
+
+    def loop() -> None:
+        while not done.wait(every):
+            report(time.monotonic() - start)
+
+    threading.Thread(target=loop, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 if __name__ == "__main__":
