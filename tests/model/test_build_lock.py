@@ -5,7 +5,9 @@ host's lock is broken only once nobody touches it; the holder's heartbeat keeps 
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+from server_proc import wait_until
 
 from kvserve.model import build_lock
 from kvserve.model.build_lock import BuildLock, LockTimeout, Owner, me
@@ -28,7 +31,9 @@ def _owner_of(proc: subprocess.Popen) -> Owner:
 
 @pytest.fixture
 def sleeper():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    """A live process (it waits on its stdin until the test ends)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)  # fmt: skip
     yield proc
     proc.kill()
     proc.wait(10)
@@ -81,12 +86,18 @@ def test_waiting_ends_when_the_work_is_done(tmp_path, sleeper):
     lock = tmp_path / "k.lock"
     _write(lock, _owner_of(sleeper))
     done = tmp_path / "k.so"
-    # The holder "finishes" while this process waits; nothing is taken or broken.
-    finish = f"import time; time.sleep(0.5); open({str(done)!r}, 'w')"
-    timer = subprocess.Popen([sys.executable, "-c", finish])
+    # The holder "finishes" while this process waits (at its third look); nothing is
+    # taken or broken.
+    looks = itertools.count(1)
+
+    def finished() -> bool:
+        if next(looks) == 3:
+            done.touch()
+        return done.exists()
+
     got = BuildLock(lock, "a build")
-    assert got.acquire(timeout=30, done=done.exists) is False
-    assert timer.wait(30) == 0 and got.broken == [] and lock.exists()
+    assert got.acquire(timeout=30, done=finished) is False
+    assert next(looks) == 4 and got.broken == [] and lock.exists()
 
 
 def test_a_foreign_hosts_lock_is_broken_only_once_nobody_touches_it(tmp_path, monkeypatch):
@@ -94,15 +105,13 @@ def test_a_foreign_hosts_lock_is_broken_only_once_nobody_touches_it(tmp_path, mo
     lock = tmp_path / "k.lock"
     foreign = replace(me(), host="elsewhere")
     _write(lock, foreign)
-    # Touched every 0.2 s by a process standing in for the other host's heartbeat: held.
-    touch = f"import os, time\nwhile True: os.utime({str(lock)!r}); time.sleep(0.2)"
-    toucher = subprocess.Popen([sys.executable, "-c", touch])
-    try:
-        with pytest.raises(LockTimeout, match="elsewhere"):
-            BuildLock(lock, "a build").acquire(timeout=2.5)
-    finally:
-        toucher.kill()
-        toucher.wait(10)
+    # Touched whenever the waiter looks, standing in for the other host's heartbeat: held.
+    def heartbeat() -> bool:
+        os.utime(lock)
+        return False
+
+    with pytest.raises(LockTimeout, match="elsewhere"):
+        BuildLock(lock, "a build").acquire(timeout=2.5, done=heartbeat)
     t = time.monotonic()
     got = BuildLock(lock, "a build")
     assert got.acquire(timeout=30) and got.broken == [foreign]
@@ -116,9 +125,7 @@ def test_the_holder_touches_its_lock_and_releases_only_its_own(tmp_path, monkeyp
     got = BuildLock(lock, "a build")
     assert got.acquire(timeout=5)
     first = lock.stat().st_mtime_ns
-    deadline = time.monotonic() + 5
-    while lock.stat().st_mtime_ns == first and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: lock.stat().st_mtime_ns != first, 5, "the holder's heartbeat")
     assert lock.stat().st_mtime_ns != first
     _write(lock, replace(me(), host="elsewhere"))  # someone broke it and took it
     got.release()

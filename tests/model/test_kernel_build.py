@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from server_proc import wait_until
 
 import kvserve
 from kvserve.model import cpu_kernels as ck
@@ -85,13 +86,14 @@ def _session(sid: int) -> dict[int, str]:
 
 
 def _kill_session(sid: int) -> None:
-    deadline = time.monotonic() + 30
-    while pids := _session(sid):
-        assert time.monotonic() < deadline, f"session {sid} outlived SIGKILL: {pids}"
+    def killed() -> bool:  # SIGKILL whatever is left of the session; True once none is
+        pids = _session(sid)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+        return not pids
+
+    wait_until(killed, 30, f"session {sid} gone after SIGKILL")
 
 
 @dataclass
@@ -114,10 +116,11 @@ def recovered(tmp_path_factory) -> Recovered:
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while "cc1plus" not in _session(first.pid).values():
-            assert first.poll() is None and time.monotonic() < deadline, "no compiler started"
-            time.sleep(0.1)
+        def compiling() -> bool:
+            assert first.poll() is None, "the first start ended before compiling"
+            return "cc1plus" in _session(first.pid).values()
+
+        wait_until(compiling, 120, "a compiler started by the first start")
     finally:
         _kill_session(first.pid)  # the process, ninja and the compilers
         first.wait(30)
