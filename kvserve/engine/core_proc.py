@@ -50,12 +50,15 @@ from kvserve.engine.messages import (
     AddRequest,
     AddResult,
     ClientMessage,
+    DeleteRecords,
     DeleteSession,
     EngineInfo,
     FinishStopped,
     GetKVStats,
+    GetRecord,
     GetSession,
     Outputs,
+    PutRecords,
     ReadCheckpoint,
     ResetPrefixCache,
     ResumeRequest,
@@ -68,6 +71,7 @@ from kvserve.engine.messages import (
     UtilityResult,
 )
 from kvserve.engine.stats import EngineStats
+from kvserve.store.tiered import TieredStore
 
 logger = logging.getLogger("kvserve")
 
@@ -211,7 +215,8 @@ class CoreLoop:
             self._send(AddResult(m.request_id))
 
     def _utility(self, m: Utility) -> None:
-        if isinstance(m.call, ReadCheckpoint):  # network I/O: answered from the io thread
+        if isinstance(m.call, ReadCheckpoint | PutRecords | GetRecord | DeleteRecords):
+            # network I/O (S3, Redis): answered from the io thread
             self._slow_pending += 1
             self._slow.submit(lambda: self._answers.put(self._answer(m)))
             return
@@ -253,12 +258,27 @@ class CoreLoop:
             load = e.offloader.place_warm(verified)  # and into the device pool, pre-warmed
             e.scheduler.add_copies(load)
             return [len(verified), refused, len(load.blocks) if load is not None else 0]
+        if isinstance(call, PutRecords | GetRecord | DeleteRecords):
+            return _records(e.offloader.store if e.offloader else None, call)
         if isinstance(call, ReadCheckpoint):
             rep = e.replicator
             if rep is None or rep.checkpointer is None:
                 return None
             return rep.checkpointer.read(call.session_id)
         raise ValueError(f"unknown call {type(call).__name__}")
+
+
+def _records(store: TieredStore | None, call: PutRecords | GetRecord | DeleteRecords) -> Any:
+    """A record call on the KV store (io thread); without a store: nothing kept, None."""
+    if store is None:
+        return None
+    if isinstance(call, PutRecords):
+        store.put_now(call.items)
+        return None
+    if isinstance(call, GetRecord):
+        return store.get([call.key])[0]
+    store.delete(call.keys)
+    return None
 
 
 def kv_state(engine: Any) -> list:

@@ -21,7 +21,7 @@ from kvserve.kv.events import KVEvent
 from kvserve.kv.tenant_ledger import Budget
 from kvserve.sampling import Logprob, SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # finish reasons (vLLM's names): RequestStatus.value of the finished states
 FINISH_STOP, FINISH_ABORT = "stop", "abort"
@@ -128,6 +128,26 @@ class ReadCheckpoint(msgspec.Struct, tag=True):
     session_id: str
 
 
+class PutRecords(msgspec.Struct, tag=True):
+    """→ None: small records (a stored response) written to every KV store tier before
+    the answer (``TieredStore.put_now``), so another worker sharing a tier reads them at
+    once. A worker without a KV store keeps none (the API server holds its own)."""
+
+    items: list[tuple[bytes, bytes]]
+
+
+class GetRecord(msgspec.Struct, tag=True):
+    """→ bytes | None: a record from the first KV store tier that holds it."""
+
+    key: bytes
+
+
+class DeleteRecords(msgspec.Struct, tag=True):
+    """→ None: records removed from every tier."""
+
+    keys: list[bytes]
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Stop: abort what runs, flush the KV store and replication, exit 0."""
 
@@ -140,6 +160,9 @@ UtilityCall = (
     | GetKVStats
     | AcceptPush
     | ReadCheckpoint
+    | PutRecords
+    | GetRecord
+    | DeleteRecords
 )
 
 

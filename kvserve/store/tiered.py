@@ -195,6 +195,17 @@ class TieredStore:
         if self.write_policy == "write-through" and len(self.tiers) > 1:
             self._enqueue(self._below(0), items)
 
+    def put_now(self, items: Sequence[tuple[Key, bytes]]) -> None:
+        """Every tier, synchronously (small records another node must read at once, not
+        blocks): a tier that fails or is skipped drops them (counted), as the queue would."""
+        items = list(items)
+        self._put_first(items)
+        for i in self._below(0):
+            if self._call(i, "put", self.tiers[i].put, items) is _SKIPPED:
+                self.stats[i].dropped_writes += len(items)
+            else:
+                self.stats[i].bytes_written += sum(len(v) for _, v in items)
+
     def _put_first(self, items: list[tuple[Key, bytes]]) -> None:
         if self._call(0, "put", self.tiers[0].put, items) is _SKIPPED:
             self.stats[0].dropped_writes += len(items)
