@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app over an ``AsyncLLM`` (the engine core in its own
-process): it mounts the routes of each surface — OpenAI (``routes_openai``), health,
+process): it mounts the routes of each surface — OpenAI (``routes_openai``, Responses
+in ``responses.routes``), health,
 metrics, admin and sessions (``routes_admin``), cluster internals (``routes_cluster``).
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` with the
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import NOT_UTF8, APIError, bad_request, json_error_message
+from kvserve.server.responses.routes import responses_routes
 from kvserve.server.routes_admin import admin_routes
 from kvserve.server.routes_cluster import cluster_routes
 from kvserve.server.routes_openai import openai_routes
@@ -36,8 +38,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     if kind == "json_invalid":
         pos = first.get("loc", (None, None))[-1]
         return bad_request(json_error_message(str(ctx.get("error", "")), pos))
-    if kind == "invalid_text":  # raised with the offending field's path (protocol.py)
-        return bad_request(first.get("msg", "invalid text"), ctx.get("path"))
+    if "path" in ctx:  # a custom error naming the offending field (protocol.py, responses)
+        return bad_request(first.get("msg", "invalid request"), ctx["path"])
     if kind == "model_attributes_type" and not loc:
         return bad_request("the body must be a JSON object")
     if kind == "extra_forbidden":  # a field kvserve does not implement: refused, not ignored
@@ -80,5 +82,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig, lifespan=None) -> FastAPI:
 
     app.include_router(admin_routes(state))
     app.include_router(openai_routes(state))
+    app.include_router(responses_routes(state, state.responses))
     app.include_router(cluster_routes(state))
     return app

@@ -246,14 +246,16 @@ class ChatCompletionRequest(_Common):
     def _tool_dicts(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
-    def prompt_ids(self, tok: Tokenizer) -> list[int]:
-        """The prompt token ids: the chat template rendered (with the tools when offered),
-        then tokenized without special tokens (the template has them). The one definition
-        a worker, a standby resuming the stream and a router placing it all use. Raises
-        ValueError."""
+    def prompt_text(self, tok: Tokenizer) -> str:
+        """The chat template rendered (with the tools when offered). Raises ValueError."""
         kwargs: dict[str, Any] = {}
         if self.tools_in_prompt and tool_prompt.takes_tools(tok.chat_template):
             kwargs["tools"] = self._tool_dicts()
         messages = self.conversation(tok.chat_template)
-        text = tok.apply_chat_template(messages, self.add_generation_prompt, **kwargs)
-        return tok.encode(text, add_special_tokens=False)
+        return tok.apply_chat_template(messages, self.add_generation_prompt, **kwargs)
+
+    def prompt_ids(self, tok: Tokenizer) -> list[int]:
+        """The prompt token ids: ``prompt_text`` tokenized without special tokens (the
+        template has them). The one definition a worker, a standby resuming the stream
+        and a router placing it all use. Raises ValueError."""
+        return tok.encode(self.prompt_text(tok), add_special_tokens=False)

@@ -140,6 +140,11 @@ class ChoiceState:
             choice["token_ids"] = new_ids
         return choice
 
+    @property
+    def final_reason(self) -> str | None:
+        """The finish reason as the response reports it (``tool_calls`` after calls)."""
+        return self._reason(self.finish_reason)
+
     def _reason(self, reason: str | None) -> str | None:
         """OpenAI's ``tool_calls`` for a choice that stopped after calling tools."""
         if reason == "stop" and self.tools is not None and self.tools.called:

@@ -17,6 +17,7 @@ from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.disconnect import ClientGone, unless_disconnected
 from kvserve.server.errors import unavailable
+from kvserve.server.observe import Observer
 from kvserve.server.render import ChoiceState, usage
 from kvserve.server.state import ServerState
 from kvserve.server.tools.spec import ToolPlan
@@ -92,32 +93,16 @@ async def respond(
     created = int(time.time())
     metrics = state.metrics
     name = state.model_name
-    start = time.monotonic()
+    observer = Observer(metrics, name)
+    observe = observer.observe
     prompt_tokens = sum(s.num_prompt_tokens for s in streams) // max(params.n, 1)
-
-    def observe(c: ChoiceState, out: RequestOutput) -> None:
-        now = time.monotonic()
-        n_new = len(out.outputs[0].token_ids) - c.num_tokens
-        if n_new > 0:
-            if c.num_tokens == 0:
-                metrics.ttft.labels(name).observe(now - start)
-            elif c.last_token_time is not None:
-                metrics.itl.labels(name).observe(now - c.last_token_time)
-            c.last_token_time = now
-            metrics.generation_tokens.labels(name).inc(n_new)
-        if out.finished:
-            metrics.e2e.labels(name).observe(now - start)
-            reason = out.outputs[0].finish_reason or "abort"
-            metrics.request_success.labels(name, reason).inc()
 
     def abort_unfinished() -> None:
         """Free the KV of every stream now (a client gone, a generator closed) and count
-        the choices that had not finished as aborted, as the engine's own aborts are."""
+        the choices that had not finished as aborted."""
         for s in streams:
             s.abort()
-        left = sum(c.finish_reason is None for c in choices)
-        if left:
-            metrics.request_success.labels(name, "abort").inc(left)
+        observer.aborted(choices)
 
     metrics.prompt_tokens.labels(name).inc(sum(s.num_prompt_tokens for s in streams))
     if not body.stream:
