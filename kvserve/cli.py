@@ -98,6 +98,8 @@ def _serve(ns: argparse.Namespace) -> int:
         advertise_url=ns.advertise_url,
         role=ns.role,
         tool_call_parser=ns.tool_call_parser,
+        responses_ttl=ns.responses_ttl,
+        responses_max_per_tenant=ns.responses_max_per_tenant,
     )
     if config.tenants is not None and engine_args.prefix_cache_isolation is None:
         # tenants do not learn from one another's TTFT what the others sent
@@ -312,6 +314,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
+    )
+    sv.add_argument(
+        "--responses-ttl",
+        type=float,
+        default=86400.0,
+        help="seconds a stored response (/v1/responses, store: true) and its KV are kept",
+    )
+    sv.add_argument(
+        "--responses-max-per-tenant",
+        type=int,
+        default=10000,
+        help="stored responses one tenant keeps on this worker; beyond, its oldest goes",
     )
     sv.set_defaults(func=_serve)
 

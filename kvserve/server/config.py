@@ -30,6 +30,10 @@ class ServerConfig:
     # how tool calls are read out of a chat output: auto (from the chat template), hermes,
     # llama3_json or mistral
     tool_call_parser: str = "auto"
+    # stored responses (/v1/responses with store): seconds each is kept, and how many one
+    # tenant may keep on this worker (beyond: its oldest is removed)
+    responses_ttl: float = 86400.0
+    responses_max_per_tenant: int = 10000
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -41,5 +45,9 @@ class ServerConfig:
                 f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}, "
                 f"got {self.tool_call_parser!r}"
             )
+        if self.responses_ttl <= 0:
+            raise ValueError(f"responses_ttl must be positive, got {self.responses_ttl}")
+        if self.responses_max_per_tenant < 1:
+            raise ValueError("responses_max_per_tenant must be at least 1")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")

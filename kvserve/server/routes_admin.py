@@ -46,6 +46,7 @@ def admin_routes(state: ServerState) -> APIRouter:
             with contextlib.suppress(Exception):  # a busy or failed engine: basic metrics only
                 snap = await engine.call(GetKVStats(), KVStats, timeout=10)
         state.metrics.set_snapshot(snap)
+        await state.responses.sweep()  # expired responses leave the gauges (and their KV)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ---- admin ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from kvserve.sampling import SamplingParams
 from kvserve.server.config import ServerConfig
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.responses.store import ResponseStore
 from kvserve.server.tools.parsers import parser_for_template
 from kvserve.server.tools.spec import ToolPlan, plan_tools
 from kvserve.tenants import TenantsConfig
@@ -49,6 +50,10 @@ class ServerState:
         # the path as given still names the model (clients written against older versions)
         self.model_aliases = {self.model_name, engine.info.model}
         self.metrics = ServerMetrics(engine, self.model_name)
+        self.responses = ResponseStore(
+            engine, config.responses_ttl, config.responses_max_per_tenant, self.model_name
+        )
+        self.metrics.registry.register(self.responses.collector)
         self.draining = False
         self.created = int(time.time())
         self.max_model_len = engine.info.max_model_len

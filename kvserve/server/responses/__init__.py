@@ -1,0 +1,1 @@
+"""The OpenAI Responses API: request bodies, stored responses, events, routes."""

@@ -1,0 +1,256 @@
+"""A response's output as the Responses API shows it: the response object and, for a
+stream, the semantic events in OpenAI's lifecycle order.
+
+``ResponseEvents`` is fed the chat deltas of the response's one choice (``ChoiceState``
+updates: content and tool-call deltas) and turns them into output items: a ``message``
+item with one ``output_text`` part, opened at the first content, and a
+``function_call`` item per tool call. The stream is::
+
+    response.created, response.in_progress,
+    (response.output_item.added, response.content_part.added,
+     response.output_text.delta …, response.output_text.done,
+     response.content_part.done, response.output_item.done)      per message item
+    (response.output_item.added, response.function_call_arguments.delta …,
+     response.function_call_arguments.done, response.output_item.done)  per call
+    response.completed | response.incomplete | response.failed   (with usage)
+
+Every event has a ``sequence_number`` counting from 0. A non-streamed response is built
+by the same feed (its events are dropped), so both carry the same items.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from kvserve.server.responses.protocol import ResponsesRequest
+
+# a choice's finish reason → the response's status and incomplete_details
+_STATUS = {
+    "stop": ("completed", None),
+    "tool_calls": ("completed", None),
+    "length": ("incomplete", {"reason": "max_output_tokens"}),
+}
+
+
+def usage(input_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseEvents:
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest):
+        self.id = response_id
+        self.model = model
+        self.body = body
+        self.created_at = int(time.time())
+        self.items: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self._seq = 0
+        self._message: int | None = None  # output index of the open message item
+        self._calls: dict[int, int] = {}  # tool-call index → output index (open calls)
+        self.final: dict[str, Any] | None = None  # the response object, once finished
+
+    # ---- the response object ------------------------------------------------------------
+    def response(
+        self, usage: dict[str, Any] | None = None, details: Any = None, error: Any = None
+    ) -> dict[str, Any]:
+        b = self.body
+        fmt = b.text.format if b.text is not None and b.text.format is not None else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "background": False,
+            "error": error,
+            "incomplete_details": details,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "metadata": b.metadata or {},
+            "model": self.model,
+            "output": self.items,
+            "parallel_tool_calls": b.parallel_tool_calls,
+            "previous_response_id": b.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": b.store,
+            "temperature": 1.0 if b.temperature is None else b.temperature,
+            "text": {
+                "format": (
+                    fmt.model_dump(by_alias=True, exclude_none=True)
+                    if fmt is not None
+                    else {"type": "text"}
+                )
+            },
+            "tool_choice": _dump(b.tool_choice) if b.tool_choice is not None else "auto",
+            "tools": [{"strict": None, **t.model_dump(exclude_none=True)} for t in b.tools or []],
+            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": b.user,
+        }
+
+    # ---- events ---------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def start(self) -> list[dict[str, Any]]:
+        """``response.created`` and ``response.in_progress``."""
+        return [
+            self._event("response.created", response=self.response()),
+            self._event("response.in_progress", response=self.response()),
+        ]
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events of one chat delta choice (``{"delta": {"content", "tool_calls"}}``)."""
+        events: list[dict[str, Any]] = []
+        d = delta.get("delta") or {}
+        content = d.get("content")
+        if content:
+            if self._message is None:
+                events += self._close_calls()
+                events += self._open_message()
+            item = self.items[self._message]  # type: ignore[index]
+            item["content"][0]["text"] += content
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=item["id"],
+                    output_index=self._message,
+                    content_index=0,
+                    delta=content,
+                    logprobs=[],
+                )
+            )
+        for call in d.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            if "id" in call:  # a new call
+                events += self._close_message()
+                item = {
+                    "id": item_id("fc"),
+                    "type": "function_call",
+                    "status": "in_progress",
+                    "call_id": call["id"],
+                    "name": fn.get("name", ""),
+                    "arguments": "",
+                }
+                self._calls[call["index"]] = len(self.items)
+                self.items.append(item)
+                events.append(
+                    self._event(
+                        "response.output_item.added",
+                        output_index=len(self.items) - 1,
+                        item=dict(item),
+                    )
+                )
+            args = fn.get("arguments")
+            index = self._calls.get(call.get("index", -1))
+            if args and index is not None:
+                self.items[index]["arguments"] += args
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=self.items[index]["id"],
+                        output_index=index,
+                        delta=args,
+                    )
+                )
+        return events
+
+    def finish(
+        self, reason: str | None, usage: dict[str, Any], error: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Close every open item and end with the terminal event for ``reason`` (the
+        choice's finish reason; ``abort`` or an ``error``: failed)."""
+        status, details = _STATUS.get(reason or "", ("failed", None))
+        self.status = status
+        events: list[dict[str, Any]] = []
+        if not self.items and status != "failed":
+            events += self._open_message()  # an empty answer is an empty message
+        events += self._close_message() + self._close_calls()
+        failure = None
+        if status == "failed":
+            failure = {"code": "server_error", "message": error or "the request was aborted"}
+        terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}
+        self.final = self.response(usage, details, failure)
+        events.append(self._event(terminal.get(status, "response.failed"), response=self.final))
+        return events
+
+    # ---- items ----------------------------------------------------------------------------
+    def _open_message(self) -> list[dict[str, Any]]:
+        item = {
+            "id": item_id("msg"),
+            "type": "message",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        self._message = len(self.items)
+        self.items.append(item)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        events = [
+            self._event("response.output_item.added", output_index=self._message, item=_copy(item)),
+            self._event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=self._message,
+                content_index=0,
+                part=dict(part),
+            ),
+        ]
+        item["content"].append(part)
+        return events
+
+    def _close_message(self) -> list[dict[str, Any]]:
+        if self._message is None:
+            return []
+        index, self._message = self._message, None
+        item = self.items[index]
+        item["status"] = "completed" if self.status != "incomplete" else "incomplete"
+        part = item["content"][0]
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            self._event("response.output_text.done", **where, text=part["text"], logprobs=[]),
+            self._event("response.content_part.done", **where, part=dict(part)),
+            self._event("response.output_item.done", output_index=index, item=_copy(item)),
+        ]
+
+    def _close_calls(self) -> list[dict[str, Any]]:
+        events = []
+        for index in self._calls.values():
+            item = self.items[index]
+            item["status"] = "completed"
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+            events.append(
+                self._event("response.output_item.done", output_index=index, item=dict(item))
+            )
+        self._calls.clear()
+        return events
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    return {**item, "content": [dict(p) for p in item["content"]]}
+
+
+def _dump(value: Any) -> Any:
+    return value.model_dump() if hasattr(value, "model_dump") else value
