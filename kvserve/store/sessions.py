@@ -10,7 +10,9 @@ with the same id is a different record.
 
 Key: BLAKE2b-16 of ``kvserve-session`` ‖ tenant ‖ id, so records share the block
 keyspace without colliding with blocks. Value: JSON. An expired record reads as absent
-and is deleted (a Redis tier with ``ttl=`` also expires it on its own).
+and is deleted (a Redis tier with ``ttl=`` also expires it on its own). A record changes
+with every turn, possibly on another node: a read takes the newest copy of every tier
+and promotes none.
 """
 
 from __future__ import annotations
@@ -50,16 +52,21 @@ class SessionStore:
         self.store.put([(session_key(tenant, session_id), json.dumps(value).encode())])
 
     def get(self, tenant: str, session_id: str) -> dict[str, Any] | None:
-        """The session's record, or None when there is none or it expired."""
+        """The session's record — the newest copy in any tier (another node may have
+        recorded a later turn in the shared tier than this node's own tier holds) — or
+        None when there is none, or it expired or is unreadable (then it is deleted)."""
         key = session_key(tenant, session_id)
-        raw = self.store.get([key])[0]
-        if raw is None:
+        values = []
+        for raw in self.store.get_each(key):
+            try:
+                values.append(json.loads(raw))
+            except ValueError:
+                continue
+        if not values:
+            if self.store.lookup([key]):  # only unreadable copies
+                self.store.delete([key])
             return None
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            self.store.delete([key])
-            return None
+        value = max(values, key=lambda v: v.get("updated", 0))
         if value.get("expires", 0) < time.time():
             self.store.delete([key])
             return None

@@ -180,6 +180,17 @@ class TieredStore:
             missing = still
         return out
 
+    def get_each(self, key: Key) -> list[bytes]:
+        """``key``'s value in every tier holding it, first tier first, nothing promoted:
+        for a record that changes (a session's), whose copy in a node's own tier may be
+        older than the shared one — the reader picks the newest."""
+        out = []
+        for i, tier in enumerate(self.tiers):
+            values = self._call(i, "get", tier.get, [key])
+            if values is not _SKIPPED and values[0] is not None:
+                out.append(values[0])
+        return out
+
     def record_corrupt(self, key: Key) -> None:
         """The reader found ``key``'s value unusable: count it and drop it everywhere."""
         self.stats[0].corrupt += 1

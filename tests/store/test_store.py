@@ -165,6 +165,25 @@ def test_tiered_read_through_promotes_and_extends_the_prefix():
     store.close()
 
 
+def test_a_session_record_is_read_newest_first_and_never_promoted():
+    """Another node recorded a later turn in the shared tier: this node's own tier holds
+    an older copy; the read returns the later turn and leaves the copies as they were."""
+    from kvserve.store.sessions import SessionStore, session_key
+
+    top, shared = HostStore(1 << 20), HostStore(1 << 20)
+    tiered = TieredStore([top, shared])
+    sessions = SessionStore(tiered, ttl=60)
+    sessions.record("t", "s", [1, 2], [])
+    assert tiered.flush(5)
+    other_node = SessionStore(TieredStore([HostStore(1 << 20), shared]), ttl=60)
+    other_node.record("t", "s", [1, 2, 3, 4], [])
+    assert other_node.store.flush(5)
+    assert sessions.get("t", "s")["tokens"] == [1, 2, 3, 4]
+    key = session_key("t", "s")
+    assert b"[1, 2]" in top.get([key])[0]  # nothing promoted over the older copy
+    assert sessions.get("u", "s") is None  # another tenant's session is another record
+
+
 def test_write_through_and_write_back():
     top, low = HostStore(1 << 20), HostStore(1 << 20)
     wt = TieredStore([top, low])
