@@ -74,6 +74,15 @@ class ChoiceState:
             self._sent = self._visible_end(text, 0)
         self._tools_from = self._sent  # the tool-call stream catches up silently
 
+    def delivered_text(self, delivered: list[int]) -> str:
+        """The text a client has that received the output tokens ``delivered`` (and
+        every delta of theirs): their text up to the end the stream had shown then (not
+        the tail a stop string or an unfinished character held back)."""
+        if self.tok is None:
+            return ""
+        text = self.tok.decode(delivered, skip_special_tokens=self.params.skip_special_tokens)
+        return text[: self._visible_end(text, 0)]
+
     def _visible_end(self, text: str, sent: int) -> int:
         """How much of an unfinished output's ``text`` may be sent: all but the tail a stop
         string could still claim and an unfinished UTF-8 character."""

@@ -14,6 +14,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.engine.async_llm import RequestStream
 from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import AcceptPush, ReadCheckpoint
 from kvserve.ha.record import SessionRecord
@@ -21,6 +22,11 @@ from kvserve.sampling import SamplingParams
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError, bad_request, unavailable
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.responses.protocol import ResponsesRequest
+from kvserve.server.responses.record import session_of
+from kvserve.server.responses.routes import prepare
+from kvserve.server.responses.routes import respond as respond_response
+from kvserve.server.responses.run import ResponseRun
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import respond
 
@@ -43,10 +49,10 @@ def cluster_routes(state: ServerState) -> APIRouter:
         """Continue a session's stream after a failover. Body: ``session_id``,
         ``delivered_token_ids`` and ``delivered_text_chars`` (what the client has),
         optional ``seen_epoch`` and ``ephemeral``, and the client's original ``request`` (``kind``
-        ``completion`` or ``chat``). The response continues exactly where the client is."""
+        ``completion``, ``chat`` or ``responses`` — then also ``response_id`` and
+        ``created_at``). The response continues exactly where the client is."""
         _cluster_auth(request)
-        coord = state.coord
-        if coord is None:
+        if state.coord is None:
             raise APIError(404, "this worker is not in a cluster (--cluster)", "NotFoundError")
         try:
             body = await request.json()
@@ -54,14 +60,40 @@ def cluster_routes(state: ServerState) -> APIRouter:
             delivered = [int(t) for t in body.get("delivered_token_ids", [])]
             chars = int(body.get("delivered_text_chars", 0))
             seen = body.get("seen_epoch")
-            chat = body.get("kind", "completion") == "chat"
-            model = ChatCompletionRequest if chat else CompletionRequest
-            original = model.model_validate(body.get("request") or {})
+            kind = body.get("kind", "completion")
+            if kind == "responses":
+                responses = ResponsesRequest.model_validate(body.get("request") or {})
+                response_id = str(body["response_id"])
+                created = body.get("created_at")
+                created = int(created) if created is not None else None
+            else:
+                model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+                original = model.model_validate(body.get("request") or {})
         except (ValueError, KeyError, TypeError) as e:
             raise bad_request(f"bad resume request: {e}") from None
+        principal = authenticate(request, state.config)  # the client's key, forwarded
+        if kind == "responses":
+            if session_of(response_id) != session_id:
+                raise bad_request("bad resume request: response_id is not of the session")
+            turn = await prepare(state, state.responses, responses, principal.tenant)
+            record = SessionRecord(
+                session_id=session_id,
+                tenant=principal.tenant,
+                cache_salt=responses.cache_salt,
+                prompt_token_ids=turn.prompt,
+                params=turn.params,
+                seed=turn.params.seed if turn.params.seed is not None else secrets.randbits(63),
+                ephemeral=bool(body.get("ephemeral")),
+            )
+            rid = f"resume-{uuid.uuid4().hex[:24]}"
+            stream, _ = await _continue(rid, record, delivered, seen)
+            run = ResponseRun(
+                state, state.responses, turn, response_id, stream, True, delivered, created
+            )
+            return await respond_response(run, request)
+        chat = kind == "chat"
         if original.logprobs:
             raise bad_request("streams with logprobs cannot be resumed")
-        principal = authenticate(request, state.config)  # the client's key, forwarded
         try:
             if isinstance(original, ChatCompletionRequest):
                 params, tools = state.chat_params(original)
@@ -72,6 +104,33 @@ def cluster_routes(state: ServerState) -> APIRouter:
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
+        rid = f"resume-{uuid.uuid4().hex[:24]}"
+        stream, record = await _continue(rid, record, delivered, seen)
+        kind = "chat.completion" if chat else "text_completion"
+        resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return await respond(
+            state,
+            original,
+            [stream],
+            record.params,
+            kind,
+            resp_id,
+            request,
+            resume=(delivered, chars),
+            echo=[_echo_text(original)],
+            tools=tools,
+        )
+
+    async def _continue(
+        rid: str, record: SessionRecord, delivered: list[int], seen: int | None
+    ) -> tuple[RequestStream, SessionRecord]:
+        """Resume ``record`` after ``delivered``; the stream and the record it runs: the
+        state its primary replicated (its seed, when the client gave none) when that is
+        this very request, else ``record``. 503 when the coordinator is away, 409 when
+        the epoch moved."""
+        coord = state.coord
+        assert coord is not None
+        session_id = record.session_id
         try:
             owner = await asyncio.to_thread(coord.owner, session_id)
         except Exception as e:
@@ -87,29 +146,13 @@ def cluster_routes(state: ServerState) -> APIRouter:
             and replicated.params == record.params
             and replicated.tenant == record.tenant
         ):
-            record = replicated  # this very request (its seed, when the client gave none)
+            record = replicated
         if seen is None:
             seen = owner.epoch if owner is not None else 0
-        rid = f"resume-{uuid.uuid4().hex[:24]}"
         try:
-            stream = await engine.resume(rid, record, delivered, int(seen))
+            return await engine.resume(rid, record, delivered, int(seen)), record
         except EngineError as e:
             raise APIError(409, str(e), "ConflictError") from None
-        params = record.params
-        kind = "chat.completion" if chat else "text_completion"
-        resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        return await respond(
-            state,
-            original,
-            [stream],
-            params,
-            kind,
-            resp_id,
-            request,
-            resume=(delivered, chars),
-            echo=[_echo_text(original)],
-            tools=tools,
-        )
 
     def _echo_text(original: CompletionRequest | ChatCompletionRequest) -> str:
         """What the client got before the output (``echo``): counted in its characters."""

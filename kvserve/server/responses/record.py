@@ -21,6 +21,10 @@ from typing import Any
 
 import msgspec
 
+# a router names the response before a worker answers (it routes by the conversation)
+RESPONSE_ID_HEADER = "x-kvserve-response-id"
+# … and asks for the output token ids in the events (it may continue the stream elsewhere)
+TOKEN_IDS_HEADER = "x-kvserve-token-ids"
 _ID = re.compile(r"^resp_([0-9a-f]{24})([0-9a-f]{24})$")
 
 

@@ -20,6 +20,7 @@ by the same feed (its events are dropped), so both carry the same items.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -48,12 +49,23 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def derived_id(response_id: str, prefix: str, n: int, digits: int = 32) -> str:
+    """The id of the ``n``-th ``prefix`` thing of a response (an output item, a call):
+    a worker continuing the response after a failover names it as the first did."""
+    h = hashlib.blake2b(f"{response_id}/{prefix}/{n}".encode(), digest_size=16).hexdigest()
+    return f"{prefix}_{h[:digits]}"
+
+
 class ResponseEvents:
-    def __init__(self, response_id: str, model: str, body: ResponsesRequest):
+    """``created_at``: the first worker's, when this one continues its response."""
+
+    def __init__(
+        self, response_id: str, model: str, body: ResponsesRequest, created_at: int | None = None
+    ):
         self.id = response_id
         self.model = model
         self.body = body
-        self.created_at = int(time.time())
+        self.created_at = int(time.time()) if created_at is None else created_at
         self.items: list[dict[str, Any]] = []
         self.status = "in_progress"
         self._seq = 0
@@ -113,6 +125,10 @@ class ResponseEvents:
             self._event("response.in_progress", response=self.response()),
         ]
 
+    def call_id(self, k: int) -> str:
+        """The ``call_id`` of the response's k-th tool call (``ToolCallStream``)."""
+        return derived_id(self.id, "call", k, 24)
+
     def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         """The events of one chat delta choice (``{"delta": {"content", "tool_calls"}}``)."""
         events: list[dict[str, Any]] = []
@@ -139,7 +155,7 @@ class ResponseEvents:
             if "id" in call:  # a new call
                 events += self._close_message()
                 item = {
-                    "id": item_id("fc"),
+                    "id": derived_id(self.id, "fc", len(self.items)),
                     "type": "function_call",
                     "status": "in_progress",
                     "call_id": call["id"],
@@ -191,7 +207,7 @@ class ResponseEvents:
     # ---- items ----------------------------------------------------------------------------
     def _open_message(self) -> list[dict[str, Any]]:
         item = {
-            "id": item_id("msg"),
+            "id": derived_id(self.id, "msg", len(self.items)),
             "type": "message",
             "status": "in_progress",
             "role": "assistant",

@@ -12,6 +12,7 @@ same parse (a parse of a longer text only extends a shorter one's content and ar
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.server.tools.parsers import Parsed, ToolParser
@@ -22,9 +23,15 @@ def call_id() -> str:
 
 
 class ToolCallStream:
-    def __init__(self, parser: ToolParser, parallel: bool):
+    """``name_call(k)``: the id of the k-th call (default: random); a response that must
+    name its calls the same when another worker continues it derives them (Responses)."""
+
+    def __init__(
+        self, parser: ToolParser, parallel: bool, name_call: Callable[[int], str] | None = None
+    ):
         self.parser = parser
         self.parallel = parallel
+        self.name_call = name_call or (lambda _: call_id())
         self.ids: list[str] = []
         self._content_sent = 0
         self._args_sent: list[int] = []  # per call announced: argument characters sent
@@ -34,7 +41,7 @@ class ToolCallStream:
         if not self.parallel:
             parsed.calls = parsed.calls[:1]
         while len(self.ids) < len(parsed.calls):
-            self.ids.append(call_id())
+            self.ids.append(self.name_call(len(self.ids)))
         return parsed
 
     @property
