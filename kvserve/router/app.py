@@ -1,7 +1,10 @@
 """The router's HTTP app: OpenAI-compatible endpoints relayed to the cluster's workers.
 
-``POST /v1/completions`` and ``/v1/chat/completions`` go through ``relay.Relay`` (session
-affinity, failover); ``GET /v1/models`` is answered by any routable worker; ``/health``
+``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` go through
+``relay.Relay`` (session affinity, failover; a response's session is its conversation, so
+``previous_response_id`` goes to the worker holding it); a stored response's ``GET``,
+``DELETE`` and input items go to that worker first, then to any other;
+``GET /v1/models`` is answered by any routable worker; ``/health``
 (the router process is up), ``/ready`` (at least one routable worker), ``/metrics``
 (Prometheus, the router's own ``kvserve_router_*`` series) and ``GET /router/workers``
 (the router's view, JSON: workers, the routing policy, the tokenizers held and wanted)
@@ -166,7 +169,10 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
         bad_text = invalid_text_path(body)
         if bad_text is not None:  # worded as a worker words it (server/protocol.py)
             return _error(400, f"{bad_text}: {INVALID_TEXT}", param=bad_text)
-        flow = Flow.from_client(kind, body, request.headers)
+        if kind == "responses":
+            flow = Flow.for_response(body, request.headers)
+        else:
+            flow = Flow.from_client(kind, body, request.headers)
         flow.arrived = arrived
         if prefix:  # in the tokens of each model the candidates serve
             fps = {w.info.get("tokenizer_fp") for w in holder["pool"].routable()}
@@ -187,7 +193,11 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
         except Unroutable as u:
             return JSONResponse(u.body, status_code=u.status)
         served = {"X-Kvserve-Worker": w.node_id, "X-Session-Id": flow.session}
-        if flow.ephemeral or not (flow.session.isascii() and flow.session.isprintable()):
+        if (
+            flow.kind == "responses"
+            or flow.ephemeral
+            or not (flow.session.isascii() and flow.session.isprintable())
+        ):
             served.pop("X-Session-Id")  # (a header carries printable ASCII only)
         if resp.status_code != 200:  # the worker's own answer (a 4xx): relay it as is
             content = await resp.aread()
@@ -212,5 +222,24 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await generate(request, "chat")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await generate(request, "responses")
+
+    async def stored(request: Request, response_id: str) -> Response:
+        """A stored response's GET / DELETE / input items: asked of the worker holding
+        its conversation first, then of the others (each reads the shared tier)."""
+        relay: Relay = holder["relay"]
+        w, status, content = await relay.forward(
+            request.method, request.url.path, request.url.query, response_id,
+            request.headers.get("authorization"),
+        )  # fmt: skip
+        headers = {"X-Kvserve-Worker": w.node_id} if w is not None else {}
+        return Response(content, status, headers, media_type="application/json")
+
+    for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
+        app.add_api_route(path, stored, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", stored, methods=["DELETE"])
 
     return app

@@ -12,13 +12,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.router.scoring import PromptInfo
+from kvserve.server.responses.record import (
+    RESPONSE_ID_HEADER,
+    TOKEN_IDS_HEADER,
+    new_response_id,
+    session_of,
+)
+
+# the events that end a Responses stream
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
 @dataclass
 class Flow:
     """A client request in flight and what its client has received so far."""
 
-    kind: str  # "completion" or "chat"
+    kind: str  # "completion", "chat" or "responses"
     body: dict[str, Any]  # as sent upstream
     session: str
     ephemeral: bool
@@ -40,6 +49,38 @@ class Flow:
     arrived: float = field(default_factory=time.perf_counter)  # the client's request came
     stream: bool = False
     handoff_to: str | None = None  # disaggregated: the decode worker after the first token
+    response_id: str | None = None  # responses: the id the router chose (routes by it)
+    events: int = 0  # responses: events the client got (the next one's sequence_number)
+
+    @classmethod
+    def for_response(cls, body: dict[str, Any], headers: Any) -> Flow:
+        """A ``/v1/responses`` request: the router names the response (so its session —
+        the conversation's — is known before a worker answers: the previous response's
+        holder is its owner) and adds a ``seed`` when the client gave none. Nothing else
+        is added to the body; token ids come back in the events (``X-Kvserve-Token-Ids``)."""
+        previous = body.get("previous_response_id")
+        valid = isinstance(previous, str | None) and isinstance(body.get("seed"), int | None)
+        rid = new_response_id(previous if valid else None)
+        up = dict(body)
+        if valid and up.get("seed") is None:
+            up["seed"] = secrets.randbits(62)
+        flow = cls(
+            "responses",
+            up,
+            session_of(rid) or rid,
+            body.get("store") is False,
+            False,
+            valid,
+            headers.get("authorization"),
+            stream=bool(body.get("stream")),
+        )
+        flow.response_id = rid
+        return flow
+
+    @property
+    def done_marker(self) -> str:
+        """What ends the client's SSE stream after the last event (Responses: nothing)."""
+        return "" if self.kind == "responses" else "data: [DONE]\n\n"
 
     @classmethod
     def from_client(cls, kind: str, body: dict[str, Any], headers: Any) -> Flow:
@@ -87,12 +128,17 @@ class Flow:
             h["X-Kvserve-Session-Epoch"] = str(epoch)
         if self.ephemeral:
             h["X-Kvserve-Ephemeral-Session"] = "1"
+        if self.response_id is not None:
+            h[RESPONSE_ID_HEADER] = self.response_id
+            h[TOKEN_IDS_HEADER] = "1"
         return h
 
     def observe(self, payload: dict[str, Any]) -> dict[str, Any] | None:
         """Note what this chunk (or whole response) gives the client; return it as the
         client gets it (same id and created as the first, token ids and usage only if
         asked), or None for a usage chunk the client did not ask for."""
+        if self.kind == "responses":
+            return self._observe_event(payload)
         use = payload.pop("usage", None) if self.strip_usage else payload.get("usage")
         if isinstance(use, dict):
             details = use.get("prompt_tokens_details") or {}
@@ -117,4 +163,27 @@ class Flow:
                 c.pop("token_ids", None)
         if not self.want_ids:
             payload.pop("prompt_token_ids", None)
+        return payload
+
+    def _observe_event(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """A Responses event (or whole response object): its token ids noted and
+        stripped (None for an event of only those), numbered in the client's sequence."""
+        ids = payload.pop("kvserve_token_ids", None)
+        if isinstance(ids, list):
+            self.ids += ids
+        kind = payload.get("type")
+        if kind == "kvserve.token_ids":
+            return None
+        response = payload.get("response") if isinstance(kind, str) else payload
+        if isinstance(response, dict):
+            if kind == "response.created":
+                self.created = response.get("created_at")
+            use = response.get("usage")
+            if isinstance(use, dict):
+                details = use.get("input_tokens_details") or {}
+                self.cached_tokens = int(details.get("cached_tokens") or 0)
+        if isinstance(kind, str):
+            payload["sequence_number"] = self.events
+            self.events += 1
+            self.finished = kind in TERMINAL_EVENTS
         return payload

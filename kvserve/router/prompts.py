@@ -20,6 +20,7 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.router.scoring import PromptInfo
 from kvserve.router.tokenizers import Tokenizers
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.responses.protocol import ResponsesRequest
 
 _INLINE_CHARS = 8192  # longer prompts are tokenized off the event loop
 
@@ -30,7 +31,8 @@ class PromptReader:
 
     async def read(self, kind: str, body: dict[str, Any], fps: Iterable[str | None]) -> PromptInfo:
         """The prompt's token ids for each fingerprint in ``fps`` the router has a
-        tokenizer for (``kind``: ``chat`` or ``completion``), and its ``cache_salt``."""
+        tokenizer for (``kind``: ``chat``, ``completion`` or ``responses``), and its
+        ``cache_salt``."""
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
         toks = {fp: t for fp in set(fps) if fp and (t := self.tokenizers.get(fp)) is not None}
@@ -50,6 +52,10 @@ def _all_ids(kind: str, body: dict[str, Any], toks: dict[str, Tokenizer]) -> dic
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
             req = ChatCompletionRequest.model_validate(body)
+        elif kind == "responses":  # a new conversation (a continuation goes to its holder)
+            if body.get("previous_response_id") is not None:
+                return {}
+            req = ResponsesRequest.model_validate(body).chat([])
         else:
             req = CompletionRequest.model_validate(body)
             if len(req.prompts()) != 1:

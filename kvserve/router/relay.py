@@ -56,6 +56,7 @@ from kvserve.router.config import RouterConfig
 from kvserve.router.flow import Flow
 from kvserve.router.scoring import Placement
 from kvserve.router.workers import Worker, WorkerPool
+from kvserve.server.responses.record import session_of
 
 logger = logging.getLogger("kvserve.router")
 T = TypeVar("T")
@@ -85,7 +86,10 @@ async def _closed(resp: httpx.Response) -> None:
 
 
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One SSE message; a Responses event names its type in an ``event:`` line too."""
+    data = f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    kind = payload.get("type")
+    return f"event: {kind}\n{data}" if isinstance(kind, str) else data
 
 
 class Relay:
@@ -203,7 +207,9 @@ class Relay:
         return d.worker, decode
 
     def _path(self, flow: Flow) -> str:
-        return "/v1/chat/completions" if flow.kind == "chat" else "/v1/completions"
+        return {"chat": "/v1/chat/completions", "responses": "/v1/responses"}.get(
+            flow.kind, "/v1/completions"
+        )
 
     async def resume(self, flow: Flow, failed: Worker, why: str) -> tuple[Worker, httpx.Response]:
         """Continue ``flow`` on a standby after ``failed`` failed; returns the standby and
@@ -293,6 +299,8 @@ class Relay:
             "ephemeral": flow.ephemeral,
             "request": flow.body,
         }
+        if flow.kind == "responses":  # the response the client has begun to get
+            body["response_id"], body["created_at"] = flow.response_id, flow.created
         headers = flow.headers()
         if self.config.cluster_secret:
             headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
@@ -314,6 +322,33 @@ class Relay:
             await resp.aclose()
             w.inflight -= 1
 
+    async def forward(
+        self, method: str, path: str, query: str, response_id: str, auth: str | None
+    ) -> tuple[Worker | None, int, bytes]:
+        """A stored response's request (``GET``/``DELETE``): to the owner of its
+        conversation's session when routable, else to the others in load order, until
+        one answers other than 404 (or all did). The worker, status and body; (None,
+        503, error) when no worker answered."""
+        session = session_of(response_id)
+        owner = await self._owner(session) if session is not None else None
+        cands = sorted(self.pool.routable(), key=lambda w: w.load)
+        if owner is not None:
+            cands.sort(key=lambda w: w.node_id != owner.node)
+        headers = {"Authorization": auth} if auth else {}
+        url = path + (f"?{query}" if query else "")
+        answer: tuple[Worker | None, int, bytes] | None = None
+        for w in cands:
+            try:
+                r = await self.pool.client(w).request(method, w.url + url, headers=headers)
+            except httpx.HTTPError:
+                continue
+            answer = (w, r.status_code, r.content)
+            if r.status_code != 404:
+                return answer
+        if answer is not None:
+            return answer
+        return None, 503, json.dumps(Unroutable(503, "no worker is available").body).encode()
+
     # ---- relaying ------------------------------------------------------------------------
     async def events(self, flow: Flow, w: Worker, resp: httpx.Response) -> AsyncIterator[str]:
         """The client's SSE stream: ``resp`` relayed, continued elsewhere on failures."""
@@ -325,7 +360,7 @@ class Relay:
                     async with contextlib.aclosing(self._upstream(w, resp)) as upstream:
                         async for payload in upstream:
                             if payload is None:
-                                yield "data: [DONE]\n\n"
+                                yield flow.done_marker
                                 return
                             out = flow.observe(payload)
                             if out is not None:
@@ -334,6 +369,8 @@ class Relay:
                                 moved = await self.handoff(flow)  # the prompt is done
                                 if moved is not None:
                                     break
+                    if moved is None and flow.finished and not flow.done_marker:
+                        return  # a Responses stream ends after its terminal event
                     if moved is None:
                         self.metrics.failovers_detected.labels("connection").inc()
                         raise WorkerFailed(f"{w.node_id} ended the stream early")
@@ -342,7 +379,7 @@ class Relay:
                     w.inflight -= 1
                     current = None
                     if flow.finished:  # everything was delivered; only [DONE] was missing
-                        yield "data: [DONE]\n\n"
+                        yield flow.done_marker
                         return
                     try:
                         w, resp = await self.resume(flow, w, str(e))
@@ -377,6 +414,9 @@ class Relay:
                 yield None
                 return
             payload = json.loads(data)
+            if payload.get("type") == "response.failed":  # the worker's engine is gone
+                self.metrics.failovers_detected.labels("error_event").inc()
+                raise WorkerFailed(f"{w.node_id}: the response failed")
             if "error" in payload:
                 self.metrics.failovers_detected.labels("error_event").inc()
                 raise WorkerFailed(f"{w.node_id}: {payload['error'].get('message')}")
