@@ -69,11 +69,14 @@ from kvserve.engine.messages import (
     Utility,
     UtilityCall,
     UtilityResult,
+    tokens_digest,
 )
 from kvserve.engine.stats import EngineStats
 from kvserve.store.tiered import TieredStore
 
 logger = logging.getLogger("kvserve")
+# calls that read or write the KV store's lower tiers: never on the loop
+_IO_CALLS = (ReadCheckpoint, PutRecords, GetRecord, DeleteRecords, GetSession, DeleteSession)
 
 IDLE_POLL_S = 0.1
 
@@ -215,8 +218,7 @@ class CoreLoop:
             self._send(AddResult(m.request_id))
 
     def _utility(self, m: Utility) -> None:
-        if isinstance(m.call, ReadCheckpoint | PutRecords | GetRecord | DeleteRecords):
-            # network I/O (S3, Redis): answered from the io thread
+        if isinstance(m.call, _IO_CALLS):  # network I/O (S3, Redis): from the io thread
             self._slow_pending += 1
             self._slow.submit(lambda: self._answers.put(self._answer(m)))
             return
@@ -240,7 +242,11 @@ class CoreLoop:
             if rec is None:
                 return None
             return SessionInfo(
-                len(rec["tokens"]), len(rec["blocks"]), rec["updated"], rec["expires"]
+                len(rec["tokens"]),
+                len(rec["blocks"]),
+                rec["updated"],
+                rec["expires"],
+                tokens_digest(rec["tokens"]),
             )
         if isinstance(call, DeleteSession):
             return bool(e.offloader and e.offloader.sessions.delete(call.tenant, call.session_id))
@@ -275,8 +281,8 @@ def _records(store: TieredStore | None, call: PutRecords | GetRecord | DeleteRec
     if isinstance(call, PutRecords):
         store.put_now(call.items)
         return None
-    if isinstance(call, GetRecord):
-        return store.get([call.key])[0]
+    if isinstance(call, GetRecord):  # promoted nowhere: a deleted record stays deleted
+        return next(iter(store.get_each(call.key)), None)
     store.delete(call.keys)
     return None
 

@@ -13,6 +13,8 @@ handshake instead of misreading a frame.
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 from kvserve.engine.stats import EngineStats
@@ -182,6 +184,12 @@ class SessionInfo(msgspec.Struct):
     num_blocks: int
     updated_at: float
     expires_at: float
+    tokens_digest: str = ""  # ``tokens_digest(tokens)`` of the session's tokens
+
+
+def tokens_digest(tokens: list[int]) -> str:
+    """A short digest of a token list (is a session's newest turn this one?)."""
+    return hashlib.blake2b(msgspec.msgpack.encode(tokens), digest_size=16).hexdigest()
 
 
 class EngineInfo(msgspec.Struct, tag=True):

@@ -10,8 +10,10 @@
   tenant's value is absent.
 - **Removal** (``DELETE``, expiry, eviction) drops the record everywhere and, when the
   response is the newest turn of its conversation (the session's tokens are its
-  tokens), the conversation's KV blocks too (``DeleteSession``). An older turn's KV is
-  shared with the newer one and stays until that goes.
+  tokens: their digests agree), the conversation's KV blocks too (``DeleteSession``).
+  An older turn's KV is shared with the newer one and stays until that goes. A record is
+  read from the tiers without being copied into this node's own tier, so a deleted one
+  stays deleted; a router sends ``DELETE`` to every worker (each drops its own copy).
 
 Expiry is checked on every store operation and on every ``/metrics`` scrape (``sweep``).
 A shared tier that fails (a timeout, an unreachable Redis) is logged and counted; the
@@ -37,6 +39,7 @@ from kvserve.engine.messages import (
     PutRecords,
     SessionInfo,
     UtilityCall,
+    tokens_digest,
 )
 from kvserve.server.responses.record import StoredResponse, record_key
 
@@ -67,6 +70,10 @@ class ResponseStore:
         await self.sweep()
         raw = record.encode()
         key = (record.tenant, record.id)
+        old = self._local.pop(key, None)  # (saved again: a continuation after a failover)
+        if old is not None:
+            self._per_tenant[record.tenant] -= 1
+            self.num_bytes -= old[1]
         self._local[key] = (record, len(raw))
         self._per_tenant[record.tenant] += 1
         self.num_bytes += len(raw)
@@ -122,7 +129,7 @@ class ResponseStore:
             return
         await self._shared(DeleteRecords([record_key(record.tenant, record.id)]))
         info = await self._shared(GetSession(record.tenant, record.session_id), SessionInfo | None)
-        if info is not None and info.num_tokens == len(record.token_ids):
+        if info is not None and info.tokens_digest == tokens_digest(record.token_ids):
             await self._shared(DeleteSession(record.tenant, record.session_id), bool)
 
     async def _shared(self, call: UtilityCall, result: Any = Any) -> Any:
