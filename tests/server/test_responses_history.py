@@ -61,6 +61,14 @@ def test_items_become_chat_messages():
     assert chat.messages[4].tool_call_id == "c1"
     assert chat.response_format.type == "json_object"
     assert chat.tool_choice.function.name == "f"
+    # an assistant's text, then its calls (OpenAI's output order): one message
+    said = ResponsesRequest.model_validate({"input": [
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+    ]}).chat([])  # fmt: skip
+    assert [(m.role, m.content, len(m.tool_calls or [])) for m in said.messages] == [
+        ("assistant", "Checking.", 1)
+    ]
 
 
 def test_ids_name_their_conversation():

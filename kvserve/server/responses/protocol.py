@@ -246,9 +246,9 @@ class ResponsesRequest(_Strict):
 
 
 def input_messages(items: list[InputItem]) -> list[ChatMessage]:
-    """Input items as chat messages: consecutive ``function_call`` items are one
-    assistant message with those tool calls; a ``function_call_output`` is a tool
-    message answering its call."""
+    """Input items as chat messages: ``function_call`` items join the assistant message
+    before them (its text, then its calls), or make one of their own; a
+    ``function_call_output`` is a tool message answering its call."""
     out: list[ChatMessage] = []
     for item in items:
         if isinstance(item, MessageItem):
@@ -258,8 +258,8 @@ def input_messages(items: list[InputItem]) -> list[ChatMessage]:
                 id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
             )
             last = out[-1] if out else None
-            if last is not None and last.role == "assistant" and last.tool_calls is not None:
-                out[-1] = last.model_copy(update={"tool_calls": [*last.tool_calls, call]})
+            if last is not None and last.role == "assistant":  # its text, then its calls
+                out[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
             else:
                 out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         else:

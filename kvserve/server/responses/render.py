@@ -130,59 +130,77 @@ class ResponseEvents:
         return derived_id(self.id, "call", k, 24)
 
     def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events of one chat delta choice (``{"delta": {"content", "tool_calls"}}``)."""
-        events: list[dict[str, Any]] = []
+        """The events of one chat delta choice (``{"delta": {"content", "tool_calls"}}``),
+        in the order they were generated: argument text of the calls already open, then
+        content (which ends those calls), then new calls (each ending the items before
+        it — one item is open at a time, as OpenAI streams them)."""
         d = delta.get("delta") or {}
+        calls = d.get("tool_calls") or []
+        opened = set(self._calls)
+        early = [c for c in calls if "id" not in c and c.get("index") in opened]
+        events: list[dict[str, Any]] = []
+        for call in early:
+            events += self._call_delta(call)
         content = d.get("content")
         if content:
-            if self._message is None:
-                events += self._close_calls()
-                events += self._open_message()
-            item = self.items[self._message]  # type: ignore[index]
-            item["content"][0]["text"] += content
+            events += self._text(content)
+        for call in calls:
+            if not any(call is c for c in early):
+                events += self._call_delta(call)
+        return events
+
+    def _text(self, content: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._message is None:
+            events += self._close_calls()
+            events += self._open_message()
+        item = self.items[self._message]  # type: ignore[index]
+        item["content"][0]["text"] += content
+        events.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=self._message,
+                content_index=0,
+                delta=content,
+                logprobs=[],
+            )
+        )
+        return events
+
+    def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A tool-call delta: a new call (an ``id``) opens its item; arguments extend it."""
+        events: list[dict[str, Any]] = []
+        fn = call.get("function") or {}
+        if "id" in call:
+            events += self._close_message() + self._close_calls()
+            item = {
+                "id": derived_id(self.id, "fc", len(self.items)),
+                "type": "function_call",
+                "status": "in_progress",
+                "call_id": call["id"],
+                "name": fn.get("name", ""),
+                "arguments": "",
+            }
+            self._calls[call["index"]] = len(self.items)
+            self.items.append(item)
             events.append(
                 self._event(
-                    "response.output_text.delta",
-                    item_id=item["id"],
-                    output_index=self._message,
-                    content_index=0,
-                    delta=content,
-                    logprobs=[],
+                    "response.output_item.added", output_index=len(self.items) - 1, item=dict(item)
                 )
             )
-        for call in d.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            if "id" in call:  # a new call
-                events += self._close_message()
-                item = {
-                    "id": derived_id(self.id, "fc", len(self.items)),
-                    "type": "function_call",
-                    "status": "in_progress",
-                    "call_id": call["id"],
-                    "name": fn.get("name", ""),
-                    "arguments": "",
-                }
-                self._calls[call["index"]] = len(self.items)
-                self.items.append(item)
-                events.append(
-                    self._event(
-                        "response.output_item.added",
-                        output_index=len(self.items) - 1,
-                        item=dict(item),
-                    )
+        args = fn.get("arguments")
+        index = self._calls.get(call.get("index", -1))
+        if args and index is not None:
+            self.items[index]["arguments"] += args
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.items[index]["id"],
+                    output_index=index,
+                    delta=args,
                 )
-            args = fn.get("arguments")
-            index = self._calls.get(call.get("index", -1))
-            if args and index is not None:
-                self.items[index]["arguments"] += args
-                events.append(
-                    self._event(
-                        "response.function_call_arguments.delta",
-                        item_id=self.items[index]["id"],
-                        output_index=index,
-                        delta=args,
-                    )
-                )
+            )
         return events
 
     def finish(
@@ -247,7 +265,7 @@ class ResponseEvents:
         events = []
         for index in self._calls.values():
             item = self.items[index]
-            item["status"] = "completed"
+            item["status"] = "completed" if self.status != "incomplete" else "incomplete"
             events.append(
                 self._event(
                     "response.function_call_arguments.done",

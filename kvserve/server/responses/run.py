@@ -94,12 +94,24 @@ class ResponseRun:
         return ToolCallStream(plan.parser, plan.parallel, self.out.call_id)
 
     def _catch_up(self, delivered: list[int]) -> None:
-        """Rebuild, without sending, the events the client got for ``delivered``."""
+        """Rebuild, without sending, the items the client got for ``delivered`` — token
+        by token when tool calls are read, so text and calls open items in the order
+        the first worker opened them (their ids follow that order)."""
         text = self.choice.delivered_text(delivered)
         self.choice.resume_after(delivered, len(text))
         tools = self._tool_stream(self.turn.tools)
-        content, calls = tools.step(text, False) if tools is not None else (text, [])
-        self.out.feed({"delta": {"content": content, "tool_calls": calls}})
+        if tools is None:
+            self.out.feed({"delta": {"content": text}})
+            return
+        tok, skip = self.state.tokenizer, self.turn.params.skip_special_tokens
+        assert tok is not None  # (responses need one)
+        end = 0
+        for k in range(1, len(delivered) + 1):
+            upto = min(len(tok.decode(delivered[:k], skip_special_tokens=skip)), len(text))
+            if upto > end or k == len(delivered):
+                content, calls = tools.step(text[:upto], False)
+                self.out.feed({"delta": {"content": content, "tool_calls": calls}})
+                end = upto
 
     async def _generate(self) -> AsyncIterator[dict[str, Any]]:
         """The events up to the last output item's; then ``_finish`` ends the response."""
