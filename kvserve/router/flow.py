@@ -19,8 +19,9 @@ from kvserve.server.responses.record import (
     session_of,
 )
 
-# the events that end a Responses stream
+# the events that end a Responses stream, and those that stand alone (sent at once)
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+LIFECYCLE_EVENTS = ("response.created", "response.in_progress", *TERMINAL_EVENTS)
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Flow:
     handoff_to: str | None = None  # disaggregated: the decode worker after the first token
     response_id: str | None = None  # responses: the id the router chose (routes by it)
     events: int = 0  # responses: events the client got (the next one's sequence_number)
+    near: str | None = None  # responses: the previous response's session (placement)
+    pending: list[dict[str, Any]] = field(default_factory=list)  # responses: held events
 
     @classmethod
     def for_response(cls, body: dict[str, Any], headers: Any) -> Flow:
@@ -60,7 +63,10 @@ class Flow:
         is added to the body; token ids come back in the events (``X-Kvserve-Token-Ids``)."""
         previous = body.get("previous_response_id")
         valid = isinstance(previous, str | None) and isinstance(body.get("seed"), int | None)
-        rid = new_response_id(previous if valid else None)
+        stored = body.get("store") is not False
+        # a response not stored starts a conversation of its own (an ephemeral session),
+        # so it never takes over the stored one's session; it still goes near it
+        rid = new_response_id(previous if valid and stored else None)
         up = dict(body)
         if valid and up.get("seed") is None:
             up["seed"] = secrets.randbits(62)
@@ -68,13 +74,15 @@ class Flow:
             "responses",
             up,
             session_of(rid) or rid,
-            body.get("store") is False,
+            not stored,
             False,
             valid,
             headers.get("authorization"),
             stream=bool(body.get("stream")),
         )
         flow.response_id = rid
+        if valid and isinstance(previous, str):
+            flow.near = session_of(previous)
         return flow
 
     @property
@@ -165,15 +173,49 @@ class Flow:
             payload.pop("prompt_token_ids", None)
         return payload
 
-    def _observe_event(self, payload: dict[str, Any]) -> dict[str, Any] | None:
-        """A Responses event (or whole response object): its token ids noted and
-        stripped (None for an event of only those), numbered in the client's sequence."""
+    def deliver(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """A streamed chunk or event as the client gets it, now: for a Responses stream
+        the events of one engine update are held until the one carrying its token ids
+        (or a lifecycle event) arrives, then released together, numbered in the
+        client's sequence — a worker failing amid an update leaves none of its events
+        with the client, so its continuation repeats nothing."""
+        if self.kind != "responses":
+            out = self.observe(payload)
+            return [] if out is None else [out]
         ids = payload.pop("kvserve_token_ids", None)
+        kind = payload.get("type")
+        if kind != "kvserve.token_ids":
+            self.pending.append(payload)
+        if not ids and kind not in LIFECYCLE_EVENTS and kind != "kvserve.token_ids":
+            return []
         if isinstance(ids, list):
             self.ids += ids
+        released, self.pending = self.pending, []
+        for event in released:
+            self._observe_event(event)
+        return released
+
+    def drop_pending(self) -> None:
+        """The worker failed: the events of its unfinished update never reach the client."""
+        self.pending = []
+
+    def error_event(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The router's error ``body`` as the client's stream shows it: a Responses
+        ``error`` event (numbered in its sequence), else the body itself."""
+        if self.kind != "responses":
+            return body
+        err = body.get("error") or {}
+        event = {"type": "error", "code": err.get("code") or "server_error",
+                 "message": err.get("message"), "param": None,
+                 "sequence_number": self.events}  # fmt: skip
+        self.events += 1
+        return event
+
+    def _observe_event(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """A Responses event (or whole response object), numbered in the client's
+        sequence; its usage noted."""
+        payload.pop("kvserve_token_ids", None)
         kind = payload.get("type")
-        if kind == "kvserve.token_ids":
-            return None
         response = payload.get("response") if isinstance(kind, str) else payload
         if isinstance(response, dict):
             if kind == "response.created":

@@ -152,6 +152,9 @@ class Relay:
         start from nothing delivered)."""
         owner = await self._owner(flow.session)
         w = self.pool.get(owner.node) if owner is not None else None
+        if w is None and flow.near is not None:  # a response not stored: near its history
+            near = await self._owner(flow.near)
+            w = self.pool.get(near.node) if near is not None else None
         standby = None
         if w is not None:
             self.metrics.decisions.labels("affinity").inc()
@@ -160,6 +163,8 @@ class Relay:
         self.metrics.decision_seconds.observe(time.perf_counter() - flow.arrived)
         epoch = owner.epoch if owner is not None else (0 if self.pool.registry_ok else None)
         headers = flow.headers(epoch)
+        if flow.response_id is not None and self.config.cluster_secret:  # it names the id
+            headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
         standby = standby or self.pool.standby(flow.session, {w.node_id})
         if standby is not None:  # the node a failover would pick: it pre-warms the session
             headers["X-Kvserve-Standby"] = standby.node_id
@@ -325,9 +330,10 @@ class Relay:
     async def forward(
         self, method: str, path: str, query: str, response_id: str, auth: str | None
     ) -> tuple[Worker | None, int, bytes]:
-        """A stored response's request (``GET``/``DELETE``): to the owner of its
-        conversation's session when routable, else to the others in load order, until
-        one answers other than 404 (or all did). The worker, status and body; (None,
+        """A stored response's request: a ``GET`` to the owner of its conversation's
+        session when routable, else to the others in load order, until one answers
+        other than 404 (or all did); a ``DELETE`` to every worker (each holds its own
+        copies), answered by the first that had it. The worker, status and body; (None,
         503, error) when no worker answered."""
         session = session_of(response_id)
         owner = await self._owner(session) if session is not None else None
@@ -342,8 +348,9 @@ class Relay:
                 r = await self.pool.client(w).request(method, w.url + url, headers=headers)
             except httpx.HTTPError:
                 continue
-            answer = (w, r.status_code, r.content)
-            if r.status_code != 404:
+            if answer is None or (answer[1] == 404 and r.status_code != 404):
+                answer = (w, r.status_code, r.content)
+            if r.status_code != 404 and method != "DELETE":
                 return answer
         if answer is not None:
             return answer
@@ -362,8 +369,7 @@ class Relay:
                             if payload is None:
                                 yield flow.done_marker
                                 return
-                            out = flow.observe(payload)
-                            if out is not None:
+                            for out in flow.deliver(payload):
                                 yield _sse(out)
                             if flow.handoff_to is not None and flow.ids and not flow.finished:
                                 moved = await self.handoff(flow)  # the prompt is done
@@ -378,13 +384,14 @@ class Relay:
                     await resp.aclose()
                     w.inflight -= 1
                     current = None
+                    flow.drop_pending()
                     if flow.finished:  # everything was delivered; only [DONE] was missing
                         yield flow.done_marker
                         return
                     try:
                         w, resp = await self.resume(flow, w, str(e))
                     except Unroutable as u:
-                        yield _sse(u.body)
+                        yield _sse(flow.error_event(u.body))
                         return
                     current = w
                     continue

@@ -65,6 +65,9 @@ def test_a_conversation_moves_to_another_worker_when_its_holder_dies(llama_dir, 
         again, r2 = _create(client, model, input="and more", previous_response_id=r1.id)
         assert again == holder  # affinity: the conversation's worker
         assert r2.usage.input_tokens_details.cached_tokens >= 0.8 * r2.usage.input_tokens
+        # a response not stored, continuing it, neither moves nor overwrites its session
+        aside, _ = _create(client, model, input="aside", previous_response_id=r2.id, store=False)
+        assert aside == holder
         other = "b" if holder == "a" else "a"
         session = c.workers[other].url + f"/v1/sessions/{r2.id[:29]}"
 

@@ -91,6 +91,12 @@ def test_create_retrieve_input_items_delete(server):
     assert [i.type for i in items.data] == ["message"]
     assert items.data[0].role == "user" and items.data[0].content[0].text == "Hello there"
     assert server.metric("kvserve_responses_stored_bytes") > 0
+    # pages: the SDK's auto-pager asks again with ``after``
+    many = _create(c, input=[{"role": "user", "content": f"part {i}"} for i in range(3)])
+    pages = c.responses.input_items.list(many.id, limit=2, order="asc")
+    assert [i.content[0].text for i in pages] == ["part 0", "part 1", "part 2"]
+    status, out = _http(server, "GET", f"/v1/responses/{many.id}?stream=true")
+    assert status == 400 and out["error"]["param"] == "stream"
     deleted = c.responses.delete(r.id)
     assert deleted is None or getattr(deleted, "deleted", True)
     for call in (lambda: c.responses.retrieve(r.id), lambda: c.responses.delete(r.id)):

@@ -12,6 +12,7 @@ the creating tenant's key.
 from __future__ import annotations
 
 import asyncio
+import hmac
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -74,14 +75,20 @@ async def prepare(
     return Turn(body, tenant, history, params, tools, prompt)
 
 
-def _response_id(request: Request, body: ResponsesRequest) -> str:
-    """A fresh id in the previous response's conversation, or the one a router chose
-    (``X-Kvserve-Response-Id``: it routes by the conversation before a worker answers)."""
+def _response_id(state: ServerState, request: Request, body: ResponsesRequest) -> str:
+    """A fresh id in the previous response's conversation — or the one a router chose
+    (``X-Kvserve-Response-Id``, with the cluster secret: it routes by the conversation
+    before a worker answers)."""
     chosen = request.headers.get(RESPONSE_ID_HEADER)
-    if chosen is not None and session_of(chosen) is not None:
-        prev = body.previous_response_id
-        if prev is None or session_of(prev) == session_of(chosen):
-            return chosen
+    secret = state.config.cluster_secret
+    given = request.headers.get("x-kvserve-cluster-secret", "")
+    if (
+        chosen is not None
+        and session_of(chosen) is not None
+        and secret
+        and hmac.compare_digest(given.encode(), secret.encode())
+    ):
+        return chosen
     return new_response_id(body.previous_response_id)
 
 
@@ -105,7 +112,7 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
         principal = authenticate(request, state.config)
         admit(state, body.model)
         turn = await prepare(state, store, body, principal.tenant)
-        rid = _response_id(request, body)
+        rid = _response_id(state, request, body)
         # the conversation's session; a response not stored has one only while a router
         # may continue it elsewhere (ephemeral: released when it ends)
         routed = request.headers.get("x-kvserve-ephemeral-session") == "1"
@@ -118,6 +125,7 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(request: Request, response_id: str) -> JSONResponse:
+        _known_query(request, ())  # (``stream``, ``include``: not supported)
         principal = authenticate(request, state.config)
         record = await store.load(principal.tenant, response_id)
         if record is None:
@@ -126,6 +134,7 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
 
     @router.delete("/v1/responses/{response_id}")
     async def delete(request: Request, response_id: str) -> JSONResponse:
+        _known_query(request, ())
         principal = authenticate(request, state.config)
         if not await store.delete(principal.tenant, response_id):
             raise _not_found(response_id)
@@ -133,8 +142,16 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
 
     @router.get("/v1/responses/{response_id}/input_items")
     async def input_items(
-        request: Request, response_id: str, order: str = "desc", limit: int = 20
+        request: Request,
+        response_id: str,
+        order: str = "desc",
+        limit: int = 20,
+        after: str | None = None,
+        before: str | None = None,
     ) -> JSONResponse:
+        """A page of the response's input items: ``limit`` of them in ``order``, those
+        after the item ``after`` and before the item ``before`` (ids of this list)."""
+        _known_query(request, ("order", "limit", "after", "before"))
         principal = authenticate(request, state.config)
         if order not in ("asc", "desc"):
             raise bad_request("order: must be asc or desc", "order")
@@ -144,6 +161,14 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
         if record is None:
             raise _not_found(response_id)
         items = record.input_items if order == "asc" else record.input_items[::-1]
+        ids = [item["id"] for item in items]
+        for name, cursor in (("after", after), ("before", before)):
+            if cursor is not None and cursor not in ids:
+                raise bad_request(f"{name}: no input item {cursor!r} in this response", name)
+        if before is not None:
+            items = items[: ids.index(before)]
+        if after is not None:
+            items = items[ids.index(after) + 1 :]
         page = items[:limit]
         return JSONResponse(
             {
@@ -156,6 +181,16 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
         )
 
     return router
+
+
+def _known_query(request: Request, known: tuple[str, ...]) -> None:
+    """A query parameter this server does not implement is a 400 naming it."""
+    for name in request.query_params:
+        if name not in known:
+            raise bad_request(
+                f"{name}: this query parameter is not supported by kvserve", name,
+                "unsupported_field",
+            )  # fmt: skip
 
 
 def _renamed(e: ValueError) -> ValueError:
