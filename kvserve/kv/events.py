@@ -19,10 +19,16 @@ The log is bounded: past ``max_pending`` undrained hashes it drops what it holds
 raises ``overflowed``; the engine then sends the whole state in its place
 (``full_state``: each tier cleared and everything it holds stored), so the publisher's
 mirror, and every reader, is exact again.
+
+**Sealed names.** With a cluster secret, published hashes are sealed: a keyed BLAKE2b of
+each hash under a key derived from the secret (``events_key``, ``seal``). A router holds
+the secret and seals the chains it computes the same way; anyone else who reads the
+events port cannot tell from them whether a given prompt was sent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterable
 
@@ -134,3 +140,28 @@ def apply(held: dict[str, set[bytes]], events: Iterable[KVEvent]) -> bool:
             tier.clear()
             ok = ok and not e.lossy
     return ok
+
+
+def events_key(secret: str | None) -> bytes | None:
+    """The key sealing published hashes: derived from the cluster secret (None without
+    one: hashes are published as the engine names them)."""
+    if not secret:
+        return None
+    return hashlib.blake2b(b"kvserve-kv-events\0" + secret.encode(), digest_size=32).digest()
+
+
+def seal(key: bytes | None, hashes: Iterable[bytes]) -> list[bytes]:
+    """``hashes`` as they are published under ``key`` (unchanged when None)."""
+    if key is None:
+        return list(hashes)
+    return [hashlib.blake2b(h, key=key, digest_size=len(h)).digest() for h in hashes]
+
+
+def sealed(key: bytes | None, events: Iterable[KVEvent]) -> list[KVEvent]:
+    """``events`` with their hashes sealed under ``key``."""
+    if key is None:
+        return list(events)
+    return [
+        type(e)(e.tier, seal(key, e.hashes)) if isinstance(e, BlocksStored | BlocksRemoved) else e
+        for e in events
+    ]

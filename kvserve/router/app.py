@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.ha.coordination import Coordinator
+from kvserve.kv.events import events_key
 from kvserve.router.config import RouterConfig
 from kvserve.router.flow import Flow
 from kvserve.router.index import PrefixIndex
@@ -64,7 +65,13 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
     prefix = policy == "prefix"
     override = load_override(config.tokenizer) if prefix else None  # a bad path: at start
     index = PrefixIndex() if prefix else None
-    placement = Placement(policy, index, config.routing_load_weight, config.routing_host_weight)
+    placement = Placement(
+        policy,
+        index,
+        config.routing_load_weight,
+        config.routing_host_weight,
+        events_key(config.cluster_secret),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

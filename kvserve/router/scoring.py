@@ -33,6 +33,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvserve.kv.events import seal
 from kvserve.kv.hashing import hash_blocks, root_hash
 from kvserve.router.index import PrefixIndex
 from kvserve.router.workers import Worker, rendezvous
@@ -69,13 +70,17 @@ class Placement:
         index: PrefixIndex | None,
         load_weight: float = 256.0,
         host_weight: float = 0.8,
+        events_key: bytes | None = None,
     ):
+        """``events_key``: the key the workers seal their published hashes with (the
+        cluster secret's, ``kv.events.events_key``)."""
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}")
         self.policy = policy
         self.index = index
         self.load_weight = load_weight
         self.host_weight = host_weight
+        self.events_key = events_key
         self._rr = itertools.count()
 
     def choose(self, cands: Sequence[Worker], session: str, prompt: PromptInfo) -> Decision:
@@ -123,6 +128,7 @@ class Placement:
         chain = memo.get(k)
         if chain is None:
             root = root_hash(*keys, None if salt is None else f"salt={salt}")
-            chain = memo[k] = hash_blocks(root, ids[: usable * int(bs)], int(bs))
+            chain = hash_blocks(root, ids[: usable * int(bs)], int(bs))
+            chain = memo[k] = seal(self.events_key, chain)
         m = self.index.match(w.node_id, chain)
         return int(bs) * m.device, int(bs) * m.host

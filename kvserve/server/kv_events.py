@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 
-from kvserve.kv.events import TIERS, KVEvent, apply
+from kvserve.kv.events import TIERS, KVEvent, apply, sealed
 
 logger = logging.getLogger("kvserve")
 
@@ -52,6 +52,16 @@ class KVSnapshot(msgspec.Struct):
     tiers: dict[str, list[bytes]]
 
 
+def bind_host(host: str, advertise_url: str | None) -> str:
+    """Where the events port listens: the advertised URL's host when the server listens
+    on every interface (the port is open only where routers reach this worker), else the
+    server's own host."""
+    advertised = urlsplit(advertise_url).hostname if advertise_url else None
+    if host in ("0.0.0.0", "::", "") and advertised:
+        return advertised
+    return host
+
+
 def advertised_endpoint(bind_host: str, port: int, advertise_url: str | None) -> str:
     """The ``tcp://`` address routers connect to: the advertised URL's host (what other
     machines reach this worker by) or the bind address."""
@@ -68,8 +78,18 @@ class KVEventPublisher:
     """Numbers, mirrors and publishes the engine's KV events. Not thread-safe: use it from
     the server's event loop only."""
 
-    def __init__(self, node: str, bind_host: str, port: int, keepalive_s: float = 1.0):
+    def __init__(
+        self,
+        node: str,
+        bind_host: str,
+        port: int,
+        key: bytes | None = None,
+        keepalive_s: float = 1.0,
+    ):
+        """``key``: seals the published hashes (``kv.events.events_key`` of the cluster
+        secret); the mirror and snapshots hold them sealed too."""
         self.node = node
+        self.key = key
         self.instance = secrets.token_hex(8)
         self.seq = 0
         self.keepalive_s = keepalive_s
@@ -92,6 +112,7 @@ class KVEventPublisher:
         subscriber that is too slow: it resynchronises)."""
         if not events:
             return
+        events = sealed(self.key, events)
         apply(self.held, events)
         self.seq += 1
         self._send(events)

@@ -61,18 +61,22 @@ class _DrainingServer(uvicorn.Server):
 def _open_kv_events(engine_args: EngineArgs, config: ServerConfig):
     """The KV event publisher when this worker publishes (``--cluster`` or
     ``--kv-events-port``), bound before the engine loads: a port in use is refused at
-    start (SystemExit), not found out later."""
+    start (SystemExit), not found out later. It listens on the advertised host when the
+    server listens everywhere, and seals its hashes with the cluster secret."""
     if not engine_args.kv_events_enabled:
         return None
     import zmq
 
-    from kvserve.server.kv_events import KVEventPublisher
+    from kvserve.kv.events import events_key
+    from kvserve.server.kv_events import KVEventPublisher, bind_host
 
     port = engine_args.kv_events_port or 0
     if not 0 <= port < 65536:
         raise SystemExit(f"kvserve serve: --kv-events-port must be in 0..65535, got {port}")
+    host = bind_host(config.host, config.advertise_url)
+    key = events_key(config.cluster_secret)
     try:
-        return KVEventPublisher(engine_args.node_id or "", config.host, port)
+        return KVEventPublisher(engine_args.node_id or "", host, port, key)
     except zmq.ZMQError as e:
         raise SystemExit(f"kvserve serve: cannot publish KV events on port {port}: {e}") from None
 

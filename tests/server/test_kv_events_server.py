@@ -18,7 +18,7 @@ import pytest
 import zmq
 from server_proc import free_port, running_server
 
-from kvserve.kv.events import DEVICE, HOST, apply
+from kvserve.kv.events import DEVICE, HOST, apply, events_key, seal
 from kvserve.kv.hashing import hash_blocks, model_fingerprint, root_hash
 from kvserve.model.tokenizer import load_tokenizer
 from kvserve.server.kv_events import KVEventBatch, KVSnapshot
@@ -69,8 +69,9 @@ def test_events_and_snapshot_name_the_prompt_blocks(llama_dir, tmp_path):
         assert set(snap.tiers[DEVICE]) == view[DEVICE] and set(snap.tiers[HOST]) == view[HOST]
         # the root keys as the engine builds them (a router reads them from the registry)
         keys = [model_fingerprint(llama_dir), "kv=float32", "block_size=16"]
-        want = set(hash_blocks(root_hash(*keys), ids, 16))
-        assert len(want) >= 7
+        raw = hash_blocks(root_hash(*keys), ids, 16)
+        want = set(seal(events_key(SECRET), raw))  # sealed: only the secret's holders match
+        assert len(want) >= 7 and not set(raw) & (view[DEVICE] | view[HOST])
         assert want <= view[DEVICE]  # every full prompt block is in the pool's index
         assert want <= view[HOST]  # and was saved to the host tier
 
@@ -94,3 +95,11 @@ def test_a_kv_events_port_in_use_is_refused_at_start(llama_dir, tmp_path):
         assert f"cannot publish KV events on port {port}" in out.stderr + out.stdout
     finally:
         sock.close(linger=0)
+
+
+def test_the_events_port_listens_where_routers_reach_the_worker():
+    from kvserve.server.kv_events import bind_host
+
+    assert bind_host("0.0.0.0", "http://10.1.2.3:8000") == "10.1.2.3"
+    assert bind_host("127.0.0.1", "http://10.1.2.3:8000") == "127.0.0.1"
+    assert bind_host("0.0.0.0", None) == "0.0.0.0"
