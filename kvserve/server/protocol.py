@@ -32,8 +32,9 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Common(StructuredFields):
-    model_config = ConfigDict(extra="forbid")
+class ValidText(BaseModel):
+    """A body any of whose strings that is not valid Unicode (a lone surrogate) is a 400
+    naming its path, before any field is read."""
 
     @model_validator(mode="before")
     @classmethod
@@ -42,6 +43,10 @@ class _Common(StructuredFields):
         if path is not None:
             raise PydanticCustomError("invalid_text", f"{path}: {INVALID_TEXT}", {"path": path})
         return data
+
+
+class _Common(StructuredFields, ValidText):
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)

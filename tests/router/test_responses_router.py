@@ -21,16 +21,6 @@ WORKER_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", "32MiB")
 LONG = " ".join(prompt_text(i, 24) for i in range(6))
 
 
-def _metric(proc, name: str) -> float:
-    with urllib.request.urlopen(proc.url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and line[len(name)] in " {"
-    )
-
-
 def _create(client: openai.OpenAI, model: str, **kw):
     """(worker that took it, response) of one whole request."""
     body = {"model": model, "max_output_tokens": 12, "temperature": 0, "instructions": "Answer."}
@@ -133,6 +123,6 @@ def test_a_responses_stream_survives_kill_9_of_its_worker(llama_dir, tmp_path):
                 final = ev.response
         assert killed and seqs == list(range(len(seqs)))
         assert text == want and final.output_text == want  # nothing lost or repeated
-        assert _metric(router, "kvserve_router_failovers_total") >= 1
+        assert router.metric("kvserve_router_failovers_total") >= 1
         # the continuing worker stored the response under the id the client has
         assert client.responses.retrieve(final.id).output_text == want

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
 
-from kvserve.server.errors import INVALID_TEXT, invalid_text_path
-from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    ToolCall,
+    ValidText,
+)
 from kvserve.server.structured import JsonSchemaFormat, ResponseFormat
 from kvserve.server.tools.spec import FunctionDef, NamedFunction, NamedToolChoice, ToolDef
 
@@ -109,15 +114,7 @@ class TextConfig(_Strict):
     verbosity: Literal["medium"] | None = None  # the only one a model without it has
 
 
-class ResponsesRequest(_Strict):
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        path = invalid_text_path(data)
-        if path is not None:
-            raise PydanticCustomError("invalid_text", f"{path}: {INVALID_TEXT}", {"path": path})
-        return data
-
+class ResponsesRequest(_Strict, ValidText):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
