@@ -42,6 +42,17 @@ def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
             kill_process(proc)
 
 
+def engine_core_pid(pid: int) -> int:
+    """The engine-core child that ``kvserve serve`` (process ``pid``) spawned (not
+    multiprocessing's resource tracker)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            if b"spawn_main" in cmd:
+                return int(child)
+    raise AssertionError(f"no engine-core child of {pid}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

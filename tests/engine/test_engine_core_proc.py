@@ -13,26 +13,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from server_proc import ServerProcess, wait_until
+from server_proc import ServerProcess, engine_core_pid, wait_until
 
 from kvserve.engine import tcmalloc
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        out += [int(c) for c in text]
-    return out
-
-
-def _engine_core_pid(pid: int) -> int:
-    """The spawned engine-core child (not multiprocessing's resource tracker)."""
-    for child in _children(pid):
-        cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmd:
-            return child
-    raise AssertionError(f"no engine-core child of {pid}")
 
 
 def _alive(pid: int) -> bool:
@@ -63,7 +46,7 @@ def test_engine_core_killed_mid_stream(llama_dir, tmp_path):
     )  # fmt: skip
     try:
         server.wait_ready()
-        core = _engine_core_pid(server.proc.pid)
+        core = engine_core_pid(server.proc.pid)
         body = {"prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}
         req = urllib.request.Request(
             server.url + "/v1/completions", data=json.dumps(body).encode(), method="POST"
@@ -91,7 +74,7 @@ def test_api_server_killed_leaves_no_orphan(llama_dir, tmp_path):
     server = ServerProcess(llama_dir, "--kv-cache-memory", "16MiB", log=tmp_path / "s.log")
     try:
         server.wait_ready()
-        core = _engine_core_pid(server.proc.pid)
+        core = engine_core_pid(server.proc.pid)
         assert _status(server.url + "/health") == 200
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(10)
@@ -104,7 +87,7 @@ def test_sigterm_drains_and_the_core_exits_cleanly(llama_dir, tmp_path):
     server = ServerProcess(llama_dir, "--kv-cache-memory", "16MiB", log=tmp_path / "s.log")
     try:
         server.wait_ready()
-        core = _engine_core_pid(server.proc.pid)
+        core = engine_core_pid(server.proc.pid)
         body = {"prompt": "hi", "max_tokens": 4}
         assert _status(server.url + "/v1/completions", body) == 200
         assert server.stop(signal.SIGTERM, timeout=30) == 0
@@ -129,7 +112,7 @@ def test_the_engine_core_runs_on_tcmalloc_and_the_api_server_on_glibc(
         server = ServerProcess(llama_dir, "--kv-cache-memory", "16MiB", log=log)
         try:
             server.wait_ready()
-            core = _engine_core_pid(server.proc.pid)
+            core = engine_core_pid(server.proc.pid)
             assert tcmalloc.loaded(core) is expect
             assert not tcmalloc.loaded(server.proc.pid)
             assert _status(server.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2}) == 200
