@@ -310,7 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
         "chosen from the chat template (default: auto)",
     )
     sv.add_argument(
-        "--max-waiting-requests", type=int, default=1024, help="queue bound; beyond: 429"
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="queue bound (with --tenants: each tenant's); beyond: 429 with Retry-After",
     )
     sv.add_argument(
         "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"

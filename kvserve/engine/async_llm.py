@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import tempfile
 import time
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -125,6 +126,10 @@ class AsyncLLM:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(CoreMessage)
         self._streams: dict[str, asyncio.Queue] = {}
+        # requests without output yet, by id and per tenant; when recent ones finished
+        self._queued: dict[str, str] = {}
+        self._queued_by_tenant: Counter[str] = Counter()
+        self._finished_at: deque[float] = deque()
         self._adds: dict[str, asyncio.Future] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
@@ -302,13 +307,35 @@ class AsyncLLM:
         outs, hits = self.outputs.process(msg.outputs)
         for hit in hits:
             self._send(FinishStopped(hit.request_id, hit.num_output_tokens))
+        now = time.monotonic()
         for out in outs:
+            self._started(out.request_id)
             q = self._streams.get(out.request_id)
             if q is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+                self._finished_at.append(now)
             q.put_nowait(out)
+
+    def _started(self, request_id: str) -> None:
+        """``request_id`` has its first output (or left): it is no longer queued."""
+        tenant = self._queued.pop(request_id, None)
+        if tenant is not None:
+            self._queued_by_tenant[tenant] -= 1
+
+    def queued(self, tenant: str) -> int:
+        """``tenant``'s requests added that have no output yet (waiting, or in their
+        first prefill)."""
+        return self._queued_by_tenant[tenant]
+
+    def completion_rate(self, window_s: float = 30.0) -> float:
+        """Requests finished per second over the last ``window_s`` seconds."""
+        horizon = time.monotonic() - window_s
+        done = self._finished_at
+        while done and done[0] < horizon:
+            done.popleft()
+        return len(done) / window_s
 
     # ---- requests -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -382,6 +409,9 @@ class AsyncLLM:
         self._streams[request_id] = queue
         fut = asyncio.get_running_loop().create_future()
         self._adds[request_id] = fut
+        if isinstance(msg, AddRequest):  # queued until its first output (or its end)
+            self._queued[request_id] = msg.tenant
+            self._queued_by_tenant[msg.tenant] += 1
         try:
             try:
                 self._send(msg)
@@ -403,6 +433,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request in the core (no-op if unknown or the core is gone)."""
         self._streams.pop(request_id, None)
+        self._started(request_id)
         self.outputs.abort(request_id)
         if self.error is None:
             with contextlib.suppress(EngineDeadError):

@@ -5,6 +5,7 @@ constraint, and add its sequences to the engine."""
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -28,8 +29,12 @@ class Placement:
     priority: int = 0
 
 
-def admit(state: ServerState, model: str | None) -> None:
-    """Raise the APIError that refuses a new request now (503, 404, 429), or return."""
+def admit(state: ServerState, model: str | None, tenant: str | None = None) -> None:
+    """Raise the APIError that refuses a new request now (503, 404, 429), or return.
+    The queue bound (``--max-waiting-requests``) is the whole engine's — or, with a
+    tenants file, each tenant's own (its requests without output yet): one tenant's
+    flood is refused without refusing the others. A 429's ``Retry-After`` is the time the
+    requests beyond the bound take to finish at the recent completion rate (1–60 s)."""
     if state.draining:
         raise unavailable("the server is shutting down")
     if not state.engine.is_running:
@@ -38,13 +43,27 @@ def admit(state: ServerState, model: str | None) -> None:
         raise APIError(
             404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found"
         )
-    if state.engine.stats().waiting >= state.config.max_waiting_requests:
+    bound = state.config.max_waiting_requests
+    if state.config.tenants is not None and tenant is not None:
+        waiting, whose = state.engine.queued(tenant), f"tenant {tenant!r}'s requests"
+    else:
+        waiting, whose = state.engine.stats().waiting, "requests"
+    if waiting >= bound:
         raise APIError(
             429,
-            "too many requests are waiting; retry later",
+            f"too many {whose} are waiting ({waiting}); retry later",
             "RateLimitError",
-            headers={"Retry-After": "1"},
+            headers={"Retry-After": str(retry_after(waiting - bound + 1, state))},
         )
+
+
+def retry_after(excess: int, state: ServerState) -> int:
+    """Seconds until ``excess`` requests finish at the engine's recent completion rate
+    (at least 1, at most 60; 5 when none finished lately)."""
+    rate = state.engine.completion_rate()
+    if rate <= 0:
+        return 5
+    return max(1, min(60, math.ceil(excess / rate)))
 
 
 async def check_structured(params: SamplingParams, field: str) -> None:

@@ -46,7 +46,7 @@ def openai_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         principal = authenticate(request, state.config)
-        admit(state, body.model)
+        admit(state, body.model, principal.tenant)
         try:
             prompts = body.prompts()
             params = body.sampling_params()
@@ -67,7 +67,7 @@ def openai_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest) -> Response:
         principal = authenticate(request, state.config)
-        admit(state, body.model)
+        admit(state, body.model, principal.tenant)
         try:
             params, tools = state.chat_params(body)
             field = "tools" if tools.structured is not None else body.structured_field()

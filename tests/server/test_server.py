@@ -270,7 +270,8 @@ def test_queue_full_429_and_graceful_drain(llama_dir, tmp_path):
             t.join(60)
         assert sorted(c for c, _ in codes)[-1] == 429, codes
         assert all(c in (200, 429) for c, _ in codes)
-        assert all(h.get("retry-after") == "1" for c, h in codes if c == 429)
+        # computed from the queue and the recent completion rate
+        assert all(1 <= int(h.get("retry-after")) <= 60 for c, h in codes if c == 429)
         first.join(60)
         # graceful drain: a stream running at SIGTERM finishes, new work is refused, exit 0
         results.clear()

@@ -110,7 +110,7 @@ def responses_routes(state: ServerState, store: ResponseStore) -> APIRouter:
     @router.post("/v1/responses")
     async def create(request: Request, body: ResponsesRequest) -> Response:
         principal = authenticate(request, state.config)
-        admit(state, body.model)
+        admit(state, body.model, principal.tenant)
         turn = await prepare(state, store, body, principal.tenant)
         rid = _response_id(state, request, body)
         # the conversation's session; a response not stored has one only while a router

@@ -1,0 +1,55 @@
+"""Overload with tenants: each tenant queues against its own bound
+(``--max-waiting-requests``), so one tenant's flood gets 429s with a ``Retry-After`` while
+another tenant is still admitted. One sequence runs at a time here (``--max-num-seqs 1``):
+while a long stream runs, the others of its tenant wait without output (queued)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from agent_server import BUNDLED, MODEL
+from server_proc import running_server
+
+from kvserve.tenants import hash_key
+
+ACME, BETA = "sk-acme", "sk-beta"
+
+
+def _client(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_one_tenants_flood_is_refused_without_refusing_the_others(tmp_path):
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "default_tenant": None,
+                "tenants": [
+                    {"name": "acme", "api_keys": [hash_key(ACME)]},
+                    {"name": "beta", "api_keys": [hash_key(BETA)]},
+                ],
+            }
+        )
+    )
+    args = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
+            "--max-waiting-requests", "2", "--tenants", str(tenants))  # fmt: skip
+    with running_server(BUNDLED, *args, log=tmp_path / "s.log") as s:
+        acme, beta = _client(s, ACME), _client(s, BETA)
+        long = {"model": MODEL, "prompt": "go", "max_tokens": 1900, "stream": True,
+                "extra_body": {"ignore_eos": True}}  # fmt: skip
+        running = acme.completions.create(**long)
+        next(iter(running))  # it runs (its first token is out): the only sequence
+        queued = [acme.completions.create(**long) for _ in range(2)]  # added, no output
+        with pytest.raises(openai.RateLimitError) as e:
+            acme.completions.create(model=MODEL, prompt="one more", max_tokens=4)
+        assert "tenant 'acme'" in e.value.message
+        assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
+        # the other tenant is admitted meanwhile (a stream: answered once it is queued)
+        other = beta.completions.create(model=MODEL, prompt="meanwhile", max_tokens=4,
+                                        stream=True)  # fmt: skip
+        for stream in (running, *queued):  # the flood gives up: its requests are aborted
+            stream.close()
+        assert [c.choices[0].finish_reason for c in other][-1] == "length"
