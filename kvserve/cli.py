@@ -92,6 +92,7 @@ def _serve(ns: argparse.Namespace) -> int:
         api_keys=tuple(ns.api_key or ()),
         admin_key=ns.admin_key,
         max_waiting_requests=ns.max_waiting_requests,
+        queue_timeout=ns.queue_timeout,
         graceful_timeout=ns.graceful_timeout,
         tenants=TenantsConfig.load(ns.tenants) if ns.tenants else None,
         cluster_secret=ns.cluster_secret or os.environ.get("KVSERVE_CLUSTER_SECRET"),
@@ -315,21 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="queue bound (with --tenants: each tenant's); beyond: 429 with Retry-After",
     )
+    sv.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may "
+                    "wait for its first output; past them it is aborted and refused with 429 "
+                    "(default: no deadline)")  # fmt: skip
     sv.add_argument(
         "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
     )
-    sv.add_argument(
-        "--responses-ttl",
-        type=float,
-        default=86400.0,
-        help="seconds a stored response (/v1/responses, store: true) and its KV are kept",
-    )
-    sv.add_argument(
-        "--responses-max-per-tenant",
-        type=int,
-        default=10000,
-        help="stored responses one tenant keeps on this worker; beyond, its oldest goes",
-    )
+    sv.add_argument("--responses-ttl", type=float, default=86400.0, help="seconds a stored "
+                    "response (/v1/responses, store: true) and its KV are kept")  # fmt: skip
+    sv.add_argument("--responses-max-per-tenant", type=int, default=10000, help="stored "
+                    "responses a tenant keeps on this worker; beyond, its oldest goes")  # fmt: skip
     sv.set_defaults(func=_serve)
 
     rt = sub.add_parser("router", help="OpenAI-compatible front of a cluster (failover)")

@@ -38,7 +38,7 @@ import zmq.asyncio
 from kvserve.config import EngineArgs
 from kvserve.engine import tcmalloc
 from kvserve.engine.core_proc import run_engine_core
-from kvserve.engine.errors import EngineDeadError, EngineError
+from kvserve.engine.errors import EngineDeadError, EngineError, QueueTimeout
 from kvserve.engine.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -84,11 +84,21 @@ class RequestStream:
     """Cumulative outputs of one request; iterate once. Leaving the iteration before the
     final output (or calling ``abort``) aborts the request and frees its blocks."""
 
-    def __init__(self, owner: AsyncLLM, request_id: str, queue: asyncio.Queue, n_prompt: int):
+    def __init__(
+        self,
+        owner: AsyncLLM,
+        request_id: str,
+        queue: asyncio.Queue,
+        n_prompt: int,
+        first_output_timeout: float | None = None,
+    ):
+        """``first_output_timeout``: seconds the iteration waits for the first output;
+        past them it raises ``QueueTimeout`` (and the request is aborted)."""
         self.owner = owner
         self.request_id = request_id
         self.num_prompt_tokens = n_prompt
         self._queue = queue
+        self._first_timeout = first_output_timeout
         self.finished = False
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -96,8 +106,19 @@ class RequestStream:
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
+            deadline = self._first_timeout
             while not self.finished:
-                item = await self._queue.get()
+                if deadline is None:
+                    item = await self._queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(self._queue.get(), deadline)
+                    except TimeoutError:
+                        raise QueueTimeout(
+                            f"the request had no output within {deadline:g} s "
+                            "(--queue-timeout): the server is overloaded; retry later"
+                        ) from None
+                    deadline = None
                 if isinstance(item, BaseException):
                     raise item
                 self.finished = item.finished
@@ -366,9 +387,11 @@ class AsyncLLM:
         prompt: str | Sequence[int],
         params: SamplingParams,
         seed: int | None = None,
+        first_output_timeout: float | None = None,
         **kwargs: Any,
     ) -> RequestStream:
-        """Queue one sequence; ``kwargs`` are ``AddRequest`` fields (``tenant`` …)."""
+        """Queue one sequence; ``kwargs`` are ``AddRequest`` fields (``tenant`` …);
+        ``first_output_timeout``: the stream's (``RequestStream``)."""
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE:
             # off the event loop: a huge prompt must not stall it
@@ -378,7 +401,9 @@ class AsyncLLM:
         else:
             ids = [int(t) for t in prompt]
         msg = AddRequest(request_id, ids, params, seed, **kwargs)
-        return await self._add(request_id, msg, text, ids, params)
+        return await self._add(
+            request_id, msg, text, ids, params, first_output_timeout=first_output_timeout
+        )
 
     async def resume(
         self,
@@ -401,6 +426,7 @@ class AsyncLLM:
         ids: list[int],
         params: SamplingParams,
         delivered: list[int] | None = None,
+        first_output_timeout: float | None = None,
     ) -> RequestStream:
         # the stream exists before the core can answer: its first delta may be read in the
         # same batch of frames as the AddResult
@@ -428,7 +454,7 @@ class AsyncLLM:
             if result.internal:
                 raise RuntimeError(result.error)
             raise EngineError(result.error)
-        return RequestStream(self, request_id, queue, len(ids))
+        return RequestStream(self, request_id, queue, len(ids), first_output_timeout)
 
     def abort(self, request_id: str) -> None:
         """Abort a request in the core (no-op if unknown or the core is gone)."""

@@ -9,3 +9,7 @@ class EngineError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine core failed or exited; the server must report unhealthy."""
+
+
+class QueueTimeout(RuntimeError):
+    """A request had no output within its deadline (``--queue-timeout``); it was aborted."""

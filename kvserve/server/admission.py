@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from kvserve.engine.async_llm import RequestStream
-from kvserve.engine.errors import EngineDeadError, EngineError
+from kvserve.engine.errors import EngineDeadError, EngineError, QueueTimeout
 from kvserve.sampling import SamplingParams, child_seed
 from kvserve.sampling.guided import check_spec
 from kvserve.server.auth import Principal
@@ -113,6 +113,7 @@ async def start(
                         session_epoch=epoch,
                         ephemeral_session=ephemeral,
                         standby=request.headers.get("x-kvserve-standby"),
+                        first_output_timeout=state.config.queue_timeout,
                     )
                 )
     except EngineError as e:
@@ -124,3 +125,14 @@ async def start(
             s.abort()
         raise unavailable(str(e)) from None
     return streams
+
+
+def queue_timeout_error(e: QueueTimeout, state: ServerState) -> APIError:
+    """The 429 of a request aborted by ``--queue-timeout``."""
+    return APIError(
+        429,
+        str(e),
+        "RateLimitError",
+        code="queue_timeout",
+        headers={"Retry-After": str(retry_after(1, state))},
+    )

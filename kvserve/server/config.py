@@ -20,6 +20,9 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
     max_waiting_requests: int = 1024
+    # seconds a request may go without output (waiting, then its first prefill) before it
+    # is aborted and refused with 429 (None: no deadline)
+    queue_timeout: float | None = None
     graceful_timeout: float = 30.0
     tenants: TenantsConfig | None = None  # API key → tenant; overrides api_keys
     cluster_secret: str | None = None  # authenticates /internal/* (header X-Kvserve-Cluster-Secret)
@@ -38,6 +41,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
+        if self.queue_timeout is not None and self.queue_timeout <= 0:
+            raise ValueError(f"queue_timeout must be positive, got {self.queue_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.tool_call_parser not in PARSER_NAMES:

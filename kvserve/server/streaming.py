@@ -12,9 +12,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_llm import RequestStream
-from kvserve.engine.errors import EngineDeadError
+from kvserve.engine.errors import EngineDeadError, QueueTimeout
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.server.admission import queue_timeout_error
 from kvserve.server.disconnect import ClientGone, unless_disconnected
 from kvserve.server.errors import unavailable
 from kvserve.server.observe import Observer
@@ -120,6 +121,8 @@ async def respond(
             await unless_disconnected(request, collect())
         except EngineDeadError as e:
             raise unavailable(str(e)) from None
+        except QueueTimeout as e:
+            raise queue_timeout_error(e, state) from None
         except ClientGone as gone:
             return gone.response()
         completion_tokens = sum(c.num_tokens for c in choices)
@@ -177,13 +180,14 @@ async def respond(
                 final["usage"] = usage(prompt_tokens, completion_tokens, cached)
                 yield sse(final)
             yield "data: [DONE]\n\n"
-        except EngineDeadError as e:
+        except (EngineDeadError, QueueTimeout) as e:
+            timeout = isinstance(e, QueueTimeout)
             err = {
                 "error": {
                     "message": str(e),
-                    "type": "ServiceUnavailableError",
+                    "type": "RateLimitError" if timeout else "ServiceUnavailableError",
                     "param": None,
-                    "code": None,
+                    "code": "queue_timeout" if timeout else None,
                 }
             }
             yield sse(err)

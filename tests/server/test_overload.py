@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 from agent_server import BUNDLED, MODEL
-from server_proc import running_server
+from server_proc import running_server, wait_until
 
 from kvserve.tenants import hash_key
 
@@ -53,3 +53,29 @@ def test_one_tenants_flood_is_refused_without_refusing_the_others(tmp_path):
         for stream in (running, *queued):  # the flood gives up: its requests are aborted
             stream.close()
         assert [c.choices[0].finish_reason for c in other][-1] == "length"
+
+
+def test_a_request_without_output_past_the_queue_timeout_is_refused(tmp_path):
+    args = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
+            "--queue-timeout", "0.3")  # fmt: skip
+    with running_server(BUNDLED, *args, log=tmp_path / "s.log") as s:
+        client = _client(s, "x")
+        running = client.completions.create(
+            model=MODEL, prompt="go", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(running))  # the only sequence, for its 2000 tokens (~2 s here)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=MODEL, prompt="waits", max_tokens=4)
+        assert e.value.code == "queue_timeout"
+        assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "waits"}], max_tokens=4,
+            stream=True,
+        )  # fmt: skip
+        with pytest.raises(openai.APIError) as e:
+            list(stream)
+        assert "queue-timeout" in str(e.value)
+        running.close()
+        # the refused requests left the engine's queue (aborted, not left to run later)
+        wait_until(lambda: s.metric("kvserve_num_requests_waiting") == 0, 10, "queue empty")
+        assert s.metric("kvserve_request_success_total", 'finished_reason="abort"') >= 2

@@ -204,10 +204,14 @@ class ResponseEvents:
         return events
 
     def finish(
-        self, reason: str | None, usage: dict[str, Any], error: str | None = None
+        self,
+        reason: str | None,
+        usage: dict[str, Any],
+        error: str | None = None,
+        code: str = "server_error",
     ) -> list[dict[str, Any]]:
         """Close every open item and end with the terminal event for ``reason`` (the
-        choice's finish reason; ``abort`` or an ``error``: failed)."""
+        choice's finish reason; ``abort`` or an ``error``: failed, with ``code``)."""
         status, details = _STATUS.get(reason or "", ("failed", None))
         self.status = status
         events: list[dict[str, Any]] = []
@@ -216,7 +220,7 @@ class ResponseEvents:
         events += self._close_message() + self._close_calls()
         failure = None
         if status == "failed":
-            failure = {"code": "server_error", "message": error or "the request was aborted"}
+            failure = {"code": code, "message": error or "the request was aborted"}
         terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}
         self.final = self.response(usage, details, failure)
         events.append(self._event(terminal.get(status, "response.failed"), response=self.final))

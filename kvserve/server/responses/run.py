@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.async_llm import RequestStream
-from kvserve.engine.errors import EngineDeadError
+from kvserve.engine.errors import EngineDeadError, QueueTimeout
 from kvserve.sampling import SamplingParams
+from kvserve.server.admission import queue_timeout_error
 from kvserve.server.errors import unavailable
 from kvserve.server.observe import Observer
 from kvserve.server.protocol import ChatMessage
@@ -134,11 +135,13 @@ class ResponseRun:
             self.observer.aborted([self.choice])
             raise
 
-    async def _finish(self, error: str | None = None) -> list[dict[str, Any]]:
+    async def _finish(
+        self, error: str | None = None, code: str = "server_error"
+    ) -> list[dict[str, Any]]:
         c = self.choice
         reason = c.final_reason if error is None else None
         use = usage(self.stream.num_prompt_tokens, c.num_cached_tokens, c.num_tokens)
-        events = self.out.finish(reason, use, error)
+        events = self.out.finish(reason, use, error, code)
         if self.turn.body.store and self.out.status != "failed":
             await self.store.save(self._record())
         return events
@@ -166,6 +169,8 @@ class ResponseRun:
                 pass
         except EngineDeadError as e:
             raise unavailable(str(e)) from None
+        except QueueTimeout as e:
+            raise queue_timeout_error(e, self.state) from None
         events = await self._finish()
         return events[-1]["response"]
 
@@ -182,6 +187,8 @@ class ResponseRun:
                 finished = await self._finish()
             except EngineDeadError as e:
                 finished = await self._finish(str(e))
+            except QueueTimeout as e:
+                finished = await self._finish(str(e), "queue_timeout")
             for event in finished:
                 yield _sse(event)
         finally:  # a disconnect closes this generator: the engine stops the request
