@@ -51,9 +51,15 @@ from kvserve.server.errors import (
 )
 
 
-def _error(status: int, message: str, type_: str | None = None, param: str | None = None):
+def _error(
+    status: int,
+    message: str,
+    type_: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+):
     """The same OpenAI-shaped (and ASCII-safe) error body the workers answer with."""
-    return error_response(status, message, type_, param)
+    return error_response(status, message, type_, param, headers=headers)
 
 
 def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> FastAPI:
@@ -181,6 +187,11 @@ def build_router_app(config: RouterConfig, coord: Coordinator | None = None) -> 
         else:
             flow = Flow.from_client(kind, body, request.headers)
         flow.arrived = arrived
+        retry = holder["pool"].overload()
+        if retry is not None:  # every worker's queue is full: shed here, before forwarding
+            metrics.shed.inc()
+            return _error(429, "every worker's queue is full; retry later", "RateLimitError",
+                          headers={"Retry-After": str(retry)})  # fmt: skip
         if prefix:  # in the tokens of each model the candidates serve
             fps = {w.info.get("tokenizer_fp") for w in holder["pool"].routable()}
             flow.prompt = await holder["prompts"].read(kind, body, fps)

@@ -24,6 +24,11 @@ class RouterMetrics:
         self.requests = Counter(
             "kvserve_router_requests", "Client requests routed", ["endpoint"], registry=r
         )
+        self.shed = Counter(
+            "kvserve_router_shed_requests",
+            "Requests refused with 429 because every worker's queue was full.",
+            registry=r,
+        )
         self.failovers = Counter(
             "kvserve_router_failovers", "Streams continued on a standby", registry=r
         )

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,6 +165,20 @@ class WorkerPool:
             and self.secret_matches(w)
             and (self.registry_ok or now - w.registered_at < self.config.registry_grace)
         )
+
+    def overload(self) -> int | None:
+        """When every routable worker reported a full queue at its last heartbeat (its
+        ``waiting`` at its ``max_waiting``): the seconds its excess takes at the workers'
+        completion rates (Retry-After, 1–60; 5 when none finished lately); else None."""
+        ws = self.routable()
+        if not ws or any(
+            "max_waiting" not in w.info or w.info.get("waiting", 0) < w.info["max_waiting"]
+            for w in ws
+        ):
+            return None
+        excess = sum(w.info["waiting"] - w.info["max_waiting"] + 1 for w in ws)
+        rate = sum(float(w.info.get("completion_rate") or 0.0) for w in ws)
+        return 5 if rate <= 0 else max(1, min(60, math.ceil(excess / rate)))
 
     def routable(self) -> list[Worker]:
         now = time.monotonic()

@@ -106,6 +106,9 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig, kv_events=None):
             "tokenizer_fp": engine.tokenizer.fingerprint if engine.tokenizer else None,
         }
 
+    tenants = config.tenants
+    max_waiting = config.max_waiting_requests * (len(tenants.tenants) if tenants else 1)
+
     def beat() -> None:
         while not stop.is_set():
             try:
@@ -115,6 +118,8 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig, kv_events=None):
                     url,
                     running=s.running,
                     waiting=s.waiting,
+                    max_waiting=max_waiting,  # a router sheds when every worker is there
+                    completion_rate=engine.completion_rate(),
                     kv_usage=s.kv_blocks_used / max(s.kv_blocks_total, 1),
                     secret_fp=fingerprint,
                     role=config.role,
