@@ -6,15 +6,24 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import openai
 
 from kvserve.default_model import DEFAULT_MODEL_DIR
+from kvserve.tenants import hash_key
 
 MODEL = "kvserve-default"
 FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 BUNDLED = DEFAULT_MODEL_DIR
+
+
+def tenants_file(path: Path, keys: dict[str, str]) -> Path:
+    """A tenants file at ``path``: tenant name → its one API key, no default tenant."""
+    tenants = [{"name": name, "api_keys": [hash_key(key)]} for name, key in keys.items()]
+    path.write_text(json.dumps({"default_tenant": None, "tenants": tenants}))
+    return path
 
 
 def client(server) -> openai.OpenAI:

@@ -5,14 +5,10 @@ while a long stream runs, the others of its tenant wait without output (queued).
 
 from __future__ import annotations
 
-import json
-
 import openai
 import pytest
-from agent_server import BUNDLED, MODEL
+from agent_server import BUNDLED, MODEL, tenants_file
 from server_proc import running_server, wait_until
-
-from kvserve.tenants import hash_key
 
 ACME, BETA = "sk-acme", "sk-beta"
 
@@ -22,18 +18,7 @@ def _client(server, key: str) -> openai.OpenAI:
 
 
 def test_one_tenants_flood_is_refused_without_refusing_the_others(tmp_path):
-    tenants = tmp_path / "tenants.json"
-    tenants.write_text(
-        json.dumps(
-            {
-                "default_tenant": None,
-                "tenants": [
-                    {"name": "acme", "api_keys": [hash_key(ACME)]},
-                    {"name": "beta", "api_keys": [hash_key(BETA)]},
-                ],
-            }
-        )
-    )
+    tenants = tenants_file(tmp_path / "tenants.json", {"acme": ACME, "beta": BETA})
     args = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
             "--max-waiting-requests", "2", "--tenants", str(tenants))  # fmt: skip
     with running_server(BUNDLED, *args, log=tmp_path / "s.log") as s:

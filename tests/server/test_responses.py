@@ -14,10 +14,8 @@ import urllib.request
 import jsonschema
 import openai
 import pytest
-from agent_server import BUNDLED, FLAGS, MODEL
+from agent_server import BUNDLED, FLAGS, MODEL, tenants_file
 from server_proc import running_server, wait_until
-
-from kvserve.tenants import hash_key
 
 ACME, BETA, ADMIN = "sk-acme", "sk-beta", "sk-admin"
 STORE = ("--kv-store", "host://?capacity=64MiB")
@@ -38,18 +36,7 @@ WEATHER = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("responses")
-    tenants = tmp / "tenants.json"
-    tenants.write_text(
-        json.dumps(
-            {
-                "default_tenant": None,
-                "tenants": [
-                    {"name": "acme", "api_keys": [hash_key(ACME)]},
-                    {"name": "beta", "api_keys": [hash_key(BETA)]},
-                ],
-            }
-        )
-    )
+    tenants = tenants_file(tmp / "tenants.json", {"acme": ACME, "beta": BETA})
     args = (*FLAGS, *STORE, "--tenants", str(tenants), "--admin-key", ADMIN)
     with running_server(BUNDLED, *args, log=tmp / "s.log") as s:
         yield s
