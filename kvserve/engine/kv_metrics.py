@@ -94,7 +94,16 @@ def engine_stats(engine: EngineParts) -> EngineStats:
         num_preemptions=sched.num_preemptions,
         step_seconds=engine.step_seconds,
         forward_seconds=engine.forward_seconds,
+        store_down=_store_down(engine),
     )
+
+
+def _store_down(engine: EngineParts) -> list[str]:
+    """The names of the KV store tiers whose circuit breaker is open now."""
+    if engine.offloader is None:
+        return []
+    tiered = engine.offloader.store
+    return [t.name for i, t in enumerate(tiered.tiers) if tiered.breaker_open(i)]
 
 
 def engine_info(engine: EngineParts) -> dict[str, Any]:

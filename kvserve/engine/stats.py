@@ -29,6 +29,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
     loop_seconds: float = 0.0
+    # KV store tiers skipped now (their circuit breaker is open): reads miss, writes drop
+    store_down: list[str] = []
 
 
 class TenantStats(msgspec.Struct):

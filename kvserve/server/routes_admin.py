@@ -34,10 +34,20 @@ def admin_routes(state: ServerState) -> APIRouter:
 
     @router.get("/ready")
     async def ready() -> JSONResponse:
+        """200 while serving; ``degraded`` names the dependencies failing now (a KV store
+        tier whose circuit breaker is open: ``kv_store:redis``), which cost cache hits,
+        not requests. 503 while draining or without an engine."""
         if not engine.is_running or state.draining:
             reason = "draining" if state.draining else "engine not running"
             raise unavailable(f"not ready: {reason}")
-        return JSONResponse({"status": "ready", "model": state.model_name})
+        degraded = [f"kv_store:{name}" for name in engine.stats().store_down]
+        return JSONResponse(
+            {
+                "status": "degraded" if degraded else "ready",
+                "model": state.model_name,
+                "degraded": degraded,
+            }
+        )
 
     @router.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,52 @@
+"""A dependency that stalls: the Redis tier SIGSTOPped under a real server. Requests keep
+being served (the tier's circuit breaker turns its reads into misses and drops its
+writes), ``/ready`` stays 200 and names what is degraded, and once Redis is back the
+breaker closes by itself and ``/ready`` says so."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import urllib.request
+
+from agent_server import BUNDLED, MODEL, post
+from redis_proc import redis_server
+from server_proc import running_server, wait_until
+
+
+def _ready(server) -> dict:
+    with urllib.request.urlopen(server.url + "/ready", timeout=10) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+def test_a_stalled_redis_tier_is_reported_and_serving_goes_on(tmp_path):
+    n = itertools.count()
+
+    def served() -> bool:  # a new prompt: its lookup and its saves reach every tier
+        i = next(n)
+        body = {"model": MODEL, "prompt": f"def f{i}(x):\n" * 12, "max_tokens": 4}
+        status, out = post(server, "/v1/completions", body)
+        assert status == 200, out  # never a failed request because of the store
+        return True
+
+    with redis_server(tmp_path) as redis:
+        store = f"redis://127.0.0.1:{redis.port}/0?timeout=0.5"
+        args = ("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--kv-store", store)
+        with running_server(BUNDLED, *args, log=tmp_path / "s.log") as server:
+            assert served() and _ready(server)["degraded"] == []
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                wait_until(
+                    lambda: served() and _ready(server)["degraded"] == ["kv_store:redis"],
+                    30,
+                    "the stalled tier reported",
+                )
+                assert _ready(server)["status"] == "degraded"
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            wait_until(
+                lambda: served() and _ready(server)["degraded"] == [], 60, "the tier is back"
+            )
+            assert server.metric("kvserve_kv_store_up", 'tier="redis"') == 1
