@@ -49,6 +49,7 @@ from kvserve.engine.messages import (
     AcceptPush,
     AddRequest,
     AddResult,
+    CheckIntegrity,
     ClientMessage,
     DeleteRecords,
     DeleteSession,
@@ -237,6 +238,12 @@ class CoreLoop:
         e = self.engine
         if isinstance(call, ResetPrefixCache):
             return e.kv.reset_prefix_cache()
+        if isinstance(call, CheckIntegrity):
+            try:
+                e.check_integrity()
+            except AssertionError as err:  # a bug's trace, answered to the caller
+                raise ValueError(f"KV bookkeeping is inconsistent: {err}") from None
+            return None
         if isinstance(call, GetSession):
             rec = e.offloader.sessions.get(call.tenant, call.session_id) if e.offloader else None
             if rec is None:

@@ -130,6 +130,11 @@ class ReadCheckpoint(msgspec.Struct, tag=True):
     session_id: str
 
 
+class CheckIntegrity(msgspec.Struct, tag=True):
+    """→ None: the engine's KV bookkeeping checked (``LLMEngine.check_integrity``); the
+    call fails with the inconsistency found."""
+
+
 class PutRecords(msgspec.Struct, tag=True):
     """→ None: small records (a stored response) written to every KV store tier before
     the answer (``TieredStore.put_now``), so another worker sharing a tier reads them at
@@ -165,6 +170,7 @@ UtilityCall = (
     | PutRecords
     | GetRecord
     | DeleteRecords
+    | CheckIntegrity
 )
 
 

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.engine.messages import (
+    CheckIntegrity,
     DeleteSession,
     GetKVStats,
     GetSession,
@@ -65,6 +66,17 @@ def admin_routes(state: ServerState) -> APIRouter:
         authenticate(request, state.config, admin=True)
         n = await engine.call(ResetPrefixCache(), int)
         return JSONResponse({"evicted_blocks": n})
+
+    @router.post("/admin/check_integrity")
+    async def check_integrity(request: Request) -> JSONResponse:
+        """The engine's KV bookkeeping checked between steps (blocks, ref counts, tenants'
+        ledgers, swap space): 200 when consistent, 500 naming the inconsistency."""
+        authenticate(request, state.config, admin=True)
+        try:
+            await engine.call(CheckIntegrity(), timeout=30)
+        except ValueError as e:
+            raise APIError(500, str(e), "InternalServerError") from None
+        return JSONResponse({"ok": True})
 
     # ---- sessions ------------------------------------------------------------------------
     def _session_principal(request: Request) -> Principal:

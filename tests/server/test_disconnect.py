@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 from cluster_proc import cluster
@@ -20,7 +21,8 @@ from server_proc import ServerProcess, running_server, wait_until
 from kvserve.default_model import DEFAULT_MODEL_DIR
 
 LONG = 1900
-FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048")
+ADMIN = "sk-admin"
+FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--admin-key", ADMIN)
 
 
 def _abandon(url: str, path: str, body: dict, after: float = 1.0) -> None:
@@ -50,11 +52,21 @@ def _idle(server) -> bool:
     )
 
 
+def _consistent(server) -> None:
+    """The engine's KV bookkeeping after the aborts (``check_integrity``) is sound."""
+    req = urllib.request.Request(
+        server.url + "/admin/check_integrity", b"{}", {"Authorization": f"Bearer {ADMIN}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert json.loads(r.read()) == {"ok": True}
+
+
 def test_a_worker_aborts_an_abandoned_request(tmp_path):
     with running_server(DEFAULT_MODEL_DIR, *FLAGS, log=tmp_path / "s.log") as server:
         for stream in (False, True):
             _abandon(server.url, "/v1/completions", _completion(stream))
             wait_until(lambda: _idle(server), 10, "the abandoned request is gone")
+            _consistent(server)
         assert server.metric("kvserve_request_success_total", 'finished_reason="length"') == 0
         assert server.metric("kvserve_request_success_total", 'finished_reason="abort"') >= 2
         assert server.metric("kvserve_generation_tokens_total") < LONG
@@ -66,6 +78,7 @@ def test_the_router_passes_a_disconnect_on(tmp_path):
         for stream in (False, True):
             _abandon(router.url, "/v1/completions", _completion(stream))
             wait_until(lambda: _idle(worker), 10, "the abandoned request is gone")
+            _consistent(worker)
         assert worker.metric("kvserve_request_success_total", 'finished_reason="length"') == 0
         assert worker.metric("kvserve_generation_tokens_total") < LONG
 
