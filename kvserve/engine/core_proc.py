@@ -70,7 +70,6 @@ from kvserve.engine.messages import (
     Utility,
     UtilityCall,
     UtilityResult,
-    tokens_digest,
 )
 from kvserve.engine.stats import EngineStats
 from kvserve.store.tiered import TieredStore
@@ -249,14 +248,11 @@ class CoreLoop:
             if rec is None:
                 return None
             return SessionInfo(
-                len(rec["tokens"]),
-                len(rec["blocks"]),
-                rec["updated"],
-                rec["expires"],
-                tokens_digest(rec["tokens"]),
+                len(rec["tokens"]), len(rec["blocks"]), rec["updated"], rec["expires"]
             )
         if isinstance(call, DeleteSession):
-            return bool(e.offloader and e.offloader.sessions.delete(call.tenant, call.session_id))
+            sessions = e.offloader.sessions if e.offloader else None
+            return bool(sessions and sessions.delete(call.tenant, call.session_id, call.if_tokens))
         if isinstance(call, SetTenantBudgets):
             e.set_tenant_budgets(call.budgets)
             return None
@@ -289,7 +285,7 @@ def _records(store: TieredStore | None, call: PutRecords | GetRecord | DeleteRec
         store.put_now(call.items)
         return None
     if isinstance(call, GetRecord):  # promoted nowhere: a deleted record stays deleted
-        return next(iter(store.get_each(call.key)), None)
+        return store.get([call.key], promote=False)[0]
     store.delete(call.keys)
     return None
 

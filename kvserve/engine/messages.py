@@ -13,8 +13,6 @@ handshake instead of misreading a frame.
 
 from __future__ import annotations
 
-import hashlib
-
 import msgspec
 
 from kvserve.engine.stats import EngineStats
@@ -101,10 +99,12 @@ class GetSession(msgspec.Struct, tag=True):
 
 
 class DeleteSession(msgspec.Struct, tag=True):
-    """→ bool: whether it existed."""
+    """→ bool: whether it existed (and, with ``if_tokens``, held the tokens of that
+    ``store.sessions.tokens_digest``: else it is kept)."""
 
     tenant: str
     session_id: str
+    if_tokens: str | None = None
 
 
 class SetTenantBudgets(msgspec.Struct, tag=True):
@@ -190,12 +190,6 @@ class SessionInfo(msgspec.Struct):
     num_blocks: int
     updated_at: float
     expires_at: float
-    tokens_digest: str = ""  # ``tokens_digest(tokens)`` of the session's tokens
-
-
-def tokens_digest(tokens: list[int]) -> str:
-    """A short digest of a token list (is a session's newest turn this one?)."""
-    return hashlib.blake2b(msgspec.msgpack.encode(tokens), digest_size=16).hexdigest()
 
 
 class EngineInfo(msgspec.Struct, tag=True):

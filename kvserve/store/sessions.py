@@ -26,6 +26,11 @@ from typing import Any
 from kvserve.store.tiered import TieredStore
 
 
+def tokens_digest(tokens: Sequence[int]) -> str:
+    """A short digest of a token list (is a session's newest turn this one?)."""
+    return hashlib.blake2b(json.dumps(list(tokens)).encode(), digest_size=16).hexdigest()
+
+
 def session_key(tenant: str, session_id: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(b"kvserve-session\0" + tenant.encode() + b"\0" + session_id.encode())
@@ -72,13 +77,14 @@ class SessionStore:
             return None
         return value
 
-    def delete(self, tenant: str, session_id: str) -> bool:
-        """Delete the record and its blocks; False when there was none. Blocks shared
-        with other sessions (a common system prompt) are deleted too: they are recomputed
-        and stored again by whoever needs them next. Writes queued for the lower tiers
-        land first (bounded wait), so none of the session's blocks reappears after."""
+    def delete(self, tenant: str, session_id: str, if_tokens: str | None = None) -> bool:
+        """Delete the record and its blocks; False when there was none — or, with
+        ``if_tokens`` (a ``tokens_digest``), when the session's tokens are not those. Blocks
+        shared with other sessions (a common system prompt) are deleted too: they are
+        recomputed and stored again by whoever needs them next. Writes queued for the lower
+        tiers land first (bounded wait), so none of the session's blocks reappears after."""
         value = self.get(tenant, session_id)
-        if value is None:
+        if value is None or (if_tokens is not None and tokens_digest(value["tokens"]) != if_tokens):
             return False
         self.store.flush(10.0)
         self.store.delete([session_key(tenant, session_id)])

@@ -149,9 +149,10 @@ class TieredStore:
             found += 0 if n is _SKIPPED else n
         return found
 
-    def get(self, keys: Sequence[Key]) -> list[bytes | None]:
+    def get(self, keys: Sequence[Key], promote: bool = True) -> list[bytes | None]:
         """Values of ``keys`` from the first tier holding each; hits below the first tier
-        are written into the tiers above them (promotion)."""
+        are written into the tiers above them (promotion) — unless ``promote`` is False
+        (a record another node may delete: a copy here would outlive it)."""
         out: list[bytes | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
@@ -161,7 +162,7 @@ class TieredStore:
             if values is _SKIPPED:
                 continue
             still = []
-            promote = []
+            promote_items = []
             for j, v in zip(missing, values, strict=True):
                 if v is None:
                     still.append(j)
@@ -169,14 +170,14 @@ class TieredStore:
                 out[j] = v
                 self.stats[i].hits += 1
                 self.stats[i].bytes_read += len(v)
-                promote.append((keys[j], v))
+                promote_items.append((keys[j], v))
             self.stats[i].misses += len(still)
-            if promote and i > 0:
+            if promote and promote_items and i > 0:
                 for up in range(i):
                     if up == 0:
-                        self._put_first(promote)
+                        self._put_first(promote_items)
                     else:
-                        self._enqueue((up,), promote)
+                        self._enqueue((up,), promote_items)
             missing = still
         return out
 

@@ -35,13 +35,11 @@ from kvserve.engine.messages import (
     DeleteRecords,
     DeleteSession,
     GetRecord,
-    GetSession,
     PutRecords,
-    SessionInfo,
     UtilityCall,
-    tokens_digest,
 )
 from kvserve.server.responses.record import StoredResponse, record_key
+from kvserve.store.sessions import tokens_digest
 
 logger = logging.getLogger("kvserve")
 _CALL_TIMEOUT_S = 10.0
@@ -70,10 +68,7 @@ class ResponseStore:
         await self.sweep()
         raw = record.encode()
         key = (record.tenant, record.id)
-        old = self._local.pop(key, None)  # (saved again: a continuation after a failover)
-        if old is not None:
-            self._per_tenant[record.tenant] -= 1
-            self.num_bytes -= old[1]
+        self._forget(record)  # (saved again: a continuation after a failover)
         self._local[key] = (record, len(raw))
         self._per_tenant[record.tenant] += 1
         self.num_bytes += len(raw)
@@ -119,18 +114,21 @@ class ResponseStore:
                 return
             await self._remove(record, "expired")
 
-    async def _remove(self, record: StoredResponse, reason: str) -> None:
+    def _forget(self, record: StoredResponse) -> None:
+        """Drop this worker's copy of ``record`` (if any) from the counts."""
         entry = self._local.pop((record.tenant, record.id), None)
         if entry is not None:
             self._per_tenant[record.tenant] -= 1
             self.num_bytes -= entry[1]
+
+    async def _remove(self, record: StoredResponse, reason: str) -> None:
+        self._forget(record)
         self.removed[reason] += 1
         if not self.shared:
             return
         await self._shared(DeleteRecords([record_key(record.tenant, record.id)]))
-        info = await self._shared(GetSession(record.tenant, record.session_id), SessionInfo | None)
-        if info is not None and info.tokens_digest == tokens_digest(record.token_ids):
-            await self._shared(DeleteSession(record.tenant, record.session_id), bool)
+        newest = tokens_digest(record.token_ids)  # only if its turn is the session's newest
+        await self._shared(DeleteSession(record.tenant, record.session_id, newest), bool)
 
     async def _shared(self, call: UtilityCall, result: Any = Any) -> Any:
         """``call`` on the engine's KV store, its value decoded as ``result``; None
