@@ -76,17 +76,11 @@ def cluster_routes(state: ServerState) -> APIRouter:
             if session_of(response_id) != session_id:
                 raise bad_request("bad resume request: response_id is not of the session")
             turn = await prepare(state, state.responses, responses, principal.tenant)
-            record = SessionRecord(
-                session_id=session_id,
-                tenant=principal.tenant,
-                cache_salt=responses.cache_salt,
-                prompt_token_ids=turn.prompt,
-                params=turn.params,
-                seed=turn.params.seed if turn.params.seed is not None else secrets.randbits(63),
-                ephemeral=bool(body.get("ephemeral")),
-            )
-            rid = f"resume-{uuid.uuid4().hex[:24]}"
-            stream, _ = await _continue(rid, record, delivered, seen)
+            record = _new_record(
+                session_id, principal.tenant, responses.cache_salt, turn.prompt, turn.params,
+                bool(body.get("ephemeral")),
+            )  # fmt: skip
+            stream, _ = await _continue(record, delivered, seen)
             run = ResponseRun(
                 state, state.responses, turn, response_id, stream, True, delivered, created
             )
@@ -104,8 +98,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
-        rid = f"resume-{uuid.uuid4().hex[:24]}"
-        stream, record = await _continue(rid, record, delivered, seen)
+        stream, record = await _continue(record, delivered, seen)
         kind = "chat.completion" if chat else "text_completion"
         resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await respond(
@@ -122,7 +115,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
         )
 
     async def _continue(
-        rid: str, record: SessionRecord, delivered: list[int], seen: int | None
+        record: SessionRecord, delivered: list[int], seen: int | None
     ) -> tuple[RequestStream, SessionRecord]:
         """Resume ``record`` after ``delivered``; the stream and the record it runs: the
         state its primary replicated (its seed, when the client gave none) when that is
@@ -149,6 +142,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             record = replicated
         if seen is None:
             seen = owner.epoch if owner is not None else 0
+        rid = f"resume-{uuid.uuid4().hex[:24]}"
         try:
             return await engine.resume(rid, record, delivered, int(seen)), record
         except EngineError as e:
@@ -181,15 +175,28 @@ def cluster_routes(state: ServerState) -> APIRouter:
                 raise ValueError("only single-prompt streams can be resumed")
             p = prompts[0]
             prompt_ids = engine.tokenize(p) if isinstance(p, str) else list(p)
+        return _new_record(
+            session_id, tenant, original.cache_salt, prompt_ids, params, request_ephemeral
+        )
+
+    def _new_record(
+        session_id: str,
+        tenant: str,
+        cache_salt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        ephemeral: bool,
+    ) -> SessionRecord:
+        """A session record of a request as its primary started it (nothing generated)."""
         return SessionRecord(
             session_id=session_id,
             tenant=tenant,
-            cache_salt=original.cache_salt,
+            cache_salt=cache_salt,
             prompt_token_ids=prompt_ids,
             params=params,
             # no seed: exact only when greedy (the router always sends one)
             seed=params.seed if params.seed is not None else secrets.randbits(63),
-            ephemeral=request_ephemeral,
+            ephemeral=ephemeral,
         )
 
     @router.post("/internal/drain")
