@@ -26,6 +26,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -151,6 +152,7 @@ class AsyncLLM:
         self._queued: dict[str, str] = {}
         self._queued_by_tenant: Counter[str] = Counter()
         self._finished_at: deque[float] = deque()
+        self._finished_lock = threading.Lock()  # the heartbeat thread reads the rate
         self._adds: dict[str, asyncio.Future] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
@@ -336,7 +338,8 @@ class AsyncLLM:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-                self._finished_at.append(now)
+                with self._finished_lock:
+                    self._finished_at.append(now)
             q.put_nowait(out)
 
     def _started(self, request_id: str) -> None:
@@ -351,12 +354,14 @@ class AsyncLLM:
         return self._queued_by_tenant[tenant]
 
     def completion_rate(self, window_s: float = 30.0) -> float:
-        """Requests finished per second over the last ``window_s`` seconds."""
+        """Requests finished per second over the last ``window_s`` seconds (callable
+        from another thread: the cluster heartbeat's)."""
         horizon = time.monotonic() - window_s
-        done = self._finished_at
-        while done and done[0] < horizon:
-            done.popleft()
-        return len(done) / window_s
+        with self._finished_lock:
+            done = self._finished_at
+            while done and done[0] < horizon:
+                done.popleft()
+            return len(done) / window_s
 
     # ---- requests -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -214,7 +214,6 @@ class Flow:
     def _observe_event(self, payload: dict[str, Any]) -> dict[str, Any] | None:
         """A Responses event (or whole response object), numbered in the client's
         sequence; its usage noted."""
-        payload.pop("kvserve_token_ids", None)
         kind = payload.get("type")
         response = payload.get("response") if isinstance(kind, str) else payload
         if isinstance(response, dict):

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import httpx
 
 from kvserve.ha.coordination import Coordinator, secret_fingerprint
 from kvserve.router.config import RouterConfig
+from kvserve.server.errors import retry_after
 
 logger = logging.getLogger("kvserve.router")
 
@@ -177,8 +177,7 @@ class WorkerPool:
         ):
             return None
         excess = sum(w.info["waiting"] - w.info["max_waiting"] + 1 for w in ws)
-        rate = sum(float(w.info.get("completion_rate") or 0.0) for w in ws)
-        return 5 if rate <= 0 else max(1, min(60, math.ceil(excess / rate)))
+        return retry_after(excess, sum(float(w.info.get("completion_rate") or 0) for w in ws))
 
     def routable(self) -> list[Worker]:
         now = time.monotonic()

@@ -5,7 +5,6 @@ constraint, and add its sequences to the engine."""
 from __future__ import annotations
 
 import asyncio
-import math
 import uuid
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ from kvserve.engine.errors import EngineDeadError, EngineError, QueueTimeout
 from kvserve.sampling import SamplingParams, child_seed
 from kvserve.sampling.guided import check_spec
 from kvserve.server.auth import Principal
-from kvserve.server.errors import APIError, bad_request, unavailable
+from kvserve.server.errors import APIError, bad_request, retry_after, unavailable
 from kvserve.server.state import ServerState
 
 
@@ -49,21 +48,13 @@ def admit(state: ServerState, model: str | None, tenant: str | None = None) -> N
     else:
         waiting, whose = state.engine.stats().waiting, "requests"
     if waiting >= bound:
+        wait = retry_after(waiting - bound + 1, state.engine.completion_rate())
         raise APIError(
             429,
             f"too many {whose} are waiting ({waiting}); retry later",
             "RateLimitError",
-            headers={"Retry-After": str(retry_after(waiting - bound + 1, state))},
+            headers={"Retry-After": str(wait)},
         )
-
-
-def retry_after(excess: int, state: ServerState) -> int:
-    """Seconds until ``excess`` requests finish at the engine's recent completion rate
-    (at least 1, at most 60; 5 when none finished lately)."""
-    rate = state.engine.completion_rate()
-    if rate <= 0:
-        return 5
-    return max(1, min(60, math.ceil(excess / rate)))
 
 
 async def check_structured(params: SamplingParams, field: str) -> None:
@@ -134,5 +125,5 @@ def queue_timeout_error(e: QueueTimeout, state: ServerState) -> APIError:
         str(e),
         "RateLimitError",
         code="queue_timeout",
-        headers={"Retry-After": str(retry_after(1, state))},
+        headers={"Retry-After": str(retry_after(1, state.engine.completion_rate()))},
     )

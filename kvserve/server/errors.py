@@ -10,6 +10,7 @@ never a 500).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fastapi.responses import Response
@@ -29,6 +30,14 @@ ERROR_TYPES = {
 }
 NOT_UTF8 = "the body is not valid JSON: it is not UTF-8 text"
 INVALID_TEXT = "is not valid Unicode text (it contains a lone UTF-16 surrogate)"
+
+
+def retry_after(excess: int, rate: float) -> int:
+    """A 429's ``Retry-After``: the seconds ``excess`` queued requests take to finish at
+    ``rate`` requests per second (at least 1, at most 60; 5 when none finished lately)."""
+    if rate <= 0:
+        return 5
+    return max(1, min(60, math.ceil(excess / rate)))
 
 
 def error_type(status: int) -> str:
