@@ -19,6 +19,8 @@ Scenarios, each engine alone, rounds interleaved:
   one that lost the conversation's cache) computes.
 
     python benchmarks/agent_conversation.py --rounds 2
+    python benchmarks/agent_conversation.py --random \
+        --out benchmarks/results/agent_conversation_random.json
 """
 
 from __future__ import annotations
@@ -40,12 +42,27 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kv_store import _free_port
+from offline import SMOL
 from real_model import build_real_model
+from serving import with_tokenizer
 from structured import commands, serve, stop
 
 TURNS = 10
 OUTPUT_TOKENS = 32
 MAX_MODEL_LEN = 8192
+
+
+def random_model(path: Path = Path("/tmp/kvserve-bench/smol-random-8k")) -> Path:
+    """The offline benchmark's random-weight SmolLM2 shape with 8k positions (the
+    conversation outgrows 2k) and the bundled model's tokenizer, saved once (seeded)."""
+    if not (path / "config.json").is_file():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(**(SMOL | {"max_position_embeddings": MAX_MODEL_LEN}))
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return with_tokenizer(path)
 
 
 def catalogue(n_tools: int = 20) -> str:
@@ -259,9 +276,15 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/kvserve-bench/smollm2-135m-instruct")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument(
+        "--random",
+        action="store_true",
+        help="the random-weight SmolLM2-135M shape (benchmarks/offline.py, 8k positions, the "
+        "bundled model's tokenizer) instead of the real checkpoint",
+    )
     ap.add_argument("--out", default="benchmarks/results/agent_conversation.json")
     a = ap.parse_args()
-    model = build_real_model(Path(a.model_dir))
+    model = random_model() if a.random else build_real_model(Path(a.model_dir))
     engines = commands(model, a.vllm_python)
     for name, (cmd, _, _) in engines.items():  # a long conversation, cached tokens shown
         cmd[cmd.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
