@@ -5,11 +5,15 @@ temporary name and renamed, so a crash never leaves a half-written block under a
 name (a torn file would still fail the block checksum and be a miss). At start the index
 is rebuilt from the directory, oldest modification time first; a hit refreshes the file's
 mtime, so recency survives a restart too. When the total passes ``capacity`` the least
-recently used files are deleted.
+recently used files are deleted. A full disk (``ENOSPC``, or a quota) drops the block
+being written and lowers the capacity to what the disk held: a logged warning and later
+misses, never an error to a request.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -19,6 +23,7 @@ from pathlib import Path
 from kvserve.store.base import Key, KVStore, count_leading
 
 _SUFFIX = ".kvb"
+logger = logging.getLogger("kvserve")
 
 
 class FileStore(KVStore):
@@ -32,6 +37,7 @@ class FileStore(KVStore):
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.num_evictions = 0
+        self.num_dropped = 0  # blocks the disk had no room for
         self._lock = threading.Lock()
         self._index: OrderedDict[Key, int] = OrderedDict()  # key → size, LRU first
         self._load_index()
@@ -94,9 +100,16 @@ class FileStore(KVStore):
             if len(v) > self.capacity_bytes:
                 continue
             path = self._path(k)
-            path.parent.mkdir(exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(v)
+            try:
+                path.parent.mkdir(exist_ok=True)
+                tmp.write_bytes(v)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self._disk_full(len(v))
+                continue
             os.replace(tmp, path)
             with self._lock:
                 old = self._index.pop(k, None)
@@ -105,6 +118,27 @@ class FileStore(KVStore):
                 self._index[k] = len(v)
                 self.used_bytes += len(v)
                 self._evict()
+
+    def _disk_full(self, size: int) -> None:
+        """The disk (or quota) had no room for a block of ``size`` bytes: the block is
+        dropped (a miss later, never an error) and the capacity is lowered to what the
+        disk held less one such block, so the tier goes on as an LRU of that size (until a
+        restart)."""
+        with self._lock:
+            lowered = max(self.used_bytes - size, 0)
+            if lowered < self.capacity_bytes:
+                log = logger.debug if self.num_dropped else logger.warning  # once loud
+                log(
+                    "file KV store %s: the disk is full at %d bytes of blocks; capacity "
+                    "lowered from %d to %d bytes (a restart restores it)",
+                    self.root,
+                    self.used_bytes,
+                    self.capacity_bytes,
+                    lowered,
+                )
+                self.capacity_bytes = lowered
+                self._evict()
+            self.num_dropped += 1
 
     def _evict(self) -> None:
         while self.used_bytes > self.capacity_bytes and self._index:

@@ -13,6 +13,7 @@ import urllib.request
 from agent_server import BUNDLED, MODEL, post
 from redis_proc import redis_server
 from server_proc import running_server, wait_until
+from tmpfs import small_disk
 
 
 def _ready(server) -> dict:
@@ -50,3 +51,22 @@ def test_a_stalled_redis_tier_is_reported_and_serving_goes_on(tmp_path):
                 lambda: served() and _ready(server)["degraded"] == [], 60, "the tier is back"
             )
             assert server.metric("kvserve_kv_store_up", 'tier="redis"') == 1
+
+
+def test_a_full_disk_under_the_file_tier_is_a_logged_miss(tmp_path):
+    """The file tier on a real 128 KiB filesystem, told it may use 1 GiB: once the disk is
+    full every request is still served (the blocks that did not fit are misses), the log
+    says so once, and ``/ready`` stays ready."""
+    with small_disk(tmp_path / "disk", "128k") as disk:
+        store = f"file://{disk}?capacity=1GiB"
+        args = ("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--kv-store", store)
+        log = tmp_path / "s.log"
+        with running_server(BUNDLED, *args, log=log) as server:
+            for i in range(12):
+                body = {"model": MODEL, "prompt": f"def g{i}(x):\n" * 40, "max_tokens": 4}
+                status, out = post(server, "/v1/completions", body)
+                assert status == 200, out
+            wait_until(lambda: "the disk is full" in log.read_text(), 30, "the full disk logged")
+            assert _ready(server)["status"] == "ready"
+        assert log.read_text().count("the disk is full") == 1
+        assert "Traceback" not in log.read_text()

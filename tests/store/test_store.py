@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from server_proc import wait_until
+from tmpfs import small_disk
 
 from kvserve.store import serde
 from kvserve.store.base import KVStore, StoreUnavailable
@@ -279,3 +280,24 @@ def test_shared_tiers_get_a_namespace_unless_they_set_a_prefix():
     assert with_namespace("s3://bucket", ns) == "s3://bucket/kvserve/0123abcd-bfloat16-bs16"
     assert with_namespace("s3://bucket/p", ns) == "s3://bucket/p"
     assert with_namespace("file:///x?capacity=1GiB", ns) == "file:///x?capacity=1GiB"
+
+
+def test_a_full_disk_drops_the_block_and_the_file_tier_goes_on_smaller(tmp_path, caplog):
+    """A real 256 KiB filesystem under a file tier that believes it has 100 MiB: the write
+    that finds the disk full is dropped (no exception, no partial file left), the capacity
+    drops to what fit, and the tier goes on as a smaller LRU: new blocks are written by
+    evicting the oldest, and every read is a hit or a miss."""
+    block = bytes(range(256)) * 256  # 64 KiB
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        store = FileStore(disk, 100 << 20)
+        keys = [bytes([i]) * 16 for i in range(8)]
+        with caplog.at_level("WARNING", logger="kvserve"):
+            store.put([(k, block) for k in keys[:6]])
+        assert "the disk is full" in caplog.text
+        assert store.num_dropped >= 1 and store.capacity_bytes < 256 << 10
+        assert not list(disk.rglob("*.tmp"))
+        store.put([(keys[6], block), (keys[7], block)])  # room made by evicting the oldest
+        got = store.get(keys)
+        assert got[7] == block and got[0] is None
+        assert all(v in (None, block) for v in got)
+        assert store.used_bytes <= store.capacity_bytes
