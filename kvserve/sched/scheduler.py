@@ -11,10 +11,13 @@ Each step:
    succeeds or the request itself was the victim. A victim already scheduled this step
    gives its tokens back to the budget.
 2. Waiting requests are admitted in order: tenants below their reservation first, then
-   higher priority, then earlier arrival (preempted requests keep their arrival time, so
-   they come back first). A tenant at its limit or at its ``max_concurrent_requests`` is
-   skipped for the step; a pool shortage stops admission, except that a tenant below its
-   reservation preempts requests of tenants above theirs to get its blocks. In a step
+   higher priority (tenant, then request), then the tenant with the fewest running
+   requests (fair share among equals: a flooding tenant does not push an equal one to
+   the back of the queue), then earlier arrival (preempted requests keep their arrival
+   time, so they come back first). A tenant at its limit or at its
+   ``max_concurrent_requests`` is skipped for the step; a pool shortage or a full batch
+   (``max_num_seqs``) stops admission, except that a tenant below its reservation
+   preempts requests of tenants above theirs to get its blocks and its seat. In a step
    that preempted, only tenants below their reservation are admitted. A swapped request
    brought back and preempted again in the same step stays swapped: its swap-in is
    cancelled (its host copy is still there), so one step never swaps a request out twice.
@@ -169,15 +172,14 @@ class Scheduler:
         ledger = self.kv.ledger
         skip: set[str] = set()  # tenants that admit nothing more this step
         passed: set[str] = set()  # requests passed over this step
-        only_reserved = bool(out.preempted)
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0:
             req = self._next_waiting(skip, passed)
             if req is None:
                 return
             tenant = req.tenant
             below = ledger.usage(tenant) < ledger.reservation(tenant)
             cap = ledger.budget(tenant).max_concurrent_requests
-            if (only_reserved and not below) or (
+            if (out.preempted and not below) or (
                 cap is not None and sum(r.tenant == tenant for r in self.running) >= cap
             ):
                 skip.add(tenant)
@@ -185,13 +187,23 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
                 return
-            n = self._try_admit(req, budget, out)
-            if n == 0:  # its prefix is loading from the KV store
-                continue
-            # within its reservation a tenant may take blocks from tenants above theirs
+            # within its reservation a tenant may take seats and blocks from tenants above
             entitled = below and ledger.usage(tenant) + self.kv.blocks_needed(
                 min(req.num_tokens, req.num_computed_tokens + budget)
             ) <= ledger.reservation(tenant)
+            if len(self.running) >= self.config.max_num_seqs:  # every seat is taken
+                if not below:
+                    return  # and the rest are not below their reservations either
+                if not entitled:
+                    passed.add(req.request_id)  # a smaller one of its tenant may be
+                    continue
+                victim = self._seat_victim(req)
+                if victim is None:
+                    return  # nobody runs above their reservation
+                budget += self._preempt(victim, RESERVATION, out, scheduled)
+            n = self._try_admit(req, budget, out)
+            if n == 0:  # its prefix is loading from the KV store
+                continue
             while n is None and self.kv.shortage == POOL and entitled:
                 victims = [r for r in self.running if r.tenant != tenant]
                 victims = [r for r in victims if ledger.above_reservation(r.tenant)]
@@ -215,13 +227,25 @@ class Scheduler:
             out.scheduled.append(s)
             budget -= n
 
+    def _seat_victim(self, req: Request) -> Request | None:
+        """The running request that gives its seat to ``req`` (whose tenant is within its
+        reservation) when every seat is taken: one of a tenant above its reservation, by
+        the preemption policy's order; None when there is none."""
+        ledger = self.kv.ledger
+        others = [
+            r for r in self.running if r.tenant != req.tenant and ledger.above_reservation(r.tenant)
+        ]
+        return max(others, key=self.policy.victim_key) if others else None
+
     def _next_waiting(self, skip: set[str], passed: set[str]) -> Request | None:
         """The waiting request to admit next (see the module docstring), or None."""
         ledger = self.kv.ledger
+        seats = Counter(r.tenant for r in self.running)
 
         def key(r: Request) -> tuple:
             below = ledger.usage(r.tenant) < ledger.reservation(r.tenant)
-            return (not below, -ledger.budget(r.tenant).priority, -r.priority, r.arrival_time)
+            tenant_priority = -ledger.budget(r.tenant).priority
+            return (not below, tenant_priority, -r.priority, seats[r.tenant], r.arrival_time)
 
         candidates = [
             r for r in self.waiting if r.tenant not in skip and r.request_id not in passed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import greedy, make_engine, random_prompts, run_to_end
+from helpers import greedy, make_engine, random_prompts, run_to_end, step_finished
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,13 +32,13 @@ def _value(token: int, pos: int) -> float:
 class Sim:
     """Scheduler + KV manager + swap space over a real ``[2, slots, 1, 1]`` cache."""
 
-    def __init__(self, num_blocks, budgets, mode, victim, swap_blocks, caching):
+    def __init__(self, num_blocks, budgets, mode, victim, swap_blocks, caching, seats=1_000):
         self.kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
         self.kv.ledger.set_budgets(budgets)
         self.cache = torch.zeros(2, num_blocks * BS, 1, 1)
         self.swap = SwapSpace(1, swap_blocks)
         self.host = HostSwap([self.cache], BS, 1)  # the worker side: executes the copies
-        config = SchedulerConfig(10_000, 1_000, True, mode, victim)
+        config = SchedulerConfig(10_000, seats, True, mode, victim)
         self.sched = Scheduler(config, self.kv, swap=self.swap)
         self.steps = 0
         self.finished: dict[str, list[int]] = {}
@@ -85,7 +85,7 @@ class Sim:
 
     def check_reservations(self) -> None:
         """Right after scheduling: nobody waits within its reservation while a tenant
-        above its own runs."""
+        above its own runs (for blocks or for a seat: ``max_num_seqs``)."""
         ledger = self.kv.ledger
         above = {r.tenant for r in self.sched.running if ledger.above_reservation(r.tenant)}
         for r in self.sched.waiting:  # a reserved tenant is never kept waiting for them
@@ -125,6 +125,7 @@ def scenarios(draw):
         victim=draw(st.sampled_from(["cost", "latest"])),
         swap_blocks=draw(st.integers(0, 30)),
         caching=draw(st.booleans()),
+        seats=draw(st.sampled_from([1_000, 1, 2, 3, 5])),
         requests=requests,
     )
 
@@ -178,7 +179,13 @@ def test_a_victim_is_not_swapped_back_in_within_the_step_that_swapped_it_out():
 
 def _run(sc: dict) -> None:
     sim = Sim(
-        sc["num_blocks"], sc["budgets"], sc["mode"], sc["victim"], sc["swap_blocks"], sc["caching"]
+        sc["num_blocks"],
+        sc["budgets"],
+        sc["mode"],
+        sc["victim"],
+        sc["swap_blocks"],
+        sc["caching"],
+        sc.get("seats", 1_000),
     )
     pending = sorted(sc["requests"], key=lambda r: r[4])
     for step in range(2_000):
@@ -258,3 +265,46 @@ def test_max_concurrent_requests_is_enforced(llama_dir):
     running = sorted(r.request_id for r in engine.scheduler.running)
     assert running == ["r0", "r1", "u"]
     assert len(run_to_end(engine)) == 6
+
+
+def test_a_reserved_tenant_takes_a_seat_from_a_flood_and_nobody_s_text_changes(llama_dir):
+    """Every seat (``max_num_seqs``) is held by ``flood``; a ``gold`` request (within its
+    reservation) is admitted in the step it arrives by preempting a flood request, and
+    every text is the one each request gets alone."""
+    kw = dict(kv_cache_memory=40 * 16 * 512, max_model_len=256, max_num_seqs=3)
+    prompts = random_prompts([20] * 5 + [12], seed=7)
+    engine = make_engine(llama_dir, **kw)
+    engine.set_tenant_budgets({"gold": Budget(8), "flood": Budget(0)})
+    for i, p in enumerate(prompts[:5]):
+        engine.add_request(f"flood{i}", p, greedy(30), tenant="flood")
+    done: dict[str, list[int]] = {}
+    for _ in range(3):
+        step_finished(engine, done)
+    assert len(engine.scheduler.running) == 3 and len(engine.scheduler.waiting) == 2
+    gold = engine.add_request("gold", prompts[5], greedy(8), tenant="gold")
+    step_finished(engine, done)
+    assert gold.status is RequestStatus.RUNNING
+    assert "reservation" in {r for (_, t, r) in engine.scheduler.preemptions if t == "flood"}
+    done.update(run_to_end(engine))
+    engine.check_integrity()
+    alone = make_engine(llama_dir, **kw)
+    for i, p in enumerate(prompts):
+        alone.add_request(str(i), p, greedy(8 if i == 5 else 30))
+        assert run_to_end(alone)[str(i)] == done["gold" if i == 5 else f"flood{i}"]
+
+
+def test_among_equal_tenants_the_one_with_fewer_running_goes_first(llama_dir):
+    """``a`` queues six requests before ``b`` sends two; with two seats, each freed seat
+    goes to the tenant running fewer — ``b`` is not served after all of ``a``'s."""
+    engine = make_engine(llama_dir, max_num_seqs=2)
+    for i, p in enumerate(random_prompts([10] * 6, seed=8)):
+        engine.add_request(f"a{i}", p, greedy(4), tenant="a")
+    for i, p in enumerate(random_prompts([10] * 2, seed=9)):
+        engine.add_request(f"b{i}", p, greedy(4), tenant="b")
+    order: list[str] = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        order += [r.request_id for r in engine.scheduler.running if r.request_id not in order]
+    assert order[:4] == ["a0", "b0", "a1", "b1"], order
