@@ -19,9 +19,15 @@ FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 BUNDLED = DEFAULT_MODEL_DIR
 
 
-def tenants_file(path: Path, keys: dict[str, str]) -> Path:
-    """A tenants file at ``path``: tenant name → its one API key, no default tenant."""
-    tenants = [{"name": name, "api_keys": [hash_key(key)]} for name, key in keys.items()]
+def tenants_file(
+    path: Path, keys: dict[str, str], settings: dict[str, dict[str, Any]] | None = None
+) -> Path:
+    """A tenants file at ``path``: tenant name → its one API key, no default tenant;
+    ``settings``: more fields per tenant (``priority``, ``reservation`` …)."""
+    tenants = [
+        {"name": name, "api_keys": [hash_key(key)], **(settings or {}).get(name, {})}
+        for name, key in keys.items()
+    ]
     path.write_text(json.dumps({"default_tenant": None, "tenants": tenants}))
     return path
 
@@ -32,9 +38,7 @@ def client(server) -> openai.OpenAI:
 
 def post(server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """A raw POST (fields the client would not send); the status and the JSON body."""
-    req = urllib.request.Request(
-        server.url + path, data=json.dumps(body).encode(), method="POST"
-    )
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST")
     req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=120) as r:

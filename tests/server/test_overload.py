@@ -5,6 +5,13 @@ while a long stream runs, the others of its tenant wait without output (queued).
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
 import openai
 import pytest
 from agent_server import BUNDLED, MODEL, tenants_file
@@ -64,3 +71,86 @@ def test_a_request_without_output_past_the_queue_timeout_is_refused(tmp_path):
         # the refused requests left the engine's queue (aborted, not left to run later)
         wait_until(lambda: s.metric("kvserve_num_requests_waiting") == 0, 10, "queue empty")
         assert s.metric("kvserve_request_success_total", 'finished_reason="abort"') >= 2
+
+
+def _timed(server, key: str, body: dict) -> tuple[float, int, dict[str, str]]:
+    """(seconds, status, headers) of one raw POST /v1/completions."""
+    req = urllib.request.Request(
+        server.url + "/v1/completions",
+        data=json.dumps({"model": MODEL, **body}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+            status, headers = r.status, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        e.read()
+        status, headers = e.code, dict(e.headers)
+    return time.perf_counter() - t0, status, {k.lower(): v for k, v in headers.items()}
+
+
+def test_a_reserved_tenant_keeps_its_latency_under_a_10x_burst_of_two_others(tmp_path):
+    """Four seats; ``gold`` (priority 10, a 25 % reservation) asks one-token questions of
+    ~200 tokens one after another — its TTFT — alone, then while ``beta`` and ``gamma``
+    burst 40 long completions at once (10× the seats). The burst gets 200s and 429s
+    with ``Retry-After``, no 5xx; while the admitted ones hold every seat and queue place,
+    gold's p99 TTFT stays within 2× its unloaded p99 (it takes a seat from the flood
+    instead of waiting for one to finish)."""
+    keys = {"gold": "sk-gold", "beta": "sk-beta", "gamma": "sk-gamma"}
+    gold = {"priority": 10, "reservation": "25%"}
+    tenants = tenants_file(tmp_path / "tenants.json", keys, {"gold": gold})
+    args = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "4",
+            "--max-waiting-requests", "4", "--tenants", str(tenants))  # fmt: skip
+    question = "what about the weather " * 40
+
+    def gold_p99(n: int = 200) -> float:
+        times = []
+        for i in range(n):
+            seconds, status, _ = _timed(
+                s, "sk-gold", {"prompt": f"{i} {question}", "max_tokens": 1}
+            )
+            assert status == 200
+            times.append(seconds)
+        return sorted(times)[int(0.99 * n) - 1]
+
+    def trial() -> tuple[float, float]:
+        """(gold's p99 TTFT alone, under the burst); checks the burst's answers."""
+        unloaded = gold_p99()
+        burst: list[tuple[float, int, dict[str, str]]] = []
+        flood = {"prompt": "flood " * 20, "max_tokens": 600, "ignore_eos": True}
+        threads = [
+            threading.Thread(target=lambda k=k: burst.append(_timed(s, k, flood)))
+            for _ in range(20)
+            for k in ("sk-beta", "sk-gamma")
+        ]
+        for t in threads:
+            t.start()
+
+        def settled() -> bool:  # every burst request refused, or holding a seat or a place
+            held = s.metric("kvserve_num_requests_running") + s.metric(
+                "kvserve_num_requests_waiting"
+            )
+            return len(burst) + held == len(threads)
+
+        wait_until(settled, 30, "the burst admitted or refused")
+        loaded = gold_p99()
+        assert sum(t.is_alive() for t in threads) >= 8, "the burst ended before gold did"
+        for t in threads:
+            t.join(120)
+        codes = Counter(status for _, status, _ in burst)
+        assert set(codes) == {200, 429} and codes[200] >= 8, codes  # 4 queued per tenant
+        assert all(1 <= int(h["retry-after"]) <= 60 for _, c, h in burst if c == 429)
+        return unloaded, loaded
+
+    with running_server(BUNDLED, *args, log=tmp_path / "s.log") as s:
+        gold_p99(10)  # warm
+        # a p99 of 200 requests on 2 shared cores is noisy both ways (an unloaded p99 of
+        # 2× its median happens): a second trial where the first missed. Without the seat
+        # rule gold waits for a flood request to end: ~100× its unloaded p99, every trial.
+        unloaded, loaded = trial()
+        if loaded > 2 * unloaded:
+            unloaded, loaded = trial()
+        assert loaded <= 2 * unloaded, f"gold p99 TTFT {loaded:.4f}s vs {unloaded:.4f}s alone"
+        assert s.metric("kvserve_num_preemptions_total", 'reason="reservation"') >= 1
