@@ -131,10 +131,17 @@ class Relay:
                     await task
 
     async def _owner(self, session: str):
+        """The session's owner from the coordinator, or None: none, or the coordinator is
+        unreachable — then requests route without affinity, and ask again only once the
+        registry refresh (every ``--refresh-interval``) has read it again, so a stalled
+        Redis costs one request its timeout, not every request."""
+        if not self.pool.registry_ok:
+            return None
         try:
             return await asyncio.to_thread(self.coord.owner, session)
         except Exception as e:  # Redis away: route without affinity
             logger.warning("coordinator unreachable: %s", e)
+            self.pool.registry_ok = False
             return None
 
     async def _send(self, w: Worker, path: str, body: dict, headers: dict) -> httpx.Response:

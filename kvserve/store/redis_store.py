@@ -14,10 +14,11 @@ URLs (``RedisStore.from_url``):
 
 Query parameters understood here (all optional): ``ttl=SECONDS`` (expiry set on every put;
 reads do not refresh it), ``prefix=STRING`` (key namespace, default ``kvserve``),
-``timeout=SECONDS`` (socket connect and read timeout, default 2.0), ``retries=N`` (retries
-after a connection error, default 1: enough to replace a pooled connection that a server
-restart broke, few enough that an unreachable server fails fast — the tiered store then
-serves from its other tiers) and, for a cluster, ``hash_tag=TAG`` (below).
+``timeout=SECONDS`` (socket connect and read timeout, default 2.0: the longest one call
+waits on a stalled server — timeouts are not retried), ``retries=N`` (retries after a
+connection error, default 1: enough to replace a pooled connection that a server restart
+broke, few enough that an unreachable server fails fast — the tiered store then serves
+from its other tiers) and, for a cluster, ``hash_tag=TAG`` (below).
 
 Keys: ``{prefix}:{key.hex()}`` on a single server. On a cluster they are
 ``{prefix}:{{{tag}}}:{key.hex()}``: the hash tag (default: the prefix) puts every key of one
@@ -223,7 +224,13 @@ class RedisStore(KVStore):
             raise ValueError(f"redis store URL: retries={own['retries']!r}") from None
         if retries < 0:
             raise ValueError("redis store URL: retries must be >= 0")
-        retry = Retry(ExponentialBackoff(cap=0.1, base=0.01), retries)
+        # a broken pooled connection is retried; a timeout is not (a stalled server will
+        # not answer 10 ms later, and every retry would add a whole timeout to the wait)
+        retry = Retry(
+            ExponentialBackoff(cap=0.1, base=0.01),
+            retries,
+            supported_errors=(RedisConnectionError,),
+        )
         common = dict(
             socket_timeout=timeout,
             socket_connect_timeout=timeout,

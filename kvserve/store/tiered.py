@@ -8,9 +8,11 @@
   tier; ``write-back`` queues a block only when the first tier evicts it. When the queue is
   full the write is dropped and counted — decoding never waits for a slow tier.
 - **Faults**: a tier raising ``StoreUnavailable`` (or anything else: a backend bug must
-  not fail requests either) opens its circuit breaker: it is skipped
-  (reads miss, writes are dropped, both counted) for a backoff that doubles on each
-  consecutive failure (0.5 s → 30 s) and is probed again after it; one success closes it.
+  not fail requests either) opens its circuit breaker: it is skipped (reads miss, writes
+  are dropped, both counted) until a probe succeeds. Probes run on the writer thread —
+  its next write to the tier, or a one-key lookup when there is none — once per backoff
+  that doubles on each consecutive failure (0.5 s → 2 s), so only the one call that
+  found a tier down ever waits on it (its timeout); recovery follows within a backoff.
 - **Metrics** per tier come from this wrapper, not from the backends: hits, misses, bytes
   read/written, errors, latency histograms, dropped writes, corrupt blocks (reported by
   the reader through ``record_corrupt``), queue depth.
@@ -18,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -33,6 +36,7 @@ logger = logging.getLogger("kvserve")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 WRITE_POLICIES = ("write-through", "write-back")
 _SKIPPED = object()  # a tier call that did not happen or failed
+_PROBE_KEY = b"kvserve-probe"  # looked up to see whether a tier is back
 
 
 @dataclass
@@ -55,13 +59,21 @@ class TierStats:
 
 
 class _Breaker:
-    def __init__(self, base: float = 0.5, cap: float = 30.0):
+    """A tier's circuit: closed while it works; opened by a failure, after which only a
+    probe may call the tier, once per backoff (doubling per consecutive failure, up to
+    ``cap``); a probe's success closes it."""
+
+    def __init__(self, base: float = 0.5, cap: float = 2.0):
         self.base, self.cap = base, cap
         self.failures = 0
         self.open_until = 0.0
 
-    def allows(self) -> bool:
-        return time.monotonic() >= self.open_until
+    @property
+    def is_open(self) -> bool:
+        return self.failures > 0
+
+    def probe_due(self) -> bool:
+        return self.failures > 0 and time.monotonic() >= self.open_until
 
     def failed(self) -> None:
         self.failures += 1
@@ -70,10 +82,6 @@ class _Breaker:
     def succeeded(self) -> None:
         self.failures = 0
         self.open_until = 0.0
-
-    @property
-    def is_open(self) -> bool:
-        return not self.allows()
 
 
 class TieredStore:
@@ -114,10 +122,13 @@ class TieredStore:
             self._writer.start()
 
     # ---- one tier, guarded --------------------------------------------------------------
-    def _call(self, i: int, op: str, fn, *args):
-        """Run ``fn`` on tier ``i`` unless its breaker is open; ``_SKIPPED`` on failure/skip."""
+    def _call(self, i: int, op: str, fn, *args, probe: bool = False):
+        """Run ``fn`` on tier ``i`` unless its breaker is open; ``_SKIPPED`` on failure/skip.
+        While it is open only a due probe runs: ``probe`` (the writer thread's calls) —
+        or any call when there is no writer thread — so requests never wait on a tier
+        known to be down, only the call that found it down does."""
         br = self._breakers[i]
-        if not br.allows():
+        if br.is_open and not (br.probe_due() and (probe or self._writer is None)):
             return _SKIPPED
         t0 = time.perf_counter()
         try:
@@ -126,6 +137,9 @@ class TieredStore:
             self.stats[i].errors += 1
             was_open = br.failures > 0
             br.failed()
+            if not was_open and self._writer is not None:
+                with contextlib.suppress(queue.Full):  # wake the writer: it probes
+                    self._queue.put_nowait(((), []))
             if not was_open:
                 if isinstance(e, StoreUnavailable):
                     logger.warning("KV store tier %s unavailable: %s", self.tiers[i].name, e)
@@ -247,7 +261,12 @@ class TieredStore:
         tier: fewer, larger round trips (each costs a few GIL hand-offs with the engine
         thread, which matter more than the bytes), within ``linger_s`` of the first."""
         while True:
-            jobs = [self._queue.get()]
+            try:  # while a tier is down, wake up to probe it even without writes
+                wait = 0.1 if any(b.is_open for b in self._breakers) else None
+                jobs = [self._queue.get(timeout=wait)]
+            except queue.Empty:
+                self._probe()
+                continue
             if jobs[0] is not None and self.linger_s:
                 time.sleep(self.linger_s)
             while jobs[-1] is not None:
@@ -265,10 +284,7 @@ class TieredStore:
                             batches.setdefault(i, {}).update(job[1])
                 for i, newest in sorted(batches.items()):
                     items = list(newest.items())
-                    if not self._breakers[i].allows():
-                        self.stats[i].dropped_writes += len(items)
-                        continue
-                    if self._call(i, "put", self.tiers[i].put, items) is _SKIPPED:
+                    if self._call(i, "put", self.tiers[i].put, items, probe=True) is _SKIPPED:
                         self.stats[i].dropped_writes += len(items)
                     else:
                         self.stats[i].bytes_written += sum(len(v) for _, v in items)
@@ -277,6 +293,13 @@ class TieredStore:
                     self._queue.task_done()
             if jobs[-1] is None:
                 return
+
+    def _probe(self) -> None:
+        """Writer thread: call each open tier whose probe is due (a one-key lookup); a
+        success closes its breaker."""
+        for i, tier in enumerate(self.tiers):
+            if self._breakers[i].probe_due():
+                self._call(i, "probe", tier.contains, [_PROBE_KEY], probe=True)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait (at most ``timeout`` s) until queued writes are done; True if they are."""

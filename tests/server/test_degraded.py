@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import json
 import signal
+import threading
+import time
 import urllib.request
 
 from agent_server import BUNDLED, MODEL, post
@@ -70,3 +72,54 @@ def test_a_full_disk_under_the_file_tier_is_a_logged_miss(tmp_path):
             assert _ready(server)["status"] == "ready"
         assert log.read_text().count("the disk is full") == 1
         assert "Traceback" not in log.read_text()
+
+
+def test_redis_stalled_for_10s_under_session_load_costs_one_timeout(tmp_path):
+    """A worker of a cluster whose coordinator and KV tier are one Redis, serving three
+    clients' session requests (replicated every 8 tokens): Redis is SIGSTOPped for 10 s.
+    No request fails, none waits longer than the store timeout (0.5 s) plus a step —
+    only the call that finds Redis stalled waits, later ones skip the tier (a timeout
+    is not retried) — and after SIGCONT the tier is back by itself."""
+    timeout = 0.5
+    with redis_server(tmp_path) as redis:
+        url = f"redis://127.0.0.1:{redis.port}/0"
+        args = ("--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--cluster", url,
+                "--cluster-secret", "s", "--node-id", "a", "--replicate-every", "8",
+                "--kv-store", f"{url}?timeout={timeout}")  # fmt: skip
+        with running_server(BUNDLED, *args, log=tmp_path / "s.log") as server:
+            phase = "before"
+            seen: list[tuple[str, int, float]] = []
+            stop = threading.Event()
+
+            def client(c: int) -> None:
+                for i in itertools.count():
+                    if stop.is_set():
+                        return
+                    body = {"model": MODEL, "prompt": f"client {c} turn {i} " * 10,
+                            "max_tokens": 24, "session_id": f"s{c}-{i % 3}"}  # fmt: skip
+                    now, t0 = phase, time.perf_counter()
+                    status, _ = post(server, "/v1/completions", body)
+                    seen.append((now, status, time.perf_counter() - t0))
+
+            threads = [threading.Thread(target=client, args=(c,)) for c in range(3)]
+            for t in threads:
+                t.start()
+            try:
+                wait_until(lambda: len(seen) >= 60, 60, "serving before the stall")
+                phase = "stalled"
+                redis.proc.send_signal(signal.SIGSTOP)
+                try:
+                    time.sleep(10)  # the stall itself
+                finally:
+                    redis.proc.send_signal(signal.SIGCONT)
+                phase = "after"
+                wait_until(lambda: _ready(server)["degraded"] == [], 15, "the tier is back")
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+        assert {status for _, status, _ in seen} == {200}
+        before = max(s for p, _, s in seen if p == "before")
+        stalled = [s for p, _, s in seen if p == "stalled"]
+        assert len(stalled) >= 30, "serving stopped during the stall"
+        assert max(stalled) <= timeout + 2 * before + 0.2, (max(stalled), before)

@@ -124,11 +124,13 @@ class FlakyStore(HostStore):
         super().__init__(capacity)
         self.down = False
         self.calls = 0
+        self.callers: set[str] = set()  # names of the threads that called it
         self.gate: threading.Event | None = None
         self.puts: list[list] = []  # the batches written, in order
 
     def _check(self) -> None:
         self.calls += 1
+        self.callers.add(threading.current_thread().name)
         if self.gate is not None:
             self.gate.wait(10)
         if self.down:
@@ -236,6 +238,9 @@ def test_a_slow_tier_sheds_writes_instead_of_blocking():
 
 
 def test_breaker_skips_a_failed_tier_and_probes_it_again():
+    """The call that finds a tier down is a miss; after it, requests never call the tier
+    (however long it stays down): only the writer thread probes it, and its first
+    successful probe closes the breaker."""
     top, flaky = HostStore(1 << 20), FlakyStore(1 << 20)
     flaky.put([(_key(1), b"v")])
     store = TieredStore([top, flaky])
@@ -243,12 +248,16 @@ def test_breaker_skips_a_failed_tier_and_probes_it_again():
     flaky.down = True
     assert store.get([_key(1)]) == [None]  # a failed tier is a miss, not an error
     assert store.breaker_open(1) and store.stats[1].errors == 1
+    flaky.callers.clear()
     calls = flaky.calls
-    assert store.lookup([_key(1)]) == 0 and flaky.calls == calls  # skipped while open
+    deadline = time.monotonic() + 0.5  # ten backoffs: the readers still skip it
+    while time.monotonic() < deadline:
+        assert store.lookup([_key(1)]) == 0 and store.get([_key(1)]) == [None]
+    assert flaky.calls > calls and flaky.callers == {"kvstore-writer"}  # probes only
+    assert store.breaker_open(1)
     flaky.down = False
-    wait_until(lambda: not store.breaker_open(1), 5, "the breaker to half-open")
-    assert store.get([_key(1)]) == [b"v"]  # probed, succeeded, closed
-    assert not store.breaker_open(1)
+    wait_until(lambda: not store.breaker_open(1), 5, "a probe to close the breaker")
+    assert store.get([_key(1)]) == [b"v"]
     store.close()
 
 
