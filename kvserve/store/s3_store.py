@@ -7,9 +7,11 @@ URL (``S3Store.from_url``)::
 One object per block, named ``{PREFIX}/{key.hex()}`` (PREFIX defaults to ``kvserve``).
 Query parameters (all optional): ``endpoint_url`` (an S3-compatible server; path-style
 addressing is then used unless ``addressing_style=virtual``), ``region``, ``timeout=SECONDS``
-(connect and read timeout, default 5.0), ``retries=N`` (botocore "standard" retries after
-the first attempt, default 1: an unreachable store must fail fast, the tiered store then
-serves from its other tiers) and ``workers=N`` (parallel requests per batch, default 8).
+(connect and read timeout, default 5.0; also the longest one window of ``workers``
+parallel requests waits, retries included: a stalled server costs one call that long),
+``retries=N`` (botocore "standard" retries after the first attempt, default 1: an
+unreachable store must fail fast, the tiered store then serves from its other tiers) and
+``workers=N`` (parallel requests per batch, default 8).
 
 Credentials come from the environment the way boto3 finds them (``AWS_ACCESS_KEY_ID``…,
 profiles, instance roles). The bucket must exist.
@@ -31,8 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import boto3
@@ -86,9 +89,17 @@ class S3Store(KVStore):
     name = "s3"
 
     def __init__(
-        self, client, bucket: str, prefix: str = DEFAULT_PREFIX, workers: int = DEFAULT_WORKERS
+        self,
+        client,
+        bucket: str,
+        prefix: str = DEFAULT_PREFIX,
+        workers: int = DEFAULT_WORKERS,
+        deadline: float | None = None,
     ):
-        """``client``: a boto3 S3 client (thread-safe; used from ``workers`` threads)."""
+        """``client``: a boto3 S3 client (thread-safe; used from ``workers`` threads).
+        ``deadline``: the longest each window of ``workers`` requests may take (seconds;
+        None: as long as botocore's timeouts and retries take) — past it the call raises
+        ``StoreUnavailable`` while those requests finish in the background."""
         if not bucket:
             raise ValueError("s3 store: bucket must not be empty")
         if workers < 1:
@@ -97,6 +108,7 @@ class S3Store(KVStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.workers = workers
+        self.deadline = deadline
         self.delete_chunk = DELETE_CHUNK
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvserve-s3")
 
@@ -136,7 +148,7 @@ class S3Store(KVStore):
             config=config,
         )
         prefix = parts.path.strip("/") or DEFAULT_PREFIX
-        return cls(client, parts.netloc, prefix, workers)
+        return cls(client, parts.netloc, prefix, workers, deadline=timeout)
 
     def object_key(self, key: Key) -> str:
         """The object name that holds ``key``'s value."""
@@ -167,11 +179,25 @@ class S3Store(KVStore):
         self.client.put_object(Bucket=self.bucket, Key=self.object_key(key), Body=value)
 
     # ------------------------------------------------------------------ KVStore
+    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
+        """``fn`` over ``items`` on the pool, ``workers`` at a time; each window's results
+        within ``deadline`` or StoreUnavailable (its requests still running finish in the
+        background) — a stalled server costs one call one deadline, a large healthy
+        transfer is not cut short."""
+        out: list = []
+        for start in range(0, len(items), self.workers):
+            window = items[start : start + self.workers]
+            try:
+                out += self._pool.map(fn, window, timeout=self.deadline)
+            except TimeoutError:
+                raise StoreUnavailable(f"S3 did not answer within {self.deadline} s") from None
+        return out
+
     def contains(self, keys: Sequence[Key]) -> int:
         n = 0
         with _unavailable_on_error():
             for start in range(0, len(keys), self.workers):
-                for hit in self._pool.map(self._head, keys[start : start + self.workers]):
+                for hit in self._map(self._head, keys[start : start + self.workers]):
                     if not hit:
                         return n
                     n += 1
@@ -179,12 +205,11 @@ class S3Store(KVStore):
 
     def get(self, keys: Sequence[Key]) -> list[bytes | None]:
         with _unavailable_on_error():
-            return list(self._pool.map(self._get, keys))
+            return self._map(self._get, keys)
 
     def put(self, items: Sequence[tuple[Key, bytes]]) -> None:
         with _unavailable_on_error():
-            for _ in self._pool.map(self._put, items):
-                pass
+            self._map(self._put, items)
 
     def delete(self, keys: Sequence[Key]) -> None:
         with _unavailable_on_error():

@@ -10,6 +10,7 @@ mapping. Dummy credentials are set for the whole module; every wait polls with a
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 import uuid
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 from s3_proc import BUCKET, MotoServer, moto_server
-from server_proc import free_port
+from server_proc import free_port, wait_until
 
 from kvserve.store.base import StoreUnavailable
 from kvserve.store.s3_store import S3Store
@@ -245,3 +246,30 @@ def test_default_prefix() -> None:
         assert store.object_key(K(1)) == "kvserve/" + K(1).hex()
     finally:
         store.close()
+
+
+def test_a_stalled_server_costs_one_call_its_timeout(tmp_path: Path) -> None:
+    """moto SIGSTOPped: each call raises StoreUnavailable within its ``timeout`` although
+    botocore would retry the timed-out reads twice more (3x the wait); after SIGCONT the
+    same store works again."""
+    with moto_server(tmp_path / "moto.log") as server:
+        store = S3Store.from_url(server.url("p", timeout=0.5, retries=2))
+        try:
+            store.put([(K(1), b"v")])
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                for op in (
+                    lambda: store.contains([K(1)]),
+                    lambda: store.get([K(1), K(2)]),
+                    lambda: store.put([(K(3), b"x")]),
+                ):
+                    t0 = time.monotonic()
+                    with pytest.raises(StoreUnavailable, match=r"did not answer within 0\.5 s"):
+                        op()
+                    assert time.monotonic() - t0 < 0.5 + 0.4
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            wait_until(lambda: store.get([K(1)]) == [b"v"], 30, "S3 answering again")
+        finally:
+            store.close()
