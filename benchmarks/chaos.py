@@ -1,8 +1,8 @@
 """The chaos run (issue 50): N rounds over three workers, two routers and Redis with
 Sentinel, each round injecting one fault — worker SIGKILL, worker SIGSTOP, engine-core
-SIGKILL, router SIGKILL, Redis-master SIGKILL, in turn — at a random token of a live
-stream, with a client that disconnects in every round and a 10x burst every fifth.
-The harness (what a round does and records) is ``tests/chaos_run.py``, shared with the
+SIGKILL, router SIGKILL, Redis-master SIGKILL (and, with ``--tp 2``, a tensor-parallel
+rank's SIGKILL), in turn — at a random token of a live stream, with a client that
+disconnects in every round and a 10x burst every fifth. The harness (what a round does and records) is ``tests/chaos_run.py``, shared with the
 short version in ``tests/ha/test_chaos.py``.
 
 Reported: lost / altered streams, 5xx, stuck requests, leaked blocks (totals), and per
@@ -11,6 +11,7 @@ routable on both routers, Redis replica in sync) and the first stream's longest 
 after the fault (what its client felt), p50 / p99.
 
     python benchmarks/chaos.py --rounds 100 --out benchmarks/results/chaos.json
+    python benchmarks/chaos.py --rounds 24 --tp 2 --out benchmarks/results/chaos_tp2.json
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-from chaos_run import KINDS, chaos_cluster, run  # noqa: E402  (the shared harness)
+from chaos_run import TP_KINDS, chaos_cluster, run  # noqa: E402  (the shared harness)
 
 from kvserve.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
@@ -46,7 +47,7 @@ def summary(results: list[dict]) -> dict:
     out: dict = {"rounds": len(results), **{k: sum(r[k] for r in results) for k in COUNTS}}
     out["faults_injected"] = sum(r["target"] != "none" for r in results)
     per_kind = {}
-    for kind in KINDS:
+    for kind in TP_KINDS:
         rs = [r for r in results if r["kind"] == kind and r["target"] != "none"]
         if rs:
             rec, gap = [r["recovery_s"] for r in rs], [r["gap_s"] for r in rs]
@@ -71,6 +72,9 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=3, help="streams per round")
     ap.add_argument("--seed", type=int, default=0, help="seeds the fault tokens and prompts")
     ap.add_argument("--stop-seconds", type=float, default=3.0, help="how long SIGSTOP lasts")
+    ap.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks per worker (2 adds rank kills)"
+    )
     ap.add_argument("--out", type=Path, help="write the rounds and the summary as JSON")
     args = ap.parse_args()
     started = time.time()
@@ -85,7 +89,7 @@ def main() -> None:
 
     with (
         tempfile.TemporaryDirectory(prefix="kvserve-chaos-") as tmp,
-        chaos_cluster(DEFAULT_MODEL_DIR, Path(tmp), args.seed, args.stop_seconds) as chaos,
+        chaos_cluster(DEFAULT_MODEL_DIR, Path(tmp), args.seed, args.stop_seconds, args.tp) as chaos,
     ):
         results = run(chaos, args.rounds, args.streams, progress)
     bar.close()

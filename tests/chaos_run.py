@@ -11,7 +11,10 @@ of the first stream injects one fault, the kinds taken in turn:
 - ``router-kill``: SIGKILL of the router the first stream goes through (its clients retry
   on the other router, as an OpenAI client retries a dropped connection; restarted after);
 - ``redis-kill``: SIGKILL of the Redis master (Sentinel promotes the replica; the killed
-  server is restarted and becomes the new replica).
+  server is restarted and becomes the new replica);
+- ``rank-kill`` (with ``tp=2``: every worker runs ``--tensor-parallel-size 2``, so a
+  stream fails over between workers of one shape): SIGKILL of one tensor-parallel rank of
+  that worker (its core fails, the worker exits 1 and is restarted).
 
 Every ``burst_every`` rounds a burst of ``burst`` short requests (10x the streams) goes
 through one router. Then the round waits until the cluster is whole again — every worker
@@ -45,9 +48,10 @@ from pathlib import Path
 import openai
 from cluster_proc import Cluster, cluster, router_view
 from redis_proc import Sentinel, _in_sync, redis_sentinel
-from server_proc import ServerProcess, engine_core_pid, wait_until
+from server_proc import ServerProcess, engine_core_pid, tp_ranks, wait_until
 
 KINDS = ("worker-kill", "worker-stop", "core-kill", "router-kill", "redis-kill")
+TP_KINDS = (*KINDS, "rank-kill")  # with tensor-parallel workers
 ADMIN = "sk-chaos-admin"
 WORKER_ARGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "512", "--admin-key", ADMIN)
 
@@ -102,10 +106,13 @@ def _restart(p: ServerProcess) -> None:
 class Chaos:
     """The cluster under test and the rounds run on it."""
 
-    def __init__(self, c: Cluster, sentinel: Sentinel, model: str, seed: int, stop_s: float):
+    def __init__(
+        self, c: Cluster, sentinel: Sentinel, model: str, seed: int, stop_s: float, tp: int
+    ):
         self.c, self.sentinel, self.model = c, sentinel, model
         self.rng = random.Random(seed)
         self.stop_s = stop_s
+        self.kinds = TP_KINDS if tp > 1 else KINDS
 
     # ---- streams ------------------------------------------------------------------------
     def spec(self, r: int, i: int, session: str) -> dict:
@@ -218,6 +225,9 @@ class Chaos:
         if kind == "core-kill":
             os.kill(engine_core_pid(worker.proc.pid), signal.SIGKILL)
             return first.worker, lambda: _restart(worker)
+        if kind == "rank-kill":
+            os.kill(self.rng.choice(tp_ranks(worker.proc.pid)), signal.SIGKILL)
+            return first.worker, lambda: _restart(worker)
         assert kind == "worker-stop"
         worker.proc.send_signal(signal.SIGSTOP)
         timer = threading.Timer(self.stop_s, worker.proc.send_signal, (signal.SIGCONT,))
@@ -275,7 +285,7 @@ class Chaos:
 
     # ---- one round ----------------------------------------------------------------------
     def round(self, r: int, streams: int, burst: int) -> RoundResult:
-        kind = KINDS[r % len(KINDS)]
+        kind = self.kinds[r % len(self.kinds)]
         at = self.rng.randint(5, 60)
         ss = [Stream(self.spec(r, i, f"chaos-{r}-{i}"), router=(r + i) % 2) for i in range(streams)]
         self.references(ss, r)
@@ -321,21 +331,20 @@ class Chaos:
 
 
 @contextlib.contextmanager
-def chaos_cluster(model: Path, tmp: Path, seed: int = 0, stop_s: float = 3.0) -> Iterator[Chaos]:
-    """Redis + Sentinel, workers a/b/c, two routers; yields the ``Chaos`` driver."""
+def chaos_cluster(
+    model: Path, tmp: Path, seed: int = 0, stop_s: float = 3.0, tp: int = 1
+) -> Iterator[Chaos]:
+    """Redis + Sentinel, workers a/b/c (``tp`` ranks each), two routers; yields the
+    ``Chaos`` driver."""
     (tmp / "redis").mkdir(exist_ok=True)
+    args = (*WORKER_ARGS, "--tensor-parallel-size", str(tp))
     with (
         redis_sentinel(tmp / "redis") as sentinel,
         cluster(
-            model,
-            tmp,
-            nodes=("a", "b", "c"),
-            routers=2,
-            redis_url=sentinel.url,
-            worker_args=WORKER_ARGS,
+            model, tmp, nodes=("a", "b", "c"), routers=2, redis_url=sentinel.url, worker_args=args
         ) as c,  # fmt: skip
     ):
-        yield Chaos(c, sentinel, str(model), seed, stop_s)
+        yield Chaos(c, sentinel, str(model), seed, stop_s, tp)
 
 
 def run(

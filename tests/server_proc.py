@@ -53,6 +53,37 @@ def engine_core_pid(pid: int) -> int:
     raise AssertionError(f"no engine-core child of {pid}")
 
 
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def tp_ranks(server_pid: int) -> list[int]:
+    """The tensor-parallel rank processes under ``kvserve serve`` (process ``server_pid``)."""
+
+    def is_rank(pid: int) -> bool:
+        try:
+            return b"kvserve.worker.worker_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    return [p for p in descendants(server_pid) if is_rank(p)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

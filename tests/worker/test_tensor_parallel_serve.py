@@ -15,40 +15,11 @@ import openai
 import pytest
 from cluster_proc import cluster
 from router_client import router_client, stream_via, workload_spec
-from server_proc import ServerProcess, wait_until
+from server_proc import ServerProcess, tp_ranks, wait_until
 
 from kvserve import LLM, SamplingParams
 
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "8MiB", "--max-model-len", "256")
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _ranks(server_pid: int) -> list[int]:
-    def is_rank(pid: int) -> bool:
-        try:
-            return b"kvserve.worker.worker_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return False
-
-    return [p for p in _children(server_pid) if is_rank(p)]
 
 
 def _alive(pid: int) -> bool:
@@ -83,7 +54,7 @@ def test_serve_tp2_answers_and_fails_fast_on_a_dead_rank(llama_dir, tmp_path, vi
             model=str(llama_dir), messages=messages, temperature=0, max_tokens=24
         )
         assert got.choices[0].message.content == want[0].outputs[0].text
-        ranks = _ranks(proc.proc.pid)
+        ranks = tp_ranks(proc.proc.pid)
         assert len(ranks) == 2, ranks
         # a long stream in flight when the rank dies ends with an error, not a hang
         outcome: dict[str, object] = {}
