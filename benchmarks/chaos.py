@@ -2,8 +2,9 @@
 Sentinel, each round injecting one fault — worker SIGKILL, worker SIGSTOP, engine-core
 SIGKILL, router SIGKILL, Redis-master SIGKILL (and, with ``--tp 2``, a tensor-parallel
 rank's SIGKILL), in turn — at a random token of a live stream, with a client that
-disconnects in every round and a 10x burst every fifth. The harness (what a round does and records) is ``tests/chaos_run.py``, shared with the
-short version in ``tests/ha/test_chaos.py``.
+disconnects in every round and a 10x burst every fifth. The harness (what a round does
+and records) is ``tests/chaos_run.py``, shared with the short version in
+``tests/ha/test_chaos.py``.
 
 Reported: lost / altered streams, 5xx, stuck requests, leaked blocks (totals), and per
 fault kind the recovery time (fault → cluster whole again: restarted processes ready and
