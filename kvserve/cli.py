@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting-requests",
         type=int,
         default=1024,
-        help="queue bound (with --tenants: each tenant's); beyond: 429 with Retry-After",
+        help="queue bound (with --tenants: each tenant's, unless its max_waiting_requests "
+        "says); beyond: 429 with Retry-After",
     )
     sv.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may "
                     "wait for its first output; past them it is aborted and refused with 429 "

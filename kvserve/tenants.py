@@ -9,6 +9,7 @@ tenants:
     reservation: 20%                # guaranteed KV: N | "N blocks" | "N tokens" | "4GiB" | "N%"
     limit: 60%                      # most KV it may hold (same units)
     max_concurrent_requests: 32     # optional
+    max_waiting_requests: 64        # optional: its queue bound (else --max-waiting-requests)
   - name: public
     limit: 25%
 ```
@@ -32,7 +33,15 @@ from kvserve.kv.tenant_ledger import Budget
 from kvserve.utils import cdiv, parse_size
 
 _HASH = re.compile(r"sha256:[0-9a-f]{64}")
-_TENANT_FIELDS = {"name", "api_keys", "priority", "reservation", "limit", "max_concurrent_requests"}
+_TENANT_FIELDS = {
+    "name",
+    "api_keys",
+    "priority",
+    "reservation",
+    "limit",
+    "max_concurrent_requests",
+    "max_waiting_requests",
+}
 
 
 def hash_key(key: str) -> str:
@@ -90,6 +99,7 @@ class Tenant:
     reservation: Amount = Amount(0, "blocks")
     limit: Amount = Amount(100, "percent")
     max_concurrent_requests: int | None = None
+    max_waiting_requests: int | None = None  # None: the server's --max-waiting-requests
 
 
 @dataclass(frozen=True)
@@ -151,9 +161,12 @@ class TenantsConfig:
             priority = raw.get("priority", 0)
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise ValueError(f"{where}: priority must be an integer")
-            mcr = raw.get("max_concurrent_requests")
-            if mcr is not None and (not isinstance(mcr, int) or mcr < 1):
-                raise ValueError(f"{where}: max_concurrent_requests must be a positive integer")
+            counts = {}
+            for name in ("max_concurrent_requests", "max_waiting_requests"):
+                n = raw.get(name)
+                if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                    raise ValueError(f"{where}: {name} must be a positive integer")
+                counts[name] = n
             tenants.append(
                 Tenant(
                     raw["name"],
@@ -161,7 +174,8 @@ class TenantsConfig:
                     priority,
                     Amount.parse(raw.get("reservation", 0), f"{where}: reservation"),
                     Amount.parse(raw.get("limit", "100%"), f"{where}: limit"),
-                    mcr,
+                    counts["max_concurrent_requests"],
+                    counts["max_waiting_requests"],
                 )
             )
         default = data.get("default_tenant")
@@ -203,6 +217,15 @@ class TenantsConfig:
             )
             for name, b in self.resolve(pool_blocks, block_size, bytes_per_block).items()
         }
+
+    def queue_bound(self, tenant: str, default: int) -> int:
+        """``tenant``'s queue bound: its ``max_waiting_requests``, else ``default``."""
+        t = next((t for t in self.tenants if t.name == tenant), None)
+        return default if t is None or t.max_waiting_requests is None else t.max_waiting_requests
+
+    def total_queue_bound(self, default: int) -> int:
+        """The sum of every tenant's queue bound (what the engine may hold waiting)."""
+        return sum(self.queue_bound(t.name, default) for t in self.tenants)
 
     def tenant_for_key(self, key: str | None) -> str | None:
         """The tenant owning API key ``key`` (compared as hashes, in constant time), the

@@ -31,8 +31,9 @@ class Placement:
 def admit(state: ServerState, model: str | None, tenant: str | None = None) -> None:
     """Raise the APIError that refuses a new request now (503, 404, 429), or return.
     The queue bound (``--max-waiting-requests``) is the whole engine's — or, with a
-    tenants file, each tenant's own (its requests without output yet): one tenant's
-    flood is refused without refusing the others. A 429's ``Retry-After`` is the time the
+    tenants file, each tenant's own (its requests without output yet; the tenant's
+    ``max_waiting_requests`` when the file sets one): one tenant's flood is refused
+    without refusing the others. A 429's ``Retry-After`` is the time the
     requests beyond the bound take to finish at the recent completion rate (1–60 s)."""
     if state.draining:
         raise unavailable("the server is shutting down")
@@ -42,8 +43,9 @@ def admit(state: ServerState, model: str | None, tenant: str | None = None) -> N
         raise APIError(
             404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found"
         )
-    bound = state.config.max_waiting_requests
-    if state.config.tenants is not None and tenant is not None:
+    bound, tenants = state.config.max_waiting_requests, state.config.tenants
+    if tenants is not None and tenant is not None:
+        bound = tenants.queue_bound(tenant, bound)
         waiting, whose = state.engine.queued(tenant), f"tenant {tenant!r}'s requests"
     else:
         waiting, whose = state.engine.stats().waiting, "requests"

@@ -107,7 +107,9 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig, kv_events=None):
         }
 
     tenants = config.tenants
-    max_waiting = config.max_waiting_requests * (len(tenants.tenants) if tenants else 1)
+    max_waiting = config.max_waiting_requests
+    if tenants is not None:
+        max_waiting = tenants.total_queue_bound(max_waiting)
 
     def beat() -> None:
         while not stop.is_set():

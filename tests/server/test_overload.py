@@ -47,6 +47,29 @@ def test_one_tenants_flood_is_refused_without_refusing_the_others(tmp_path):
         assert [c.choices[0].finish_reason for c in other][-1] == "length"
 
 
+def test_a_tenant_s_own_queue_bound_from_the_tenants_file(tmp_path):
+    """``acme`` may queue one request (its ``max_waiting_requests``), ``beta`` the
+    server's two: behind one long stream, acme's second request is refused, beta's is
+    not."""
+    keys = {"acme": ACME, "beta": BETA}
+    tenants = tenants_file(tmp_path / "t.json", keys, {"acme": {"max_waiting_requests": 1}})
+    args = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
+            "--max-waiting-requests", "2", "--tenants", str(tenants))  # fmt: skip
+    with running_server(BUNDLED, *args, log=tmp_path / "s.log") as s:
+        acme, beta = _client(s, ACME), _client(s, BETA)
+        long = {"model": MODEL, "prompt": "go", "max_tokens": 1900, "stream": True,
+                "extra_body": {"ignore_eos": True}}  # fmt: skip
+        running = beta.completions.create(**long)
+        next(iter(running))  # the only seat
+        queued = [acme.completions.create(**long), beta.completions.create(**long)]
+        with pytest.raises(openai.RateLimitError) as e:
+            acme.completions.create(model=MODEL, prompt="one more", max_tokens=4)
+        assert "tenant 'acme'" in e.value.message
+        queued.append(beta.completions.create(**long))  # beta's second place
+        for stream in (running, *queued):
+            stream.close()
+
+
 def test_a_request_without_output_past_the_queue_timeout_is_refused(tmp_path):
     args = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
             "--queue-timeout", "0.3")  # fmt: skip

@@ -64,6 +64,14 @@ def test_resolve_and_keys():
     assert cfg.tenant_for_key(None) is None  # no default tenant: refused
 
 
+def test_a_tenant_s_own_queue_bound_or_the_server_s():
+    cfg = TenantsConfig.from_dict(
+        {"tenants": [{"name": "a", "max_waiting_requests": 3}, {"name": "b"}]}
+    )
+    assert (cfg.queue_bound("a", 16), cfg.queue_bound("b", 16)) == (3, 16)
+    assert cfg.queue_bound("nobody", 16) == 16 and cfg.total_queue_bound(16) == 19
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -77,6 +85,8 @@ def test_resolve_and_keys():
             "reservations add up to 220 blocks but the KV pool has 200",
         ),
         ({"tenants": [{"name": "a", "colour": "red"}]}, "unknown field"),
+        ({"tenants": [{"name": "a", "max_waiting_requests": 0}]}, "max_waiting_requests must"),
+        ({"tenants": [{"name": "a", "max_waiting_requests": True}]}, "max_waiting_requests must"),
     ],
 )
 def test_bad_files_are_rejected_with_the_reason(change, message):
