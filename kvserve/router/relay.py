@@ -56,6 +56,7 @@ from kvserve.router.config import RouterConfig
 from kvserve.router.flow import Flow
 from kvserve.router.scoring import Placement
 from kvserve.router.workers import Worker, WorkerPool
+from kvserve.server.errors import error_body
 from kvserve.server.responses.record import session_of
 
 logger = logging.getLogger("kvserve.router")
@@ -73,7 +74,7 @@ class Unroutable(Exception):
     def __init__(self, status: int, message: str, type_: str = "ServiceUnavailableError"):
         super().__init__(message)
         self.status = status
-        self.body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+        self.body = error_body(message, type_)
 
 
 async def _closed(resp: httpx.Response) -> None:

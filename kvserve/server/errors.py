@@ -44,6 +44,14 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "APIError")
 
 
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: the body
+    of every error response and SSE error event, on workers and routers alike."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_response(
     status: int,
     message: str,
@@ -53,14 +61,7 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> Response:
     """The JSON error response (ASCII-escaped; ``type_`` defaults from the status)."""
-    body = {
-        "error": {
-            "message": message,
-            "type": type_ or error_type(status),
-            "param": param,
-            "code": code,
-        }
-    }
+    body = error_body(message, type_ or error_type(status), param, code)
     return Response(
         json.dumps(body, ensure_ascii=True),
         status_code=status,

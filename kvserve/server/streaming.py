@@ -17,7 +17,7 @@ from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.admission import queue_timeout_error
 from kvserve.server.disconnect import ClientGone, unless_disconnected
-from kvserve.server.errors import unavailable
+from kvserve.server.errors import error_body, unavailable
 from kvserve.server.observe import Observer
 from kvserve.server.render import ChoiceState, usage
 from kvserve.server.state import ServerState
@@ -182,15 +182,8 @@ async def respond(
             yield "data: [DONE]\n\n"
         except (EngineDeadError, QueueTimeout) as e:
             timeout = isinstance(e, QueueTimeout)
-            err = {
-                "error": {
-                    "message": str(e),
-                    "type": "RateLimitError" if timeout else "ServiceUnavailableError",
-                    "param": None,
-                    "code": "queue_timeout" if timeout else None,
-                }
-            }
-            yield sse(err)
+            kind = "RateLimitError" if timeout else "ServiceUnavailableError"
+            yield sse(error_body(str(e), kind, code="queue_timeout" if timeout else None))
         finally:  # a disconnect cancels this generator
             abort_unfinished()
 
