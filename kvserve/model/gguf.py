@@ -134,7 +134,7 @@ def _field(reader: Any, key: str, default: Any = ...) -> Any:
     field = reader.fields.get(key)
     if field is None:
         if default is ...:
-            raise GGUFError(f"{reader.path}: metadata lacks {key!r}")
+            raise GGUFError(f"metadata lacks {key!r}")
         return default
     return field.contents()
 
@@ -143,14 +143,14 @@ def _config(reader: Any, has_output: bool) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise GGUFError(
-            f"{reader.path}: general.architecture {arch!r} is not supported (llama only)"
+            f"general.architecture {arch!r} is not supported (llama only)"
         )
     heads = int(_field(reader, "llama.attention.head_count"))
     hidden = int(_field(reader, "llama.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     rope_dim = int(_field(reader, "llama.rope.dimension_count", hidden // heads))
     if rope_dim != hidden // heads:
-        raise GGUFError(f"{reader.path}: partial rotary (rope.dimension_count) is not supported")
+        raise GGUFError("partial rotary (rope.dimension_count) is not supported")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -191,16 +191,16 @@ def _tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
             layer, rest = name.split(".", 2)[1:]
             hf = f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
         elif name == "rope_freqs.weight":
-            raise GGUFError(f"{reader.path}: rope scaling factors (rope_freqs) are not supported")
+            raise GGUFError("rope scaling factors (rope_freqs) are not supported")
         else:
-            raise GGUFError(f"{reader.path}: tensor {name!r} is not part of a llama model")
+            raise GGUFError(f"tensor {name!r} is not part of a llama model")
         try:
             data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except Exception as e:
-            raise GGUFError(f"{reader.path}: tensor {name!r} does not decode ({e})") from None
+            raise GGUFError(f"tensor {name!r} does not decode ({e})") from None
         shape = tuple(int(x) for x in reversed(t.shape))  # GGML lists dims innermost first
         if data.size != int(np.prod(shape)):
-            raise GGUFError(f"{reader.path}: tensor {name!r} is truncated")
+            raise GGUFError(f"tensor {name!r} is truncated")
         data = data.reshape(shape)
         if name.endswith("attn_q.weight"):
             data = _unpermute(data, heads)
@@ -214,9 +214,12 @@ def _write_checkpoint(path: Path, reader: Any, out: Path) -> None:
     from safetensors.numpy import save_file
 
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    config = _config(reader, has_output)
-    tensors = _tensors(reader, config)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    write_tokenizer(reader, out)
+    try:  # the helpers' messages say what is wrong; this names the file
+        config = _config(reader, has_output)
+        tensors = _tensors(reader, config)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        write_tokenizer(reader, out)
+    except GGUFError as e:
+        raise GGUFError(f"{path}: {e}") from None
     (out / "SOURCE").write_text(f"{path.resolve()}\n")

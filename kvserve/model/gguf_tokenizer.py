@@ -32,7 +32,7 @@ def write_tokenizer(reader: Any, out: Path) -> None:
     kind = _get(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise GGUFError(
-            f"{reader.path}: tokenizer.ggml.model {kind!r} is not supported (byte-level BPE "
+            f"tokenizer.ggml.model {kind!r} is not supported (byte-level BPE "
             "'gpt2' only); convert the checkpoint to an HF directory instead"
         )
     tokens: list[str] = _get(reader, "tokenizer.ggml.tokens")

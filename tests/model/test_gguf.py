@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -116,3 +118,42 @@ def test_chat_with_the_gguf_model_through_kvserve_serve(gguf_file, tmp_path):
         text = out.choices[0].message.content
         assert "Paris" in text, text
         assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def _foreign_gguf(path, arch: str = "gemma3", tokenizer: str = "gpt2"):
+    """A small GGUF file written by the ``gguf`` package's writer, of another family
+    (``arch``) or with another tokenizer model."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_tokenizer_model(tokenizer)
+    w.add_token_list(["a", "b", "c", "d"])
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_another_family_is_refused_naming_the_file_and_the_architecture(tmp_path):
+    """Once a traceback (``'GGUFReader' object has no attribute 'path'``) raised while
+    formatting this very message; the CLI now says what is unsupported and exits."""
+    gemma = _foreign_gguf(tmp_path / "gemma-3-270m.gguf")
+    with pytest.raises(GGUFError, match=re.escape(f"{gemma}: general.architecture 'gemma3'")):
+        convert(gemma)
+    sp = _foreign_gguf(tmp_path / "sp.gguf", arch="llama", tokenizer="llama")
+    with pytest.raises(GGUFError, match=re.escape(f"{sp}: ")):
+        convert(sp)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(gemma)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "general.architecture 'gemma3' is not supported" in run.stderr + run.stdout
+    assert "Traceback" not in run.stderr
