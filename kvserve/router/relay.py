@@ -50,8 +50,10 @@ from typing import Any, TypeVar
 
 import anyio
 import httpx
+import msgspec
 
 from kvserve.ha.coordination import Coordinator
+from kvserve.ha.wire import ResumeBody
 from kvserve.router.config import RouterConfig
 from kvserve.router.flow import Flow
 from kvserve.router.scoring import Placement
@@ -303,23 +305,24 @@ class Relay:
         session's current epoch); ``w.inflight`` counts it from here (and is given back
         if this raises). Raises WorkerFailed."""
         owner = await self._owner(flow.session)
-        body = {
-            "session_id": flow.session,
-            "delivered_token_ids": flow.ids,
-            "delivered_text_chars": flow.chars,
-            "seen_epoch": owner.epoch if owner is not None else 0,
-            "kind": flow.kind,
-            "ephemeral": flow.ephemeral,
-            "request": flow.body,
-        }
-        if flow.kind == "responses":  # the response the client has begun to get
-            body["response_id"], body["created_at"] = flow.response_id, flow.created
+        responses = flow.kind == "responses"  # then: the response the client has begun
+        body = ResumeBody(
+            session_id=flow.session,
+            request=flow.body,
+            kind=flow.kind,
+            delivered_token_ids=flow.ids,
+            delivered_text_chars=flow.chars,
+            seen_epoch=owner.epoch if owner is not None else 0,
+            ephemeral=flow.ephemeral,
+            response_id=flow.response_id if responses else None,
+            created_at=flow.created if responses else None,
+        )
         headers = flow.headers()
         if self.config.cluster_secret:
             headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
         w.inflight += 1
         try:
-            return await self._send(w, "/internal/resume", body, headers)
+            return await self._send(w, "/internal/resume", msgspec.to_builtins(body), headers)
         except BaseException:  # failed, or the client went away meanwhile
             w.inflight -= 1
             raise

@@ -18,6 +18,7 @@ from kvserve.engine.async_llm import RequestStream
 from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import AcceptPush, ReadCheckpoint
 from kvserve.ha.record import SessionRecord
+from kvserve.ha.wire import decode_resume
 from kvserve.sampling import SamplingParams
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError, bad_request, unavailable
@@ -46,30 +47,22 @@ def cluster_routes(state: ServerState) -> APIRouter:
 
     @router.post("/internal/resume")
     async def internal_resume(request: Request) -> Response:
-        """Continue a session's stream after a failover. Body: ``session_id``,
-        ``delivered_token_ids`` and ``delivered_text_chars`` (what the client has),
-        optional ``seen_epoch`` and ``ephemeral``, and the client's original ``request`` (``kind``
-        ``completion``, ``chat`` or ``responses`` — then also ``response_id`` and
-        ``created_at``). The response continues exactly where the client is."""
+        """Continue a session's stream after a failover. Body: ``ha.wire.ResumeBody`` (what
+        the client has, and its original request). The response continues exactly where
+        the client is."""
         _cluster_auth(request)
         if state.coord is None:
             raise APIError(404, "this worker is not in a cluster (--cluster)", "NotFoundError")
         try:
-            body = await request.json()
-            session_id = str(body["session_id"])
-            delivered = [int(t) for t in body.get("delivered_token_ids", [])]
-            chars = int(body.get("delivered_text_chars", 0))
-            seen = body.get("seen_epoch")
-            kind = body.get("kind", "completion")
+            body = decode_resume(await request.body())
+            session_id, delivered, seen = body.session_id, body.delivered_token_ids, body.seen_epoch
+            kind, response_id, created = body.kind, body.response_id, body.created_at
             if kind == "responses":
-                responses = ResponsesRequest.model_validate(body.get("request") or {})
-                response_id = str(body["response_id"])
-                created = body.get("created_at")
-                created = int(created) if created is not None else None
+                responses = ResponsesRequest.model_validate(body.request)
             else:
                 model = ChatCompletionRequest if kind == "chat" else CompletionRequest
-                original = model.model_validate(body.get("request") or {})
-        except (ValueError, KeyError, TypeError) as e:
+                original = model.model_validate(body.request)
+        except ValueError as e:  # pydantic's ValidationError is one too
             raise bad_request(f"bad resume request: {e}") from None
         principal = authenticate(request, state.config)  # the client's key, forwarded
         if kind == "responses":
@@ -78,7 +71,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             turn = await prepare(state, state.responses, responses, principal.tenant)
             record = _new_record(
                 session_id, principal.tenant, responses.cache_salt, turn.prompt, turn.params,
-                bool(body.get("ephemeral")),
+                body.ephemeral,
             )  # fmt: skip
             stream, _ = await _continue(record, delivered, seen)
             run = ResponseRun(
@@ -94,7 +87,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             else:
                 params, tools = original.sampling_params(), None
             record = _record_from_request(
-                original, params, principal.tenant, session_id, chat, bool(body.get("ephemeral"))
+                original, params, principal.tenant, session_id, chat, body.ephemeral
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -109,7 +102,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             kind,
             resp_id,
             request,
-            resume=(delivered, chars),
+            resume=(delivered, body.delivered_text_chars),
             echo=[_echo_text(original)],
             tools=tools,
         )
