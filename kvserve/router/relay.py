@@ -312,7 +312,8 @@ class Relay:
             kind=flow.kind,
             delivered_token_ids=flow.ids,
             delivered_text_chars=flow.chars,
-            seen_epoch=owner.epoch if owner is not None else 0,
+            # None (the registry unreadable): the worker reads the epoch itself
+            seen_epoch=owner.epoch if owner is not None else (0 if self.pool.registry_ok else None),
             ephemeral=flow.ephemeral,
             response_id=flow.response_id if responses else None,
             created_at=flow.created if responses else None,

@@ -14,7 +14,7 @@ Each step:
    higher priority (tenant, then request), then the tenant with the fewest running
    requests (fair share among equals: a flooding tenant does not push an equal one to
    the back of the queue), then earlier arrival (preempted requests keep their arrival
-   time, so they come back first). A tenant at its limit or at its
+   time, so they come back before their tenant's later requests). A tenant at its limit or at its
    ``max_concurrent_requests`` is skipped for the step; a pool shortage or a full batch
    (``max_num_seqs``) stops admission, except that a tenant below its reservation
    preempts requests of tenants above theirs to get its blocks and its seat. In a step

@@ -104,13 +104,13 @@ class FileStore(KVStore):
             try:
                 path.parent.mkdir(exist_ok=True)
                 tmp.write_bytes(v)
+                os.replace(tmp, path)
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 self._disk_full(len(v))
                 continue
-            os.replace(tmp, path)
             with self._lock:
                 old = self._index.pop(k, None)
                 if old is not None:
@@ -121,11 +121,11 @@ class FileStore(KVStore):
 
     def _disk_full(self, size: int) -> None:
         """The disk (or quota) had no room for a block of ``size`` bytes: the block is
-        dropped (a miss later, never an error) and the capacity is lowered to what the
-        disk held less one such block, so the tier goes on as an LRU of that size (until a
-        restart)."""
-        with self._lock:
-            lowered = max(self.used_bytes - size, 0)
+        dropped (a miss later, never an error, counted in ``num_dropped``) and the capacity
+        is lowered to what the disk held less one such block (at least one block), so the
+        tier goes on as an LRU of that size (until a restart)."""
+        with self._lock:  # never below one block: other files may free the disk later
+            lowered = max(self.used_bytes - size, size)
             if lowered < self.capacity_bytes:
                 log = logger.debug if self.num_dropped else logger.warning  # once loud
                 log(

@@ -15,7 +15,9 @@ URLs (``RedisStore.from_url``):
 Query parameters understood here (all optional): ``ttl=SECONDS`` (expiry set on every put;
 reads do not refresh it), ``prefix=STRING`` (key namespace, default ``kvserve``),
 ``timeout=SECONDS`` (socket connect and read timeout, default 2.0: the longest one call
-waits on a stalled server — timeouts are not retried), ``retries=N`` (retries after a
+waits on a stalled server — timeouts are not retried; except on ``redis+cluster://``,
+whose client retries a timed-out command ``retries`` times whatever it is told: there a
+stalled node costs up to ``retries + 1`` timeouts), ``retries=N`` (retries after a
 connection error, default 1: enough to replace a pooled connection that a server restart
 broke, few enough that an unreachable server fails fast — the tiered store then serves
 from its other tiers) and, for a cluster, ``hash_tag=TAG`` (below).

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -110,7 +111,15 @@ class S3Store(KVStore):
         self.workers = workers
         self.deadline = deadline
         self.delete_chunk = DELETE_CHUNK
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvserve-s3")
+        # reads and writes in pools of their own, so neither queues behind the other;
+        # a pool whose window timed out is replaced (its stuck requests finish in the
+        # background, within botocore's timeouts) so the next call does not queue behind
+        # them either
+        self._pools = {
+            kind: ThreadPoolExecutor(workers, thread_name_prefix=f"kvserve-s3-{kind}")
+            for kind in ("read", "write")
+        }
+        self._pools_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str) -> S3Store:
@@ -179,25 +188,38 @@ class S3Store(KVStore):
         self.client.put_object(Bucket=self.bucket, Key=self.object_key(key), Body=value)
 
     # ------------------------------------------------------------------ KVStore
-    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
-        """``fn`` over ``items`` on the pool, ``workers`` at a time; each window's results
-        within ``deadline`` or StoreUnavailable (its requests still running finish in the
-        background) — a stalled server costs one call one deadline, a large healthy
+    def _map(self, kind: str, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
+        """``fn`` over ``items`` on the ``kind`` pool, ``workers`` at a time; each window's
+        results within ``deadline`` or StoreUnavailable (its requests still running finish
+        in the background) — a stalled server costs one call one deadline, a large healthy
         transfer is not cut short."""
         out: list = []
         for start in range(0, len(items), self.workers):
             window = items[start : start + self.workers]
+            pool = self._pools[kind]
             try:
-                out += self._pool.map(fn, window, timeout=self.deadline)
+                out += pool.map(fn, window, timeout=self.deadline)
             except TimeoutError:
+                self._replace(kind, pool)
                 raise StoreUnavailable(f"S3 did not answer within {self.deadline} s") from None
+            except RuntimeError:  # the pool was replaced under this call (by another)
+                raise StoreUnavailable("S3 requests timed out meanwhile") from None
         return out
+
+    def _replace(self, kind: str, stuck: ThreadPoolExecutor) -> None:
+        """A fresh ``kind`` pool instead of ``stuck`` (unless another call replaced it)."""
+        with self._pools_lock:
+            if self._pools[kind] is stuck:
+                self._pools[kind] = ThreadPoolExecutor(
+                    self.workers, thread_name_prefix=f"kvserve-s3-{kind}"
+                )
+        stuck.shutdown(wait=False, cancel_futures=True)
 
     def contains(self, keys: Sequence[Key]) -> int:
         n = 0
         with _unavailable_on_error():
             for start in range(0, len(keys), self.workers):
-                for hit in self._map(self._head, keys[start : start + self.workers]):
+                for hit in self._map("read", self._head, keys[start : start + self.workers]):
                     if not hit:
                         return n
                     n += 1
@@ -205,11 +227,11 @@ class S3Store(KVStore):
 
     def get(self, keys: Sequence[Key]) -> list[bytes | None]:
         with _unavailable_on_error():
-            return self._map(self._get, keys)
+            return self._map("read", self._get, keys)
 
     def put(self, items: Sequence[tuple[Key, bytes]]) -> None:
         with _unavailable_on_error():
-            self._map(self._put, items)
+            self._map("write", self._put, items)
 
     def delete(self, keys: Sequence[Key]) -> None:
         with _unavailable_on_error():
@@ -228,7 +250,8 @@ class S3Store(KVStore):
                     )
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
         self.client.close()
 
 

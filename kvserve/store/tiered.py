@@ -10,7 +10,8 @@
 - **Faults**: a tier raising ``StoreUnavailable`` (or anything else: a backend bug must
   not fail requests either) opens its circuit breaker: it is skipped (reads miss, writes
   are dropped, both counted) until a probe succeeds. Probes run on the writer thread —
-  its next write to the tier, or a one-key lookup when there is none — once per backoff
+  its next write to the tier, or a one-key lookup (a one-key write when a write had
+  failed) when there is none — once per backoff
   that doubles on each consecutive failure (0.5 s → 2 s), so only the one call that
   found a tier down ever waits on it (its timeout); recovery follows within a backoff.
 - **Metrics** per tier come from this wrapper, not from the backends: hits, misses, bytes
@@ -36,7 +37,7 @@ logger = logging.getLogger("kvserve")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 WRITE_POLICIES = ("write-through", "write-back")
 _SKIPPED = object()  # a tier call that did not happen or failed
-_PROBE_KEY = b"kvserve-probe"  # looked up to see whether a tier is back
+_PROBE_KEY = b"kvserve-probe"  # looked up (or written empty) to see whether a tier is back
 
 
 @dataclass
@@ -67,6 +68,7 @@ class _Breaker:
         self.base, self.cap = base, cap
         self.failures = 0
         self.open_until = 0.0
+        self.writes_failed = False  # since it opened
 
     @property
     def is_open(self) -> bool:
@@ -75,13 +77,17 @@ class _Breaker:
     def probe_due(self) -> bool:
         return self.failures > 0 and time.monotonic() >= self.open_until
 
-    def failed(self) -> None:
+    def failed(self, write: bool) -> None:
+        """A call failed; ``write``: it was a write (then probes write too: a tier that
+        answers reads but refuses writes must not be closed by a read)."""
+        self.writes_failed = self.writes_failed or write
         self.failures += 1
         self.open_until = time.monotonic() + min(self.base * 2 ** (self.failures - 1), self.cap)
 
     def succeeded(self) -> None:
         self.failures = 0
         self.open_until = 0.0
+        self.writes_failed = False
 
 
 class TieredStore:
@@ -136,7 +142,7 @@ class TieredStore:
         except Exception as e:  # any tier failure degrades to "not there", never further
             self.stats[i].errors += 1
             was_open = br.failures > 0
-            br.failed()
+            br.failed(write=op in ("put", "delete", "probe-put"))
             if not was_open and self._writer is not None:
                 with contextlib.suppress(queue.Full):  # wake the writer: it probes
                     self._queue.put_nowait(((), []))
@@ -295,10 +301,16 @@ class TieredStore:
                 return
 
     def _probe(self) -> None:
-        """Writer thread: call each open tier whose probe is due (a one-key lookup); a
-        success closes its breaker."""
+        """Writer thread: call each open tier whose probe is due — a one-key lookup, or a
+        one-key write of an empty value when a write failed; a success closes its
+        breaker."""
         for i, tier in enumerate(self.tiers):
-            if self._breakers[i].probe_due():
+            br = self._breakers[i]
+            if not br.probe_due():
+                continue
+            if br.writes_failed:
+                self._call(i, "probe-put", tier.put, [(_PROBE_KEY, b"")], probe=True)
+            else:
                 self._call(i, "probe", tier.contains, [_PROBE_KEY], probe=True)
 
     def flush(self, timeout: float = 30.0) -> bool:

@@ -125,6 +125,7 @@ class FlakyStore(HostStore):
         self.down = False
         self.calls = 0
         self.callers: set[str] = set()  # names of the threads that called it
+        self.refuse_writes = False  # reads work, writes fail (a full Redis, noeviction)
         self.gate: threading.Event | None = None
         self.puts: list[list] = []  # the batches written, in order
 
@@ -146,6 +147,8 @@ class FlakyStore(HostStore):
 
     def put(self, items):
         self._check()
+        if self.refuse_writes:
+            raise StoreUnavailable("OOM command not allowed")
         self.puts.append(list(items))
         super().put(items)
 
@@ -234,6 +237,22 @@ def test_a_slow_tier_sheds_writes_instead_of_blocking():
     assert store.stats[1].dropped_writes >= 17  # queue of 2 + the one in flight
     slow.gate.set()
     assert store.flush()
+    store.close()
+
+
+def test_a_tier_refusing_writes_is_probed_with_a_write_and_stays_open():
+    """Reads answer, writes fail: a read must not close the breaker (it flapped: open on
+    each write, closed by the next lookup probe), so its backoff grows until a write
+    succeeds."""
+    top, full = HostStore(1 << 20), FlakyStore(1 << 20)
+    store = TieredStore([top, full])
+    store._breakers[1].base = 0.02
+    full.refuse_writes = True
+    store.put([(_key(1), b"v")])
+    wait_until(lambda: store._breakers[1].failures >= 3, 5, "write probes failing")
+    assert store.breaker_open(1)
+    full.refuse_writes = False
+    wait_until(lambda: not store.breaker_open(1), 5, "a write probe to close the breaker")
     store.close()
 
 
