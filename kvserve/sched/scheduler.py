@@ -197,7 +197,7 @@ class Scheduler:
                 if not entitled:
                     passed.add(req.request_id)  # a smaller one of its tenant may be
                     continue
-                victim = self._seat_victim(req)
+                victim = self._reservation_victim(req)
                 if victim is None:
                     return  # nobody runs above their reservation
                 budget += self._preempt(victim, RESERVATION, out, scheduled)
@@ -205,11 +205,9 @@ class Scheduler:
             if n == 0:  # its prefix is loading from the KV store
                 continue
             while n is None and self.kv.shortage == POOL and entitled:
-                victims = [r for r in self.running if r.tenant != tenant]
-                victims = [r for r in victims if ledger.above_reservation(r.tenant)]
-                if not victims:
+                victim = self._reservation_victim(req)
+                if victim is None:
                     break
-                victim = max(victims, key=self.policy.victim_key)
                 budget += self._preempt(victim, RESERVATION, out, scheduled)
                 n = self._try_admit(req, budget, out)
             if n is None:
@@ -227,10 +225,10 @@ class Scheduler:
             out.scheduled.append(s)
             budget -= n
 
-    def _seat_victim(self, req: Request) -> Request | None:
-        """The running request that gives its seat to ``req`` (whose tenant is within its
-        reservation) when every seat is taken: one of a tenant above its reservation, by
-        the preemption policy's order; None when there is none."""
+    def _reservation_victim(self, req: Request) -> Request | None:
+        """The running request that gives its seat or blocks to ``req`` (whose tenant is
+        within its reservation): one of another tenant above its reservation, by the
+        preemption policy's order; None when there is none."""
         ledger = self.kv.ledger
         others = [
             r for r in self.running if r.tenant != req.tenant and ledger.above_reservation(r.tenant)
