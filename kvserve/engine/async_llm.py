@@ -79,6 +79,7 @@ def _device_type(device: str) -> str:
 
 
 _INLINE_TOKENIZE = 4096  # characters; longer prompts are tokenized on a worker thread
+_RATE_WINDOW_S = 30.0  # the window of completion_rate()
 
 
 class RequestStream:
@@ -340,6 +341,7 @@ class AsyncLLM:
                 del self._streams[out.request_id]
                 with self._finished_lock:
                     self._finished_at.append(now)
+                    self._drop_finished_before(now - _RATE_WINDOW_S)
             q.put_nowait(out)
 
     def _started(self, request_id: str) -> None:
@@ -353,15 +355,19 @@ class AsyncLLM:
         first prefill)."""
         return self._queued_by_tenant[tenant]
 
-    def completion_rate(self, window_s: float = 30.0) -> float:
-        """Requests finished per second over the last ``window_s`` seconds (callable
+    def completion_rate(self) -> float:
+        """Requests finished per second over the last ``_RATE_WINDOW_S`` seconds (callable
         from another thread: the cluster heartbeat's)."""
-        horizon = time.monotonic() - window_s
         with self._finished_lock:
-            done = self._finished_at
-            while done and done[0] < horizon:
-                done.popleft()
-            return len(done) / window_s
+            self._drop_finished_before(time.monotonic() - _RATE_WINDOW_S)
+            return len(self._finished_at) / _RATE_WINDOW_S
+
+    def _drop_finished_before(self, horizon: float) -> None:
+        """Forget finish times older than ``horizon`` (under ``_finished_lock``): the
+        window stays bounded even when nobody asks for the rate."""
+        done = self._finished_at
+        while done and done[0] < horizon:
+            done.popleft()
 
     # ---- requests -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
