@@ -136,7 +136,7 @@ class Relay:
     async def _owner(self, session: str):
         """The session's owner from the coordinator, or None: none, or the coordinator is
         unreachable — then requests route without affinity, and ask again only once the
-        registry refresh (every ``--refresh-interval``) has read it again, so a stalled
+        registry refresh (every ``--health-interval``) has read it again, so a stalled
         Redis costs one request its timeout, not every request."""
         if not self.pool.registry_ok:
             return None
@@ -146,6 +146,14 @@ class Relay:
             logger.warning("coordinator unreachable: %s", e)
             self.pool.registry_ok = False
             return None
+
+    def _epoch(self, owner) -> int | None:
+        """The session's epoch the router saw, for the worker's conditional claim: its
+        owner's, 0 when it has none, None when the registry is unreadable (the worker then
+        reads the epoch itself)."""
+        if owner is not None:
+            return owner.epoch
+        return 0 if self.pool.registry_ok else None
 
     async def _send(self, w: Worker, path: str, body: dict, headers: dict) -> httpx.Response:
         http = self.pool.client(w)
@@ -171,7 +179,7 @@ class Relay:
         else:
             w, standby = self._place(flow)
         self.metrics.decision_seconds.observe(time.perf_counter() - flow.arrived)
-        epoch = owner.epoch if owner is not None else (0 if self.pool.registry_ok else None)
+        epoch = self._epoch(owner)
         headers = flow.headers(epoch)
         if flow.response_id is not None and self.config.cluster_secret:  # it names the id
             headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
@@ -312,8 +320,7 @@ class Relay:
             kind=flow.kind,
             delivered_token_ids=flow.ids,
             delivered_text_chars=flow.chars,
-            # None (the registry unreadable): the worker reads the epoch itself
-            seen_epoch=owner.epoch if owner is not None else (0 if self.pool.registry_ok else None),
+            seen_epoch=self._epoch(owner),
             ephemeral=flow.ephemeral,
             response_id=flow.response_id if responses else None,
             created_at=flow.created if responses else None,

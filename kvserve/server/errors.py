@@ -122,6 +122,10 @@ class APIError(Exception):
             self.status, self.message, self.type, self.param, self.code, self.headers
         )
 
+    def body(self) -> dict[str, Any]:
+        """Its error object, as an SSE error event carries it once a stream has begun."""
+        return error_body(self.message, self.type, self.param, self.code)
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "BadRequestError", param, code)

@@ -17,7 +17,7 @@ from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.admission import queue_timeout_error
 from kvserve.server.disconnect import ClientGone, unless_disconnected
-from kvserve.server.errors import error_body, unavailable
+from kvserve.server.errors import unavailable
 from kvserve.server.observe import Observer
 from kvserve.server.render import ChoiceState, usage
 from kvserve.server.state import ServerState
@@ -180,10 +180,10 @@ async def respond(
                 final["usage"] = usage(prompt_tokens, completion_tokens, cached)
                 yield sse(final)
             yield "data: [DONE]\n\n"
-        except (EngineDeadError, QueueTimeout) as e:
-            timeout = isinstance(e, QueueTimeout)
-            kind = "RateLimitError" if timeout else "ServiceUnavailableError"
-            yield sse(error_body(str(e), kind, code="queue_timeout" if timeout else None))
+        except EngineDeadError as e:
+            yield sse(unavailable(str(e)).body())
+        except QueueTimeout as e:
+            yield sse(queue_timeout_error(e, state).body())
         finally:  # a disconnect cancels this generator
             abort_unfinished()
 
