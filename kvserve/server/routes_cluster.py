@@ -55,30 +55,36 @@ def cluster_routes(state: ServerState) -> APIRouter:
             raise APIError(404, "this worker is not in a cluster (--cluster)", "NotFoundError")
         try:
             body = decode_resume(await request.body())
-            session_id, delivered, seen = body.session_id, body.delivered_token_ids, body.seen_epoch
-            kind, response_id, created = body.kind, body.response_id, body.created_at
-            if kind == "responses":
+            if body.kind == "responses":
                 responses = ResponsesRequest.model_validate(body.request)
             else:
-                model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+                model = ChatCompletionRequest if body.kind == "chat" else CompletionRequest
                 original = model.model_validate(body.request)
         except ValueError as e:  # pydantic's ValidationError is one too
             raise bad_request(f"bad resume request: {e}") from None
         principal = authenticate(request, state.config)  # the client's key, forwarded
-        if kind == "responses":
-            if session_of(response_id) != session_id:
+        session_id, delivered = body.session_id, body.delivered_token_ids
+        if body.kind == "responses":
+            if session_of(body.response_id) != session_id:
                 raise bad_request("bad resume request: response_id is not of the session")
             turn = await prepare(state, state.responses, responses, principal.tenant)
             record = _new_record(
                 session_id, principal.tenant, responses.cache_salt, turn.prompt, turn.params,
                 body.ephemeral,
             )  # fmt: skip
-            stream, _ = await _continue(record, delivered, seen)
+            stream, _ = await _continue(record, delivered, body.seen_epoch)
             run = ResponseRun(
-                state, state.responses, turn, response_id, stream, True, delivered, created
+                state,
+                state.responses,
+                turn,
+                body.response_id,
+                stream,
+                True,
+                delivered,
+                body.created_at,
             )
             return await respond_response(run, request)
-        chat = kind == "chat"
+        chat = body.kind == "chat"
         if original.logprobs:
             raise bad_request("streams with logprobs cannot be resumed")
         try:
@@ -91,7 +97,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
-        stream, record = await _continue(record, delivered, seen)
+        stream, record = await _continue(record, delivered, body.seen_epoch)
         kind = "chat.completion" if chat else "text_completion"
         resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await respond(
