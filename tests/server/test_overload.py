@@ -20,21 +20,24 @@ from server_proc import running_server, wait_until
 ACME, BETA = "sk-acme", "sk-beta"
 
 
+# one sequence runs, two may wait (per tenant); a stream long enough to hold the seat
+ONE_SEAT = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
+            "--max-waiting-requests", "2")  # fmt: skip
+LONG = {"model": MODEL, "prompt": "go", "max_tokens": 1900, "stream": True,
+        "extra_body": {"ignore_eos": True}}  # fmt: skip
+
+
 def _client(server, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def test_one_tenants_flood_is_refused_without_refusing_the_others(tmp_path):
     tenants = tenants_file(tmp_path / "tenants.json", {"acme": ACME, "beta": BETA})
-    args = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
-            "--max-waiting-requests", "2", "--tenants", str(tenants))  # fmt: skip
-    with running_server(BUNDLED, *args, log=tmp_path / "s.log") as s:
+    with running_server(BUNDLED, *ONE_SEAT, "--tenants", str(tenants), log=tmp_path / "s.log") as s:
         acme, beta = _client(s, ACME), _client(s, BETA)
-        long = {"model": MODEL, "prompt": "go", "max_tokens": 1900, "stream": True,
-                "extra_body": {"ignore_eos": True}}  # fmt: skip
-        running = acme.completions.create(**long)
+        running = acme.completions.create(**LONG)
         next(iter(running))  # it runs (its first token is out): the only sequence
-        queued = [acme.completions.create(**long) for _ in range(2)]  # added, no output
+        queued = [acme.completions.create(**LONG) for _ in range(2)]  # added, no output
         with pytest.raises(openai.RateLimitError) as e:
             acme.completions.create(model=MODEL, prompt="one more", max_tokens=4)
         assert "tenant 'acme'" in e.value.message
@@ -53,19 +56,15 @@ def test_a_tenant_s_own_queue_bound_from_the_tenants_file(tmp_path):
     not."""
     keys = {"acme": ACME, "beta": BETA}
     tenants = tenants_file(tmp_path / "t.json", keys, {"acme": {"max_waiting_requests": 1}})
-    args = ("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
-            "--max-waiting-requests", "2", "--tenants", str(tenants))  # fmt: skip
-    with running_server(BUNDLED, *args, log=tmp_path / "s.log") as s:
+    with running_server(BUNDLED, *ONE_SEAT, "--tenants", str(tenants), log=tmp_path / "s.log") as s:
         acme, beta = _client(s, ACME), _client(s, BETA)
-        long = {"model": MODEL, "prompt": "go", "max_tokens": 1900, "stream": True,
-                "extra_body": {"ignore_eos": True}}  # fmt: skip
-        running = beta.completions.create(**long)
+        running = beta.completions.create(**LONG)
         next(iter(running))  # the only seat
-        queued = [acme.completions.create(**long), beta.completions.create(**long)]
+        queued = [acme.completions.create(**LONG), beta.completions.create(**LONG)]
         with pytest.raises(openai.RateLimitError) as e:
             acme.completions.create(model=MODEL, prompt="one more", max_tokens=4)
         assert "tenant 'acme'" in e.value.message
-        queued.append(beta.completions.create(**long))  # beta's second place
+        queued.append(beta.completions.create(**LONG))  # beta's second place
         for stream in (running, *queued):
             stream.close()
 
