@@ -39,7 +39,7 @@ import zmq.asyncio
 from kvserve.config import EngineArgs
 from kvserve.engine import tcmalloc
 from kvserve.engine.core_proc import run_engine_core
-from kvserve.engine.errors import EngineDeadError, EngineError, QueueTimeout
+from kvserve.engine.errors import EngineDeadError, EngineError, QueueTimeout, StartupConfigError
 from kvserve.engine.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -207,7 +207,7 @@ class AsyncLLM:
                 raise EngineError(f"the engine core exited while starting ({proc.exitcode})")
         if isinstance(msg, StartupFailed):
             proc.join(10)
-            raise EngineError(msg.message)
+            raise (StartupConfigError if msg.config else EngineError)(msg.message)
         if not isinstance(msg, EngineInfo) or msg.protocol_version != PROTOCOL_VERSION:
             proc.kill()
             raise EngineError("the engine core speaks another protocol version")

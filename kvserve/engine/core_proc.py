@@ -351,7 +351,8 @@ def run_engine_core(
             logger.debug("engine core failed to start", exc_info=True)
         else:
             logger.exception("engine core failed to start")
-        out.send(enc.encode(StartupFailed(str(e) or repr(e))))
+        config = isinstance(e, ValueError)  # EngineError and the model's errors are
+        out.send(enc.encode(StartupFailed(str(e) or repr(e), config)))
         out.close()
         sys.exit(1)
     if engine.replicator is not None and engine.replicator.pusher is not None:

@@ -7,6 +7,10 @@ class EngineError(ValueError):
     """A request or configuration the engine cannot serve; the message says why."""
 
 
+class StartupConfigError(EngineError):
+    """The engine could not start because of its model or flags (the CLI exits 2)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine core failed or exited; the server must report unhealthy."""
 

@@ -215,9 +215,11 @@ class EngineInfo(msgspec.Struct, tag=True):
 
 
 class StartupFailed(msgspec.Struct, tag=True):
-    """The engine core could not start; ``message`` says why."""
+    """The engine core could not start; ``message`` says why. ``config``: the model or the
+    flags are at fault (a user's to fix), not the machine or a bug."""
 
     message: str
+    config: bool = False
 
 
 class AddResult(msgspec.Struct, tag=True, omit_defaults=True):

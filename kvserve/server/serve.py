@@ -26,7 +26,7 @@ import uvicorn
 
 from kvserve.config import EngineArgs
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.errors import EngineError
+from kvserve.engine.errors import EngineError, StartupConfigError
 from kvserve.engine.messages import SetTenantBudgets
 from kvserve.server.app import build_app
 from kvserve.server.config import ServerConfig
@@ -145,8 +145,9 @@ def _start_heartbeat(engine: AsyncLLM, config: ServerConfig, kv_events=None):
 
 
 def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
-    """Serve until a signal; returns after a graceful shutdown. Exits 1 when the engine
-    core cannot start or dies while serving (a supervisor restarts the server). Refuses
+    """Serve until a signal; returns after a graceful shutdown. Exits 2 when the engine
+    core cannot start because of the model or the flags (``StartupConfigError``), 1 when
+    it cannot start otherwise or dies while serving (a supervisor restarts the server). Refuses
     ``--cluster`` without a cluster secret before loading anything (SystemExit)."""
     if engine_args.cluster and not config.cluster_secret:
         from kvserve.ha.coordination import MISSING_SECRET
@@ -157,7 +158,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
         engine = AsyncLLM.start(engine_args, config.cluster_secret, log_level)
     except EngineError as e:
         logger.error("the engine could not start: %s", e)
-        raise SystemExit(1) from None
+        raise SystemExit(2 if isinstance(e, StartupConfigError) else 1) from None
     info = engine.info
     if kv_events is not None and not info.kv_events:  # (prefix caching is off)
         kv_events.close()
