@@ -21,7 +21,13 @@ VOCAB = 512
 
 
 def _configs() -> dict[str, object]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=VOCAB,
@@ -58,15 +64,31 @@ def _configs() -> dict[str, object]:
         "qwen3": Qwen3Config(
             **common, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False
         ),
+        # a sliding layer then a global one (window shorter than the test prompts), each
+        # with its own rotary base; query_pre_attn_scalar != head_dim; final soft-capping
+        "gemma3": Gemma3TextConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=12,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
     }
 
 
-def build_hf_model(kind: str, out: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Save a random-weight ``kind`` model (seeded) with a tokenizer into ``out``."""
+def build_hf_model(kind: str | object, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random-weight model (seeded) with a tokenizer into ``out``: one of the
+    ``ARCHS`` by name, or of a transformers config object."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
-    config = _configs()[kind]
+    config = _configs()[kind] if isinstance(kind, str) else kind
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # make biases and norms non-trivial so they are really tested
         for name, p in model.named_parameters():

@@ -13,7 +13,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling import SamplingParams
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # the tiny checkpoints conftest builds
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")  # the tiny checkpoints conftest builds
 
 
 def make_engine(model_dir: Path, **kwargs) -> LLMEngine:

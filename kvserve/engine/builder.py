@@ -80,6 +80,13 @@ class EngineBuilder:
                 self.max_model_len,
                 self.spec.max_position_embeddings,
             )
+        if self.spec.hybrid and self.cache_config.sliding_window:
+            slide = sum(1 for w in self.spec.layer_windows if w)
+            raise EngineError(
+                f"sliding_window: {self.spec.architecture} has its own windows ({slide} of "
+                f"{self.spec.num_layers} layers slide over {max(self.spec.layer_windows)} "
+                "tokens, the others see everything); a model-wide window cannot replace them"
+            )
         self.window = self.cache_config.sliding_window or self.spec.sliding_window
         sinks = self.cache_config.attention_sinks
         if sinks is None:

@@ -59,10 +59,18 @@ class AttentionMetadata:
     seq_block_tables: torch.Tensor | None = None  # [seqs, max_blocks], 0-padded
     seq_lens: torch.Tensor | None = None  # [seqs] context length after this step
     query_start: torch.Tensor | None = None  # [seqs + 1] first token row of each sequence
+    # masks a backend with its own window built for this step (TorchPagedAttention.for_window)
+    window_masks: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):
-    """Writes new K/V into the cache and returns attention output ``[tokens, heads, dim]``."""
+    """Writes new K/V into the cache and returns attention output ``[tokens, heads, dim]``.
+
+    ``for_window(w)`` is the same backend for a layer of its own window (a hybrid model's
+    sliding or global layer: ``w`` tokens, 0 for the whole context, no sinks).
+    """
+
+    def for_window(self, window: int) -> AttentionBackend: ...
 
     def forward(
         self,
@@ -89,8 +97,40 @@ class TorchPagedAttention:
     dense_masks = True  # reads ``decode_mask`` and ``PrefillChunk.mask``
     tiled = False  # reads caches of rows only (kv/cache.py)
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, own_window: int | None = None):
         self.block_size = block_size
+        # a layer's own window (for_window): its masks are built here, not read from meta
+        self.own_window = own_window
+
+    def for_window(self, window: int) -> TorchPagedAttention:
+        return TorchPagedAttention(self.block_size, window)
+
+    def _own_masks(self, meta: AttentionMetadata) -> list[torch.Tensor | None]:
+        """This layer's masks for ``meta``: the decodes' then each prefill chunk's, built
+        once per step and window (kept in ``meta.window_masks``)."""
+        w = self.own_window or 0
+        if w not in meta.window_masks:
+            masks: list[torch.Tensor | None] = []
+            if meta.num_decodes:
+                assert meta.decode_block_tables is not None and meta.decode_lens is not None
+                width = meta.decode_block_tables.shape[1] * self.block_size
+                pos = torch.arange(width, device=meta.decode_lens.device).unsqueeze(0)
+                lens = meta.decode_lens.unsqueeze(1)
+                mask = pos < lens
+                if w:
+                    mask &= pos > lens - 1 - w
+                masks.append(mask.view(-1, 1, 1, width))
+            for p in meta.prefills:
+                n = p.end - p.start
+                computed = p.context_len - n
+                q_pos = torch.arange(computed, p.context_len).unsqueeze(1)
+                k_pos = torch.arange(p.context_len).unsqueeze(0)
+                mask = k_pos <= q_pos
+                if w:
+                    mask &= k_pos > q_pos - w
+                masks.append(mask.view(1, 1, n, p.context_len).to(meta.slot_mapping.device))
+            meta.window_masks[w] = masks
+        return meta.window_masks[w]
 
     @staticmethod
     def write(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
@@ -129,7 +169,11 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self.decode(q[: meta.num_decodes], kv_cache, meta, scale)
-        for p in meta.prefills:
+        own = None
+        if self.own_window is not None:  # the prefill chunks' masks follow the decodes'
+            own = self._own_masks(meta)[1 if meta.num_decodes else 0 :]
+        for i, p in enumerate(meta.prefills):
+            mask = p.mask if own is None else own[i]
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
             if p.block_table is not None:
                 n = p.context_len
@@ -146,8 +190,8 @@ class TorchPagedAttention:
                 qp,
                 kp,
                 vp,
-                attn_mask=p.mask,
-                is_causal=p.mask is None,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=True,
             )
@@ -161,8 +205,9 @@ class TorchPagedAttention:
         tables = meta.decode_block_tables
         kd = self._context(kv_cache, 0, tables, q.dtype)
         vd = self._context(kv_cache, 1, tables, q.dtype)
+        mask = self._own_masks(meta)[0] if self.own_window is not None else meta.decode_mask
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
         )
         return o.squeeze(2)
 
@@ -202,6 +247,9 @@ class CpuPagedAttention(TorchPagedAttention):
         self.sinks = sinks
         # caches in the tiled layout (kv/cache.py), read in place by the kernel
         self.tiled = tiled
+
+    def for_window(self, window: int) -> CpuPagedAttention:
+        return CpuPagedAttention(self.block_size, window or None, 0, self.tiled)
 
     @staticmethod
     def write(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:

@@ -82,7 +82,8 @@ class FusedStack:
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             if (
-                a.backend is not backend
+                not getattr(layer, "fused_stack_order", False)
+                or a.backend is not backend
                 or not isinstance(a.ops, CpuKernelOps)
                 or not isinstance(layer.input_layernorm.ops, CpuKernelOps)
                 or a.q_norm is not None

@@ -42,8 +42,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Fused QKV projection, optional per-head q/k norms (``norm_class``: Qwen3's RMSNorm,
+    Gemma's), rotary embedding, paged attention through ``backend`` (the layer's own: it
+    carries the layer's window), output projection."""
+
     def __init__(
-        self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps, tp: TPGroup | None
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        ops: TorchOps,
+        tp: TPGroup | None,
+        norm_class: type[nn.Module] = RMSNorm,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -57,9 +66,10 @@ class Attention(nn.Module):
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
-        self.scale = spec.head_dim**-0.5
+        qk_norm = spec.qk_norm
+        self.q_norm = norm_class(spec.head_dim, spec.rms_norm_eps, ops) if qk_norm else None
+        self.k_norm = norm_class(spec.head_dim, spec.rms_norm_eps, ops) if qk_norm else None
+        self.scale = spec.attention_scale
         self.backend = backend
         self.ops = ops
         self.tp = tp
@@ -102,13 +112,33 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
         if not self.gate_up_applies_silu:
-            h = self.ops.silu_and_mul(h)
+            h = self.act_and_mul(h)
         out = self.down_proj(h)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(gate_up)
+
+
+class GeluMLP(MLP):
+    """GeGLU (``gelu_pytorch_tanh`` of the gate times up: Gemma)."""
+
+    silu_fusable = None
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+def make_mlp(spec: ModelSpec, ops: TorchOps, tp: TPGroup | None) -> MLP:
+    return (GeluMLP if spec.hidden_act == "gelu_pytorch_tanh" else MLP)(spec, ops, tp)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; carries the residual stream separately so adds fuse into norms."""
+
+    # decoder_stack (model/fused_stack.py) runs this block's order in C++
+    fused_stack_order = True
 
     def __init__(
         self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps, tp: TPGroup | None
@@ -117,7 +147,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.self_attn = Attention(spec, backend, ops, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.mlp = MLP(spec, ops, tp)
+        self.mlp = make_mlp(spec, ops, tp)
 
     def forward(
         self,
@@ -154,7 +184,12 @@ class LlamaForCausalLM(nn.Module):
 
     ``spec`` is the whole model's; with ``tp`` the modules have the sizes of
     ``tp.plan`` (``plan.local_spec``) and the checkpoint is read through ``plan.read``.
+    A layer whose window differs from the model's (``spec.layer_windows``) gets
+    ``backend.for_window`` of it, one backend object per distinct window.
     """
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(
         self,
@@ -171,23 +206,29 @@ class LlamaForCausalLM(nn.Module):
         local = self.plan.local_spec(spec)
         self.local_spec = local
         self.embed_tokens = nn.Embedding(self.plan.vocab_shard, spec.hidden_size)
+        backends = {w: backend.for_window(w) for w in set(spec.layer_windows)}
         self.layers = nn.ModuleList(
-            DecoderLayer(local, backend, ops, tp) for _ in range(spec.num_layers)
+            self.layer_class(local, backends.get(w, backend), ops, tp)
+            for w in (spec.layer_windows or [None] * spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.norm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, ops)
         self.lm_head = (
             None
             if spec.tie_word_embeddings
             else nn.Linear(spec.hidden_size, self.plan.vocab_shard, bias=False)
         )
         self.rope: RotaryEmbedding | None = None
+        self.local_rope: RotaryEmbedding | None = None  # the sliding layers' (Gemma 3)
         # a packed copy of the tied embeddings for the LM head (``model.linear``)
         self.lm_head_packed: nn.Module | None = None
         # the layers in one C++ call (``model.fused_stack``), set after prepacking
         self.fused_stack: FusedStack | None = None
 
     def init_rope(self, device: torch.device, max_positions: int) -> None:
-        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, device)
+        s = self.spec
+        self.rope = RotaryEmbedding(s.rope, s.head_dim, max_positions, device)
+        if s.local_rope is not None:
+            self.local_rope = RotaryEmbedding(s.local_rope, s.head_dim, max_positions, device)
 
     def forward(
         self,
@@ -205,9 +246,13 @@ class LlamaForCausalLM(nn.Module):
         if fused is not None:
             x, residual = fused
         else:
+            local = tables
+            if self.local_rope is not None:
+                local = self.local_rope.tables(x.dtype, meta.max_position)
             residual = None
-            for layer, cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(positions, x, residual, tables, cache, meta)
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                rope = local if self.spec.layer_window(i) else tables
+                x, residual = layer(positions, x, residual, rope, cache, meta)
         assert residual is not None
         return self.norm.add_forward(x, residual)[0]
 
@@ -232,8 +277,12 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight)
         if self.tp is not None:
             gathered = self.tp.gather_vocab(logits)
-            return None if gathered is None else gathered.float()
-        return logits.float()
+            logits = None if gathered is None else gathered
+        if logits is None:
+            return None
+        cap = self.spec.final_logit_softcap
+        logits = logits.float()
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """HF checkpoint tensor names this model needs, with their shapes."""

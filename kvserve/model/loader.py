@@ -13,6 +13,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kvserve.model.attention import AttentionBackend
+from kvserve.model.gemma import GemmaForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import TorchOps
 from kvserve.model.spec import ModelConfigError, ModelSpec
@@ -82,6 +83,11 @@ def _no_param_init() -> Iterator[None]:
             setattr(torch.nn.init, n, f)
 
 
+def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
+    """The module class that runs ``spec``'s architecture."""
+    return GemmaForCausalLM if spec.gemma_norms else LlamaForCausalLM
+
+
 def load_model(
     model_dir: str | Path,
     spec: ModelSpec,
@@ -100,7 +106,7 @@ def load_model(
     """
     model_dir = Path(model_dir)
     with torch.device("meta"), _no_param_init():
-        model = LlamaForCausalLM(spec, backend, ops, tp)
+        model = model_class(spec)(spec, backend, ops, tp)
     model = model.to_empty(device=device).to(dtype)
     expected = model.expected_weights()
     files = checkpoint_files(model_dir)

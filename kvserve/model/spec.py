@@ -15,8 +15,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ModelConfigError(ValueError):
@@ -60,6 +63,32 @@ class ModelSpec:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"
+    # per layer, the window its attention slides over (0: the whole context), when some
+    # layers slide and others do not (Gemma 3, Qwen with max_window_layers); () when every
+    # layer does as ``sliding_window`` says
+    layer_windows: tuple[int, ...] = ()
+    local_rope: RopeSpec | None = None  # the sliding layers' rotary parameters, if their own
+    query_pre_attn_scalar: float | None = None  # queries scaled by its -1/2 power, not head_dim's
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # Gemma's layer: (1 + w) RMSNorms, norms after attention and around the MLP, and
+    # embeddings scaled by sqrt(hidden_size)
+    gemma_norms: bool = False
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` in tokens, or None when it sees everything."""
+        if self.layer_windows:
+            return self.layer_windows[layer] or None
+        return self.sliding_window
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layers slide over a window and others attend to the whole context."""
+        return bool(self.layer_windows)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 def _get(cfg: dict[str, Any], key: str, path: Path, default: Any = ..., kind: type = int) -> Any:
@@ -80,7 +109,26 @@ def _get(cfg: dict[str, Any], key: str, path: Path, default: Any = ..., kind: ty
 def _rope(cfg: dict[str, Any], path: Path) -> RopeSpec:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     field_name = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if "full_attention" in params:  # per layer type (Gemma 3): the global layers' here
+        params, field_name = params["full_attention"] or {}, f"{field_name}.full_attention"
+    return _rope_params(cfg, params, field_name, path, cfg.get("rope_theta", 10000.0))
+
+
+def _local_rope(cfg: dict[str, Any], path: Path) -> RopeSpec | None:
+    """Gemma 3's sliding layers' rotary parameters: ``rope_parameters.sliding_attention``,
+    or ``rope_local_base_freq`` in configs written before per-type parameters."""
+    params = cfg.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        field_name = "rope_parameters.sliding_attention"
+        return _rope_params(cfg, params["sliding_attention"] or {}, field_name, path, 10000.0)
+    theta = cfg.get("rope_local_base_freq", 10000.0)
+    return _rope_params(cfg, {}, "rope_local_base_freq", path, theta)
+
+
+def _rope_params(
+    cfg: dict[str, Any], params: dict[str, Any], field_name: str, path: Path, theta_default: float
+) -> RopeSpec:
+    theta = params.get("rope_theta", theta_default)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
@@ -101,17 +149,46 @@ def _rope(cfg: dict[str, Any], path: Path) -> RopeSpec:
     )
 
 
-def _sliding_window(cfg: dict[str, Any], family: str, path: Path) -> int | None:
+def _windows(cfg: dict[str, Any], family: str, path: Path) -> tuple[int | None, tuple[int, ...]]:
+    """``(sliding_window, layer_windows)``: one window for every layer (or None), or a
+    window per layer (0: full attention) when only some layers slide."""
     if family == "mistral":
         window = cfg.get("sliding_window")
-        return int(window) if window else None
-    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        return (int(window) if window else None), ()
+    if family == "llama":
+        if cfg.get("sliding_window"):
+            raise ModelConfigError(f"{path}: field 'sliding_window' is not supported for Llama")
+        return None, ()
+    n = _get(cfg, "num_hidden_layers", path)
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None  # as transformers reads these configs: the field is a default
+    types = cfg.get("layer_types")
+    if types is None and family == "gemma3":
+        pattern = _get(cfg, "sliding_window_pattern", path, 6)
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+        ]
+    elif types is None:
+        first = _get(cfg, "max_window_layers", path, n)
+        types = [
+            "sliding_attention" if window and i >= first else "full_attention" for i in range(n)
+        ]
+    if not isinstance(types, list) or len(types) != n or any(t not in _LAYER_TYPES for t in types):
         raise ModelConfigError(
-            f"{path}: field 'use_sliding_window'=true (per-layer windows) is not supported yet"
+            f"{path}: field 'layer_types' must list {n} of {_LAYER_TYPES}, got {types!r}"
         )
-    if family == "llama" and cfg.get("sliding_window"):
-        raise ModelConfigError(f"{path}: field 'sliding_window' is not supported for Llama")
-    return None
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding) or (window is None and family != "gemma3"):
+        return None, ()  # transformers: a sliding layer without a window sees everything
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ModelConfigError(
+            f"{path}: field 'sliding_window'={window!r} must be a positive int "
+            "for the layers 'layer_types' makes sliding"
+        )
+    if all(sliding):
+        return window, ()
+    return None, tuple(window if s else 0 for s in sliding)
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
@@ -131,9 +208,20 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"{path}: field 'hidden_act'={act!r} is not supported (silu only)")
+    act_field = "hidden_activation" if family == "gemma3" else "hidden_act"
+    act = cfg.get(act_field) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelConfigError(
+            f"{path}: field {act_field!r}={act!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+        )
+    for field_name in ("use_bidirectional_attention", "attn_logit_softcapping"):
+        if cfg.get(field_name):
+            raise ModelConfigError(
+                f"{path}: field {field_name!r}={cfg[field_name]!r} is not supported"
+            )
+    gemma = family == "gemma3"
+    window, layer_windows = _windows(cfg, family, path)
     hidden = _get(cfg, "hidden_size", path)
     heads = _get(cfg, "num_attention_heads", path)
     kv_heads = _get(cfg, "num_key_value_heads", path, heads)
@@ -168,13 +256,23 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         rms_norm_eps=_get(cfg, "rms_norm_eps", path, 1e-6, float),
         max_position_embeddings=_get(cfg, "max_position_embeddings", path, 2048),
         rope=_rope(cfg, path),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
-        o_proj_bias=family in ("llama", "mistral", "qwen3") and attention_bias,
+        o_proj_bias=family in ("llama", "mistral", "qwen3", "gemma3") and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
-        sliding_window=_sliding_window(cfg, family, path),
+        qk_norm=family in ("qwen3", "gemma3"),
+        sliding_window=window,
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        hidden_act=act,
+        layer_windows=layer_windows,
+        local_rope=_local_rope(cfg, path) if gemma else None,
+        query_pre_attn_scalar=(
+            float(_get(cfg, "query_pre_attn_scalar", path, 256, float)) if gemma else None
+        ),
+        final_logit_softcap=(
+            _get(cfg, "final_logit_softcapping", path, None, float) if gemma else None
+        ),
+        gemma_norms=gemma,
     )

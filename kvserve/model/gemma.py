@@ -1,0 +1,98 @@
+"""Gemma 3 decoder: Llama's attention and paged KV with Gemma's layer around them.
+
+What differs from ``llama.LlamaForCausalLM``, as HF transformers computes it:
+
+- RMSNorm scales by ``1 + w`` and keeps float32 until the end (``GemmaRMSNorm``);
+- four norms a layer: after attention, and before and after the MLP (``GemmaDecoderLayer``);
+- embeddings multiplied by ``sqrt(hidden_size)`` (rounded to the model's dtype);
+- GeGLU MLP (``llama.GeluMLP``), q/k norms, queries scaled by
+  ``query_pre_attn_scalar ** -0.5``, optional final logit soft-capping (``ModelSpec``);
+- interleaved sliding and global layers (``spec.layer_windows``), the sliding ones with
+  their own rotary base (``spec.local_rope``): both handled by the base class.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.llama import Attention, LlamaForCausalLM, make_mlp
+from kvserve.model.ops import TorchOps
+from kvserve.model.spec import ModelSpec
+from kvserve.worker.parallel import TPGroup
+
+
+class GemmaRMSNorm(nn.Module):
+    """``x / rms(x) * (1 + w)`` in float32, cast to ``x``'s dtype at the end."""
+
+    def __init__(self, dim: int, eps: float, ops: TorchOps | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``."""
+        residual = residual + x
+        return self(residual), residual
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Sandwich-norm block: ``h += post_attn(attn(in(h)))``, ``h += post_ffn(mlp(pre_ffn(h)))``."""
+
+    fused_stack_order = False  # not the order decoder_stack runs
+
+    def __init__(
+        self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps, tp: TPGroup | None
+    ):
+        super().__init__()
+        eps, h = spec.rms_norm_eps, spec.hidden_size
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.self_attn = Attention(spec, backend, ops, tp, norm_class=GemmaRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = make_mlp(spec, ops, tp)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``llama.DecoderLayer``: ``(block output, residual)``, whose sum is the output."""
+        if residual is not None:
+            x = residual + x
+        h = self.self_attn(positions, self.input_layernorm(x), rope, kv_cache, meta)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return self.post_feedforward_layernorm(h), x
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 3 (text) with the base class's loading, tensor parallelism and LM head."""
+
+    layer_class = GemmaDecoderLayer
+    norm_class = GemmaRMSNorm
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super()._embed(ids)
+        return x * torch.tensor(self.spec.hidden_size**0.5).to(x.dtype)
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        out = super().expected_weights()
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                out[p + f"{name}.weight"] = (self.spec.hidden_size,)
+        return out

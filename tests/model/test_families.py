@@ -1,0 +1,116 @@
+"""Per-layer attention windows and the model families beyond Llama's shape.
+
+The HF parity of each family is ``test_model_vs_hf`` (every architecture in ``ARCHS``);
+here: how configs with interleaved sliding and global layers are read, a Qwen2 whose
+upper layers slide (``max_window_layers``) against transformers, and what is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build_hf_model
+from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
+
+from kvserve.engine.errors import EngineError
+from kvserve.model.spec import ModelConfigError, load_model_spec
+
+
+def _config(model_dir: Path, tmp_path: Path, **changes) -> Path:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(changes)
+    out = tmp_path / "m"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_gemma3_layers_slide_as_layer_types_say(model_dirs):
+    spec = load_model_spec(model_dirs["gemma3"])
+    assert spec.hybrid and spec.layer_windows == (12, 0)
+    assert spec.sliding_window is None  # not every layer slides: no block is freed
+    assert spec.layer_window(0) == 12 and spec.layer_window(1) is None
+    assert spec.rope.theta == 1e6 and spec.rope.rope_type == "linear"
+    assert spec.local_rope is not None and spec.local_rope.theta == 1e4
+    assert spec.attention_scale == 24**-0.5 and spec.final_logit_softcap == 30.0
+    assert spec.hidden_act == "gelu_pytorch_tanh" and spec.gemma_norms and spec.qk_norm
+
+
+def test_gemma3_configs_of_before_layer_types(model_dirs, tmp_path):
+    """Hub configs written before ``layer_types``: every 6th layer is global, the local
+    base frequency is ``rope_local_base_freq``."""
+    cfg = json.loads((model_dirs["gemma3"] / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        cfg.pop(key)
+    cfg.update(num_hidden_layers=12, rope_theta=1e6, rope_local_base_freq=1e4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = load_model_spec(tmp_path)
+    assert [i for i, w in enumerate(spec.layer_windows) if not w] == [5, 11]
+    assert spec.rope.theta == 1e6 and spec.local_rope is not None
+    assert spec.local_rope.theta == 1e4
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"layer_types": ["sliding_attention"]}, "'layer_types' must list 2"),
+        ({"layer_types": ["local", "global"]}, "'layer_types' must list 2"),
+        ({"sliding_window": None}, "'sliding_window'=None must be a positive int"),
+        ({"use_bidirectional_attention": True}, "'use_bidirectional_attention'=True"),
+        ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping'=50.0"),
+        ({"hidden_activation": "relu"}, "'hidden_activation'='relu' is not supported"),
+    ],
+)
+def test_gemma3_config_refusals_name_the_field(model_dirs, tmp_path, changes, words):
+    with pytest.raises(ModelConfigError, match=words):
+        load_model_spec(_config(model_dirs["gemma3"], tmp_path, **changes))
+
+
+def test_a_model_wide_window_is_refused_for_a_model_with_its_own(model_dirs):
+    with pytest.raises(EngineError, match="1 of 2 layers slide over 12 tokens"):
+        make_engine(model_dirs["gemma3"], sliding_window=8)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_qwen2_upper_layers_slide_like_transformers(tmp_path, backend):
+    """``use_sliding_window`` with ``max_window_layers=1``: layer 0 sees everything, layer
+    1 the last 12 tokens (transformers' reading of the config); prompts longer than that."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=12, max_window_layers=1,
+        bos_token_id=0, eos_token_id=1, initializer_range=0.1,
+    )  # fmt: skip
+    model_dir = build_hf_model(cfg, tmp_path / "qwen2sw")
+    spec = load_model_spec(model_dir)
+    assert spec.layer_windows == (0, 12)
+    engine = make_engine(model_dir, attention_backend=backend, max_num_batched_tokens=16)
+    prompts = random_prompts([40, 25, 9], seed=11)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(16))
+    out = run_to_end(engine)
+    ref = hf_model(model_dir)
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == hf_greedy(ref, p, 16), f"prompt {i}"
+
+
+def test_an_unsupported_architecture_is_one_line_and_exit_code_2(tmp_path):
+    """``kvserve serve`` on a checkpoint of an architecture it does not run: exit 2, one
+    error line naming the architecture and the supported ones, no traceback."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tmp_path), "--port", "8199"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert "'FooForCausalLM'" in errors[0] and "Gemma3ForCausalLM" in errors[0]
