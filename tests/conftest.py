@@ -25,8 +25,10 @@ def _configs() -> dict[str, object]:
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     common = dict(
@@ -78,6 +80,25 @@ def _configs() -> dict[str, object]:
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
+        ),
+        # 8 experts, top-2 renormalised, q/k norms; its second layer a dense MLP
+        "qwen3_moe": Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+        # 4 experts, top-2, untied, Mixtral's checkpoint names (block_sparse_moe, w1/w2/w3)
+        "mixtral": MixtralConfig(
+            **{**common, "intermediate_size": 48},
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
         ),
     }
 

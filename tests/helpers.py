@@ -13,7 +13,9 @@ from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling import SamplingParams
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")  # the tiny checkpoints conftest builds
+# the tiny checkpoints conftest builds
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral")  # not split over ranks yet (check_shardable refuses)
 
 
 def make_engine(model_dir: Path, **kwargs) -> LLMEngine:

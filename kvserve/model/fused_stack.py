@@ -83,6 +83,7 @@ class FusedStack:
             a, m = layer.self_attn, layer.mlp
             if (
                 not getattr(layer, "fused_stack_order", False)
+                or not hasattr(m, "down_proj")  # a mixture of experts
                 or a.backend is not backend
                 or not isinstance(a.ops, CpuKernelOps)
                 or not isinstance(layer.input_layernorm.ops, CpuKernelOps)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
-from kvserve.model.llama import Attention, LlamaForCausalLM, make_mlp
+from kvserve.model.llama import Attention, LlamaForCausalLM
+from kvserve.model.mlp import make_mlp
 from kvserve.model.ops import TorchOps
 from kvserve.model.spec import ModelSpec
 from kvserve.worker.parallel import TPGroup
@@ -50,7 +51,12 @@ class GemmaDecoderLayer(nn.Module):
     fused_stack_order = False  # not the order decoder_stack runs
 
     def __init__(
-        self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps, tp: TPGroup | None
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        ops: TorchOps,
+        tp: TPGroup | None,
+        layer: int = 0,
     ):
         super().__init__()
         eps, h = spec.rms_norm_eps, spec.hidden_size
@@ -58,7 +64,7 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = Attention(spec, backend, ops, tp, norm_class=GemmaRMSNorm)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
-        self.mlp = make_mlp(spec, ops, tp)
+        self.mlp = make_mlp(spec, ops, tp, layer)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
     def forward(

@@ -142,9 +142,7 @@ def _field(reader: Any, key: str, default: Any = ...) -> Any:
 def _config(reader: Any, has_output: bool) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise GGUFError(
-            f"general.architecture {arch!r} is not supported (llama only)"
-        )
+        raise GGUFError(f"general.architecture {arch!r} is not supported (llama only)")
     heads = int(_field(reader, "llama.attention.head_count"))
     hidden = int(_field(reader, "llama.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.fused_stack import FusedStack
+from kvserve.model.mlp import make_mlp, mlp_weights, our_mlp_name
 from kvserve.model.ops import TorchOps
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.model.spec import ModelSpec
@@ -95,45 +96,6 @@ class Attention(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-class MLP(nn.Module):
-    # prepack_linears may swap gate_up_proj for a layer that applies SiLU-and-mul itself
-    # (KernelGateUpSilu), and then sets gate_up_applies_silu.
-    silu_fusable = "gate_up_proj"
-
-    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
-        super().__init__()
-        self.gate_up_applies_silu = False
-        self.inter = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
-        self.ops = ops
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        if not self.gate_up_applies_silu:
-            h = self.act_and_mul(h)
-        out = self.down_proj(h)
-        return out if self.tp is None else self.tp.all_reduce(out)
-
-    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_and_mul(gate_up)
-
-
-class GeluMLP(MLP):
-    """GeGLU (``gelu_pytorch_tanh`` of the gate times up: Gemma)."""
-
-    silu_fusable = None
-
-    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
-
-
-def make_mlp(spec: ModelSpec, ops: TorchOps, tp: TPGroup | None) -> MLP:
-    return (GeluMLP if spec.hidden_act == "gelu_pytorch_tanh" else MLP)(spec, ops, tp)
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm block; carries the residual stream separately so adds fuse into norms."""
 
@@ -141,13 +103,18 @@ class DecoderLayer(nn.Module):
     fused_stack_order = True
 
     def __init__(
-        self, spec: ModelSpec, backend: AttentionBackend, ops: TorchOps, tp: TPGroup | None
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        ops: TorchOps,
+        tp: TPGroup | None,
+        layer: int = 0,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.self_attn = Attention(spec, backend, ops, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.mlp = make_mlp(spec, ops, tp)
+        self.mlp = make_mlp(spec, ops, tp, layer)
 
     def forward(
         self,
@@ -168,13 +135,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# HF parameter name suffix → (our parameter, shard index among the fused pieces)
+# HF projection → (our fused projection beside it, its piece among the fused ones)
 _FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -207,9 +174,10 @@ class LlamaForCausalLM(nn.Module):
         self.local_spec = local
         self.embed_tokens = nn.Embedding(self.plan.vocab_shard, spec.hidden_size)
         backends = {w: backend.for_window(w) for w in set(spec.layer_windows)}
+        windows = spec.layer_windows or (None,) * spec.num_layers
         self.layers = nn.ModuleList(
-            self.layer_class(local, backends.get(w, backend), ops, tp)
-            for w in (spec.layer_windows or [None] * spec.num_layers)
+            self.layer_class(local, backends.get(w, backend), ops, tp, i)
+            for i, w in enumerate(windows)
         )
         self.norm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, ops)
         self.lm_head = (
@@ -305,14 +273,7 @@ class LlamaForCausalLM(nn.Module):
             if s.qk_norm:
                 out[p + "self_attn.q_norm.weight"] = (s.head_dim,)
                 out[p + "self_attn.k_norm.weight"] = (s.head_dim,)
-            for name, shape in (
-                ("gate_proj", (s.intermediate_size, s.hidden_size)),
-                ("up_proj", (s.intermediate_size, s.hidden_size)),
-                ("down_proj", (s.hidden_size, s.intermediate_size)),
-            ):
-                out[p + f"mlp.{name}.weight"] = shape
-                if s.mlp_bias:
-                    out[p + f"mlp.{name}.bias"] = (shape[0],)
+            out.update(mlp_weights(s, i, p))
         out["model.norm.weight"] = (s.hidden_size,)
         if not s.tie_word_embeddings:
             out["lm_head.weight"] = (s.vocab_size, s.hidden_size)
@@ -328,20 +289,22 @@ class LlamaForCausalLM(nn.Module):
             return True
         if hf_name == "lm_head.weight" and self.lm_head is None:
             return True  # tied checkpoints sometimes carry a copy
-        name = hf_name.removeprefix("model.")
+        name = our_mlp_name(hf_name.removeprefix("model."))
         if not hasattr(self, "_params"):
             self._params = dict(self.named_parameters())
         params = self._params
-        for hf_part, (ours, shard) in _FUSED.items():
-            if f".{hf_part}." in f".{name}":
-                target = params.get(name.replace(hf_part, ours))
-                if target is None:
-                    return False
-                sizes = self._fused_sizes(ours)
-                offset = sum(sizes[:shard])
-                with torch.no_grad():
-                    target[offset : offset + sizes[shard]].copy_(tensor)
-                return True
+        module, _, leaf = name.rpartition(".")  # leaf: weight or bias
+        parent, _, proj = module.rpartition(".")
+        if proj in _FUSED:
+            ours, shard = _FUSED[proj]
+            target = params.get(f"{parent}.{ours}.{leaf}")
+            if target is None:
+                return False
+            sizes = self._fused_sizes(ours, target.shape[0])
+            offset = sum(sizes[:shard])
+            with torch.no_grad():
+                target[offset : offset + sizes[shard]].copy_(tensor)
+            return True
         target = params.get(name)
         if target is None:
             return False
@@ -349,9 +312,10 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(tensor)
         return True
 
-    def _fused_sizes(self, ours: str) -> list[int]:
+    def _fused_sizes(self, ours: str, rows: int) -> list[int]:
+        """The pieces' rows in fused projection ``ours`` of ``rows`` rows (this rank's)."""
         s = self.local_spec
-        if ours == "self_attn.qkv_proj":
+        if ours == "qkv_proj":
             kv = s.num_kv_heads * s.head_dim
             return [s.num_heads * s.head_dim, kv, kv]
-        return [s.intermediate_size, s.intermediate_size]
+        return [rows // 2, rows // 2]  # gate_up_proj, of a dense MLP or an expert

@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -74,6 +76,18 @@ class ModelSpec:
     # Gemma's layer: (1 + w) RMSNorms, norms after attention and around the MLP, and
     # embeddings scaled by sqrt(hidden_size)
     gemma_norms: bool = False
+    # a mixture of experts (model/mlp.py: SparseMoE): experts per MoE layer, how many each
+    # token is routed to, their intermediate size, whether the top-k weights are
+    # renormalised; the layers that keep a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer ``layer``'s MLP is a routed mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` in tokens, or None when it sees everything."""
@@ -152,7 +166,7 @@ def _rope_params(
 def _windows(cfg: dict[str, Any], family: str, path: Path) -> tuple[int | None, tuple[int, ...]]:
     """``(sliding_window, layer_windows)``: one window for every layer (or None), or a
     window per layer (0: full attention) when only some layers slide."""
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         window = cfg.get("sliding_window")
         return (int(window) if window else None), ()
     if family == "llama":
@@ -161,7 +175,7 @@ def _windows(cfg: dict[str, Any], family: str, path: Path) -> tuple[int | None, 
         return None, ()
     n = _get(cfg, "num_hidden_layers", path)
     window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = None  # as transformers reads these configs: the field is a default
     types = cfg.get("layer_types")
     if types is None and family == "gemma3":
@@ -258,9 +272,9 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         rope=_rope(cfg, path),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
-        o_proj_bias=family in ("llama", "mistral", "qwen3", "gemma3") and attention_bias,
+        o_proj_bias=family != "qwen2" and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "gemma3"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         sliding_window=window,
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         bos_token_id=cfg.get("bos_token_id"),
@@ -275,4 +289,39 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
             _get(cfg, "final_logit_softcapping", path, None, float) if gemma else None
         ),
         gemma_norms=gemma,
+        **_moe(cfg, family, path),
     )
+
+
+def _moe(cfg: dict[str, Any], family: str, path: Path) -> dict[str, Any]:
+    """``ModelSpec``'s mixture-of-experts fields for ``family`` (none for dense ones)."""
+    if family not in ("qwen3_moe", "mixtral"):
+        return {}
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    experts = _get(cfg, key, path)
+    top_k = _get(cfg, "num_experts_per_tok", path)
+    if not 0 < top_k <= experts:
+        raise ModelConfigError(
+            f"{path}: field 'num_experts_per_tok'={top_k} must be in 1..{key}={experts}"
+        )
+    n = _get(cfg, "num_hidden_layers", path)
+    if family == "mixtral":
+        inter, norm, dense = _get(cfg, "intermediate_size", path), True, ()
+    else:
+        inter = _get(cfg, "moe_intermediate_size", path)
+        norm = bool(cfg.get("norm_topk_prob", False))
+        step = _get(cfg, "decoder_sparse_step", path, 1)
+        only = cfg.get("mlp_only_layers") or []
+        if step < 1 or not isinstance(only, list):
+            raise ModelConfigError(
+                f"{path}: fields 'decoder_sparse_step'={step!r} (>= 1) and "
+                f"'mlp_only_layers'={only!r} (a list) do not say which layers are MoE"
+            )
+        dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": inter,
+        "norm_topk_prob": norm,
+        "dense_layers": dense,
+    }

@@ -142,9 +142,7 @@ class Tokenizer:
         """Every token's bytes by id (a grammar engine's vocabulary); special tokens (EOS,
         template markers) are ``b""``, so no grammar spells text with one."""
         special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-        return [
-            b"" if i in special else self.token_bytes(i) for i in range(self.vocab_size)
-        ]
+        return [b"" if i in special else self.token_bytes(i) for i in range(self.vocab_size)]
 
     def apply_chat_template(
         self,

@@ -175,6 +175,11 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
         raise ShardingError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
+    if spec.num_experts:
+        raise ShardingError(
+            f"tensor_parallel_size {size}: {spec.architecture} is a mixture of experts, "
+            "which kvserve does not split over ranks yet; use --tensor-parallel-size 1"
+        )
     if hkv < size and (size % hkv or hq % size):
         raise ShardingError(
             f"tensor_parallel_size {size} does not split this model: it has {hkv} KV heads "

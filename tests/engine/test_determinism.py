@@ -3,8 +3,8 @@ requests give identical tokens whether they run one by one, 4 or 32 at a time, w
 64-token step budget (chunked prefill) or the default 2048, with the prefix cache cold or
 warm, with prefixes restored from the KV store (file tier, Redis), and when forced through
 recompute and swap preemption. Both the bundled model and the real SmolLM2-135M-Instruct
-checkpoint, and a Gemma-3-shaped one (sliding and global layers, GeGLU, its norms); the
-reference is always the one-by-one run."""
+checkpoint, a Gemma-3-shaped one (sliding and global layers, GeGLU, its norms) and a
+Qwen3-MoE-shaped one (routed experts); the reference is always the one-by-one run."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ MAX_TOKENS = 24
 ROOMY = "256MiB"
 
 
-@pytest.fixture(scope="module", params=["bundled", "smollm2", "gemma3"])
+@pytest.fixture(scope="module", params=["bundled", "smollm2", "gemma3", "qwen3_moe"])
 def model(request, gguf_file, model_dirs) -> Path:
-    if request.param == "gemma3":
-        return model_dirs["gemma3"]
+    if request.param in model_dirs:
+        return model_dirs[request.param]
     return DEFAULT_MODEL_DIR if request.param == "bundled" else convert(gguf_file)
 
 

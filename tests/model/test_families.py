@@ -1,8 +1,9 @@
 """Per-layer attention windows and the model families beyond Llama's shape.
 
 The HF parity of each family is ``test_model_vs_hf`` (every architecture in ``ARCHS``);
-here: how configs with interleaved sliding and global layers are read, a Qwen2 whose
-upper layers slide (``max_window_layers``) against transformers, and what is refused.
+here: how configs with interleaved sliding and global layers and with experts are read, a
+Qwen2 whose upper layers slide (``max_window_layers``) against transformers, the GEMMs the
+experts run on, and what is refused.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import build_hf_model
 from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
 
 from kvserve.engine.errors import EngineError
 from kvserve.model.spec import ModelConfigError, load_model_spec
+from kvserve.worker.parallel import ShardingError, check_shardable
 
 
 def _config(model_dir: Path, tmp_path: Path, **changes) -> Path:
@@ -114,3 +117,33 @@ def test_an_unsupported_architecture_is_one_line_and_exit_code_2(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "Traceback" not in proc.stderr
     assert "'FooForCausalLM'" in errors[0] and "Gemma3ForCausalLM" in errors[0]
+
+
+def test_moe_specs_say_which_layers_route_to_experts(model_dirs):
+    qwen = load_model_spec(model_dirs["qwen3_moe"])
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (8, 2, 32)
+    assert qwen.norm_topk_prob and qwen.qk_norm and qwen.dense_layers == (1,)
+    assert [qwen.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    mixtral = load_model_spec(model_dirs["mixtral"])
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size) == (4, 48)
+    assert mixtral.norm_topk_prob and mixtral.dense_layers == ()
+    with pytest.raises(ShardingError, match="mixture of experts"):
+        check_shardable(mixtral, 2)
+
+
+def test_bf16_experts_run_on_the_batch_invariant_gemm(model_dirs):
+    """Each expert's projections and the router are kvserve's GEMM layers (one call per
+    expert over its tokens), the dense layer of the same model too."""
+    from kvserve.model.linear import KernelGateUpSilu, KernelLinear, kernel_gemm_preferred
+    from kvserve.model.mlp import MLP, SparseMoE
+
+    engine = make_engine(model_dirs["qwen3_moe"], dtype="bfloat16")
+    if not kernel_gemm_preferred(torch.bfloat16, torch.device("cpu")):
+        pytest.fail("this machine's CPU kernels lack AVX-512-BF16: nothing to check")
+    moe, dense = engine.model.layers[0].mlp, engine.model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and type(dense) is MLP
+    assert isinstance(moe.gate, KernelLinear)
+    for expert in moe.experts:
+        assert isinstance(expert.gate_up_proj, KernelGateUpSilu) and expert.gate_up_applies_silu
+        assert isinstance(expert.down_proj, KernelLinear)
+    assert engine.model.fused_stack is None  # its C++ loop runs dense layers only

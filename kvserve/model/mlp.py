@@ -1,0 +1,148 @@
+"""The feed-forward half of a decoder layer: dense (SwiGLU, GeGLU) or a sparse mixture of
+experts (Qwen3-MoE, Mixtral).
+
+A dense MLP fuses gate and up into one projection at load time; under tensor parallelism
+each rank holds a slice of the intermediate size and the down projection's partial sums
+are all-reduced. ``SparseMoE`` routes each token to its top-k experts, runs each expert
+once over all the tokens routed to it (one GEMM pair per expert hit, never a loop over
+tokens) and adds the weighted outputs in expert order, so a token's result does not
+depend on the other tokens of the step: with kvserve's bf16 GEMM (batch-invariant by
+construction) the MoE layer is batch-invariant too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.ops import TorchOps
+from kvserve.model.spec import ModelSpec
+from kvserve.worker.parallel import TPGroup
+
+
+class MLP(nn.Module):
+    # prepack_linears may swap gate_up_proj for a layer that applies SiLU-and-mul itself
+    # (KernelGateUpSilu), and then sets gate_up_applies_silu.
+    silu_fusable = "gate_up_proj"
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
+        super().__init__()
+        self.gate_up_applies_silu = False
+        self.inter = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
+        self.ops = ops
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        if not self.gate_up_applies_silu:
+            h = self.act_and_mul(h)
+        out = self.down_proj(h)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(gate_up)
+
+
+class GeluMLP(MLP):
+    """GeGLU (``gelu_pytorch_tanh`` of the gate times up: Gemma)."""
+
+    silu_fusable = None
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts: ``gate`` (the router, ``[experts, hidden]``) and ``experts``,
+    dense SwiGLU MLPs of ``spec.moe_intermediate_size``.
+
+    Routing as transformers computes it: softmax of the router logits in float32, the
+    top ``num_experts_per_tok``, renormalised to sum to 1 when ``spec.norm_topk_prob``;
+    each expert's output is weighted in float32 and added to the token's sum in ascending
+    expert order. Not under tensor parallelism (``check_shardable`` refuses it).
+    """
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
+        super().__init__()
+        assert tp is None, "check_shardable refuses tensor parallelism for MoE models"
+        self.top_k = spec.num_experts_per_tok
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size)
+        self.experts = nn.ModuleList(MLP(expert, ops, None) for _ in range(spec.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs by expert
+        tokens = order // self.top_k
+        weights = weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                rows = tokens[start : start + n]
+                h = expert(x.index_select(0, rows)).float() * weights[start : start + n, None]
+                out.index_add_(0, rows, h.to(x.dtype))
+                start += n
+        return out
+
+
+def make_mlp(spec: ModelSpec, ops: TorchOps, tp: TPGroup | None, layer: int) -> nn.Module:
+    """Layer ``layer``'s feed-forward module: ``SparseMoE`` where ``spec`` routes it to
+    experts, else the dense MLP of ``spec.hidden_act``."""
+    if spec.is_moe_layer(layer):
+        return SparseMoE(spec, ops, tp)
+    return (GeluMLP if spec.hidden_act == "gelu_pytorch_tanh" else MLP)(spec, ops, tp)
+
+
+# Mixtral's checkpoint names for what Qwen3-MoE (and kvserve) call mlp, gate/up/down
+_MIXTRAL_NAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
+
+
+def our_mlp_name(name: str) -> str:
+    """A checkpoint tensor name with Mixtral's MoE names replaced by ours."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for theirs, ours in _MIXTRAL_NAMES:
+        name = name.replace(theirs, ours)
+    return name
+
+
+def mlp_weights(spec: ModelSpec, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names and shapes of layer ``layer``'s MLP (``prefix``:
+    ``model.layers.N.``), as the checkpoint of ``spec.family`` names them."""
+    h = spec.hidden_size
+    if not spec.is_moe_layer(layer):
+        inter, experts, mlp = spec.intermediate_size, [""], prefix + "mlp."
+    else:
+        inter = spec.moe_intermediate_size
+        mlp = prefix + ("block_sparse_moe." if spec.family == "mixtral" else "mlp.")
+        experts = [f"experts.{e}." for e in range(spec.num_experts)]
+    out: dict[str, tuple[int, ...]] = {}
+    if spec.is_moe_layer(layer):
+        out[mlp + "gate.weight"] = (spec.num_experts, h)
+    names = ("gate_proj", "up_proj", "down_proj")
+    if spec.family == "mixtral":
+        names = ("w1", "w3", "w2")
+    for e in experts:
+        for name, shape in zip(names, ((inter, h), (inter, h), (h, inter)), strict=True):
+            out[f"{mlp}{e}{name}.weight"] = shape
+            if spec.mlp_bias:
+                out[f"{mlp}{e}{name}.bias"] = (shape[0],)
+    return out
