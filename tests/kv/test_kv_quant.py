@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHS, greedy, make_engine, random_prompts, run_to_end
+from helpers import ARCHS, MOE_ARCHS, greedy, make_engine, random_prompts, run_to_end
 from safetensors.torch import load_file, save_file
 
 from kvserve.default_model import corpus_files, default_model_path
@@ -84,7 +84,10 @@ def test_8bit_cache_holds_about_twice_the_tokens(llama_dir):
     assert e8.kv_spec.bytes_per_token == 2 * 2 * 2 * (16 + 2)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# not the MoE shapes: a random router's near-ties flip experts on any rounding of the
+# context, a discrete jump no KL bound on KV error describes (their caches' K/V error is
+# bounded by the test above, as every architecture's)
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE_ARCHS])
 def test_quantized_logits_close_on_reference_models(model_dirs, arch):
     prompt = random_prompts([400], seed=11)[0]
     ref = _prompt_logits(make_engine(model_dirs[arch], max_num_batched_tokens=128), prompt)
