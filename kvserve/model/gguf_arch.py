@@ -1,0 +1,196 @@
+"""What each GGUF ``general.architecture`` means as an HF checkpoint: its ``config.json``,
+its tensors' HF names, and how llama.cpp's converter changed the values on the way in.
+
+llama.cpp's conventions (``convert_hf_to_gguf.py``), undone here:
+
+- ``llama``: Q/K rows permuted for interleaved rotary (``unpermute``); Mistral models use
+  this architecture too.
+- ``qwen2``, ``qwen3``, ``qwen3moe``: tensors as HF has them (rotary in halves); a MoE
+  layer's experts stacked into one ``[experts, rows, cols]`` tensor per projection, split
+  back into ``mlp.experts.N.*``; Qwen3-MoE renormalises the top-k weights (llama.cpp always
+  does).
+- ``gemma3``: every RMSNorm weight stored as ``1 + w``; the sliding/global pattern (every
+  6th layer global), the local rotary base (10000) and the query scale (head_dim, or
+  hidden / heads for the 62-layer 27B) are llama.cpp's, not in the metadata.
+
+Anything else raises ``GGUFError`` naming the architecture and the supported ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvserve.model.gguf_tokenizer import GGUFError
+
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+_GEMMA3_PATTERN = 6  # llama.cpp: every 6th layer attends globally
+_GEMMA3_LOCAL_THETA = 10000.0
+
+# GGUF tensor name (per layer after ``blk.N.``, without .weight/.bias) → HF (after
+# ``model.layers.N.``); architecture-specific entries in _LAYER_NAMES_BY_ARCH
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAMES_BY_ARCH = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+}
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def field(reader: Any, key: str, default: Any = ...) -> Any:
+    """Metadata value ``key`` (GGUFError when missing and no ``default``)."""
+    f = reader.fields.get(key)
+    if f is None:
+        if default is ...:
+            raise GGUFError(f"metadata lacks {key!r}")
+        return default
+    return f.contents()
+
+
+def architecture(reader: Any) -> str:
+    """The file's ``general.architecture``, if kvserve serves it (else GGUFError)."""
+    arch = field(reader, "general.architecture")
+    if arch not in HF_ARCHITECTURES:
+        raise GGUFError(
+            f"general.architecture {arch!r} is not supported "
+            f"(supported: {', '.join(HF_ARCHITECTURES)})"
+        )
+    return arch
+
+
+def hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
+    """``config.json`` of the file's model, as transformers would write it."""
+    arch = architecture(reader)
+
+    def get(key: str, default: Any = ...) -> Any:
+        return field(reader, f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise GGUFError("partial rotary (rope.dimension_count) is not supported")
+    layers = int(get("block_count"))
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "architectures": [HF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "vocab_size": int(get("vocab_size", len(tokens))),
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id", None),
+        "dtype": "bfloat16",  # the serving default; the tensors themselves are float32
+    }
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise GGUFError(f"{arch}.rope.scaling.type {scaling!r} is not supported")
+    if scaling == "linear":
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(get("rope.scaling.factor")),
+        }
+    if arch == "qwen2":
+        config["attention_bias"] = True  # Qwen2's q/k/v biases (the files carry them)
+    elif arch == "qwen3moe":
+        config.update(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            norm_topk_prob=True,
+        )
+    elif arch == "gemma3":
+        del config["hidden_act"]
+        pattern = int(get("attention.sliding_window_pattern", _GEMMA3_PATTERN))
+        full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+        full.update(config.pop("rope_scaling", {}))
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(get("attention.sliding_window")),
+            layer_types=[
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(layers)
+            ],
+            rope_parameters={
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_THETA},
+            },
+            query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+        )
+    return config
+
+
+def hf_tensors(
+    arch: str, name: str, data: np.ndarray, config: dict[str, Any]
+) -> list[tuple[str, np.ndarray]]:
+    """The HF tensors GGUF tensor ``name`` (dequantized, in HF's dimension order) holds,
+    with llama.cpp's changes undone; GGUFError for a name the architecture lacks."""
+    if name in _GLOBAL_NAMES:
+        hf = _GLOBAL_NAMES[name]
+        return [(hf, data - 1 if arch == "gemma3" and name == "output_norm.weight" else data)]
+    if name == "rope_freqs.weight":
+        raise GGUFError("rope scaling factors (rope_freqs) are not supported")
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[3] not in ("weight", "bias"):
+        raise GGUFError(f"tensor {name!r} is not part of a {arch} model")
+    layer, base, leaf = parts[1], parts[2], parts[3]
+    prefix = f"model.layers.{layer}."
+    if arch == "qwen3moe" and base in _EXPERTS:
+        return [
+            (f"{prefix}mlp.experts.{e}.{_EXPERTS[base]}.{leaf}", np.ascontiguousarray(data[e]))
+            for e in range(data.shape[0])
+        ]
+    names = {**_LAYER_NAMES, **_LAYER_NAMES_BY_ARCH.get(arch, {})}
+    if base not in names:
+        raise GGUFError(f"tensor {name!r} is not part of a {arch} model")
+    if arch == "gemma3" and base.endswith("norm"):
+        data = data - 1  # stored as 1 + w
+    elif arch == "llama" and base in ("attn_q", "attn_k") and leaf == "weight":
+        heads = config["num_attention_heads" if base == "attn_q" else "num_key_value_heads"]
+        data = unpermute(data, heads)
+    return [(f"{prefix}{names[base]}.{leaf}", data)]
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary reordering of Q/K rows (each head's pairs interleaved back
+    into HF's two halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,130 @@
+"""Write an HF test checkpoint as a GGUF file the way llama.cpp's converter does, with the
+``gguf`` package's writer: its metadata keys, its tensor names (``gguf``'s own name map),
+and its changes to the values (Q/K rows permuted for ``llama``, Gemma's norms stored as
+``1 + w``, a MoE layer's experts stacked per projection). The tokenizer is the checkpoint's
+byte-level BPE, written as ``gpt2`` with the pre-tokenizer name given.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.torch import load_file
+
+_NORM_OFFSET_ARCHS = ("gemma3",)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: each head's halves interleaved in pairs."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg.get("num_key_value_heads", heads))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+
+
+def _tokenizer(w: gguf.GGUFWriter, model_dir: Path, cfg: dict, pre: str) -> None:
+    data = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for token, i in vocab.items():
+        tokens[i] = token
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    for added in data["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = (
+            gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+        )
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+
+
+def _tensors(arch: str, cfg: dict, model_dir: Path) -> dict[str, np.ndarray]:
+    """HF tensors → GGUF name → float32 array, with llama.cpp's changes applied."""
+    hf = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    n = cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n)
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for name, value in sorted(hf.items()):
+        base, _, leaf = name.rpartition(".")
+        if ".mlp.experts." in base:  # model.layers.N.mlp.experts.E.gate_proj
+            head, e, proj = base.rsplit(".", 2)
+            experts.setdefault(f"{head}.{proj}", []).append((int(e), value))
+            continue
+        gname = names.get_name(base)
+        assert gname is not None, name
+        if arch in _NORM_OFFSET_ARCHS and base.endswith("norm"):
+            value = value + 1
+        if arch == "llama" and leaf == "weight" and base.endswith(("q_proj", "k_proj")):
+            kv = "k_proj" in base
+            value = _permute(value, cfg["num_key_value_heads" if kv else "num_attention_heads"])
+        out[f"{gname}.{leaf}"] = value
+    for key, parts in experts.items():
+        gname = names.get_name(key)
+        assert gname is not None, key
+        out[f"{gname}.weight"] = np.stack([v for _, v in sorted(parts, key=lambda p: p[0])])
+    return out
+
+
+def write_gguf(
+    model_dir: Path,
+    path: Path,
+    arch: str,
+    quant: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    pre: str = "default",
+) -> Path:
+    """``model_dir`` (an HF checkpoint of ``arch``'s family) as GGUF file ``path``; weight
+    matrices whose rows suit ``quant`` stored in it, the rest float32."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(path), arch)
+    _metadata(w, arch, cfg)
+    _tokenizer(w, model_dir, cfg, pre)
+    block = gguf.GGML_QUANT_SIZES[quant][0]
+    for name, value in _tensors(arch, cfg, model_dir).items():
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if (
+            quant != gguf.GGMLQuantizationType.F32
+            and value.ndim >= 2
+            and value.shape[-1] % block == 0
+        ):
+            w.add_tensor(name, gguf.quants.quantize(value, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
