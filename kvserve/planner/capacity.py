@@ -72,14 +72,16 @@ def resolve_shape(model: str) -> ModelShape:
             "directory / config.json"
         )
     s = load_model_spec(path)
-    per_layer = (
+    attention = (
         s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         + s.num_heads * s.head_dim * s.hidden_size
-        + 3 * s.hidden_size * s.intermediate_size
         + 2 * s.hidden_size
     )
+    dense_mlp = 3 * s.hidden_size * s.intermediate_size
+    moe_mlp = s.num_experts * (3 * s.hidden_size * s.moe_intermediate_size + s.hidden_size)
+    mlps = sum(moe_mlp if s.is_moe_layer(i) else dense_mlp for i in range(s.num_layers))
     embed = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
-    params = s.num_layers * per_layer + embed + s.hidden_size
+    params = s.num_layers * attention + mlps + embed + s.hidden_size
     return ModelShape(
         path.name,
         s.num_layers,
