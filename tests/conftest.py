@@ -26,6 +26,7 @@ def _configs() -> dict[str, object]:
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -91,6 +92,19 @@ def _configs() -> dict[str, object]:
             moe_intermediate_size=32,
             norm_topk_prob=True,
             mlp_only_layers=[1],
+        ),
+        # fused qkv / gate_up in the checkpoint, LongRoPE (prompts stay within the original
+        # 64 positions here: test_families crosses it), no window
+        "phi3": Phi3Config(
+            **common,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                "long_factor": [1.0 + 2.0 * i for i in range(8)],
+            },
         ),
         # 4 experts, top-2, untied, Mixtral's checkpoint names (block_sparse_moe, w1/w2/w3)
         "mixtral": MixtralConfig(

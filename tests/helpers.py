@@ -14,8 +14,9 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling import SamplingParams
 
 # the tiny checkpoints conftest builds
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
-MOE_ARCHS = ("qwen3_moe", "mixtral")  # not split over ranks yet (check_shardable refuses)
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+UNSPLIT_ARCHS = (*MOE_ARCHS, "phi3")  # not split over ranks yet (check_shardable refuses)
 
 
 def make_engine(model_dir: Path, **kwargs) -> LLMEngine:

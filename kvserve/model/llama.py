@@ -263,7 +263,10 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             out[p + "input_layernorm.weight"] = (s.hidden_size,)
             out[p + "post_attention_layernorm.weight"] = (s.hidden_size,)
-            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            projections = (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+            if s.fused_checkpoint:  # Phi-3 stores q, k and v as one tensor
+                projections = (("qkv_proj", q + 2 * kv),)
+            for name, rows in projections:
                 out[p + f"self_attn.{name}.weight"] = (rows, s.hidden_size)
                 if s.attention_bias:
                     out[p + f"self_attn.{name}.bias"] = (rows,)

@@ -138,10 +138,13 @@ def mlp_weights(spec: ModelSpec, layer: int, prefix: str) -> dict[str, tuple[int
     if spec.is_moe_layer(layer):
         out[mlp + "gate.weight"] = (spec.num_experts, h)
     names = ("gate_proj", "up_proj", "down_proj")
+    shapes: tuple[tuple[int, int], ...] = ((inter, h), (inter, h), (h, inter))
     if spec.family == "mixtral":
         names = ("w1", "w3", "w2")
+    elif spec.fused_checkpoint:  # Phi-3 stores gate and up as one tensor
+        names, shapes = ("gate_up_proj", "down_proj"), ((2 * inter, h), (h, inter))
     for e in experts:
-        for name, shape in zip(names, ((inter, h), (inter, h), (h, inter)), strict=True):
+        for name, shape in zip(names, shapes, strict=True):
             out[f"{mlp}{e}{name}.weight"] = shape
             if spec.mlp_bias:
                 out[f"{mlp}{e}{name}.bias"] = (shape[0],)

@@ -1,4 +1,16 @@
-"""Rotary position embeddings (HF "rotate half" layout) with default/linear/llama3 scaling."""
+"""Rotary position embeddings (HF "rotate half" layout) with default, linear, llama3, yarn and
+longrope scaling.
+
+LongRoPE (Phi-3) divides the frequencies by ``short_factor`` within the original context
+and by ``long_factor`` beyond it. transformers switches on the longest position of each
+forward call; here the switch is per position (a position at or past the original context
+uses the long factors), so a token's rotation never depends on what it is batched with.
+The two agree for every decode step and for any prefill chunk that does not cross the
+original context; a chunk that crosses it rotates its first positions with the short
+factors, where transformers would use the long ones for the whole call. (transformers'
+``generate`` for Phi-3 also re-encodes the whole cache at the crossing; keys already
+cached here keep their rotation.)
+"""
 
 from __future__ import annotations
 
@@ -26,7 +38,55 @@ def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif rope.rope_type == "yarn":
+        inv = _yarn(rope, head_dim, inv)
+    elif rope.rope_type == "longrope":
+        inv = inv / torch.tensor(rope.short_factor, dtype=torch.float64)
     return inv.to(torch.float32)
+
+
+def long_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    """LongRoPE's inverse frequencies past the original context (float32)."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    return (inv / torch.tensor(rope.long_factor, dtype=torch.float64)).to(torch.float32)
+
+
+def _yarn(rope: RopeSpec, dim: int, extrapolated: torch.Tensor) -> torch.Tensor:
+    """YaRN: the low-frequency dims interpolated (divided by ``factor``), the high ones
+    kept, a linear ramp between the dims that turn ``beta_slow`` and ``beta_fast`` times
+    over the original context."""
+
+    def dim_of(rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolated (unchanged), 0: interpolated
+    return extrapolated / rope.factor * (1 - keep) + extrapolated * keep
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_scaling(rope: RopeSpec) -> float:
+    """The factor yarn and longrope apply to cos and sin (1 for the other types)."""
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.rope_type == "yarn":
+        if rope.mscale and rope.mscale_all_dim:
+            return _mscale(rope.factor, rope.mscale) / _mscale(rope.factor, rope.mscale_all_dim)
+        return _mscale(rope.factor)
+    if rope.rope_type == "longrope" and rope.factor > 1:
+        original = rope.original_max_position_embeddings
+        return math.sqrt(1 + math.log(rope.factor) / math.log(original))
+    return 1.0
 
 
 class RotaryEmbedding:
@@ -38,14 +98,23 @@ class RotaryEmbedding:
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_positions: int, device: torch.device):
         self.inv_freq = inv_frequencies(rope, head_dim).to(device)
+        self.long_inv_freq: torch.Tensor | None = None  # LongRoPE's, from ``long_from`` on
+        self.long_from = rope.original_max_position_embeddings
+        if rope.rope_type == "longrope":
+            self.long_inv_freq = long_frequencies(rope, head_dim).to(device)
+        self.scaling = attention_scaling(rope)
         self.device = device
         self._build(max(max_positions, 1))
 
     def _build(self, n: int) -> None:
         pos = torch.arange(n, device=self.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq)
+        if self.long_inv_freq is not None and n > self.long_from:
+            freqs[self.long_from :] = torch.outer(pos[self.long_from :], self.long_inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            self.cos, self.sin = self.cos * self.scaling, self.sin * self.scaling
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dtype: torch.dtype, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:

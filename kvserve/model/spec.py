@@ -18,8 +18,9 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -38,6 +39,18 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp between interpolated and extrapolated frequencies (beta_fast/slow in
+    # rotations, truncated to whole dims), and the cos/sin scale (None: from the factor,
+    # mscale and mscale_all_dim)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    # longrope: per-frequency divisors within the original context and beyond it
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,11 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         """Layer ``layer``'s MLP is a routed mixture of experts."""
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def fused_checkpoint(self) -> bool:
+        """The checkpoint stores q/k/v and gate/up fused, as kvserve runs them (Phi-3)."""
+        return self.family == "phi3"
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` in tokens, or None when it sees everything."""
@@ -151,22 +169,44 @@ def _rope_params(
         )
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelConfigError(f"{path}: field 'partial_rotary_factor' != 1.0 is not supported")
+    max_pos = cfg.get("max_position_embeddings", 8192)
+    original = params.get("original_max_position_embeddings")
+    original = int(original or cfg.get("original_max_position_embeddings") or max_pos)
+    factor = params.get("factor")
+    if factor is None:  # yarn and longrope: the ratio of the contexts
+        factor = max_pos / original if rope_type in ("yarn", "longrope") else 1.0
+
+    def optional(key: str) -> float | None:
+        value = params.get(key)
+        return None if value is None else float(value)
+
+    short, long = tuple(params.get("short_factor") or ()), tuple(params.get("long_factor") or ())
+    if rope_type == "longrope" and (not short or len(short) != len(long)):
+        raise ModelConfigError(
+            f"{path}: field {field_name} needs 'short_factor' and 'long_factor' of one length"
+        )
     return RopeSpec(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-        ),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
+        short_factor=tuple(float(x) for x in short),
+        long_factor=tuple(float(x) for x in long),
     )
 
 
 def _windows(cfg: dict[str, Any], family: str, path: Path) -> tuple[int | None, tuple[int, ...]]:
     """``(sliding_window, layer_windows)``: one window for every layer (or None), or a
     window per layer (0: full attention) when only some layers slide."""
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         window = cfg.get("sliding_window")
         return (int(window) if window else None), ()
     if family == "llama":

@@ -175,6 +175,12 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
         raise ShardingError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
+    if spec.fused_checkpoint:
+        raise ShardingError(
+            f"tensor_parallel_size {size}: {spec.architecture} checkpoints store q/k/v and "
+            "gate/up fused, which kvserve does not split over ranks yet; use "
+            "--tensor-parallel-size 1"
+        )
     if spec.num_experts:
         raise ShardingError(
             f"tensor_parallel_size {size}: {spec.architecture} is a mixture of experts, "

@@ -147,3 +147,57 @@ def test_bf16_experts_run_on_the_batch_invariant_gemm(model_dirs):
         assert isinstance(expert.gate_up_proj, KernelGateUpSilu) and expert.gate_up_applies_silu
         assert isinstance(expert.down_proj, KernelLinear)
     assert engine.model.fused_stack is None  # its C++ loop runs dense layers only
+
+
+def _stepwise_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' model run as a server runs it: the prompt, then one token per call
+    on its cache (``generate`` differs for Phi-3 past the original context: it re-encodes
+    the whole cache with the long factors at the crossing)."""
+    out: list[int] = []
+    with torch.no_grad():
+        step = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = model(torch.tensor([out[-1:]]), cache=step.past_key_values, use_cache=True)
+    return out
+
+
+def test_longrope_switches_to_the_long_factors_past_the_original_context(model_dirs):
+    """Phi-3's LongRoPE: a 50-token prompt decoded 30 tokens past the original 64
+    positions; every position from 64 on is rotated with the long factors, as
+    transformers' model does when it is called step by step."""
+    spec = load_model_spec(model_dirs["phi3"])
+    assert spec.rope.rope_type == "longrope" and spec.rope.original_max_position_embeddings == 64
+    assert spec.fused_checkpoint and spec.sliding_window is None
+    engine = make_engine(model_dirs["phi3"])
+    prompt = random_prompts([50], seed=6)[0]
+    engine.add_request("long", prompt, greedy(30))
+    want = _stepwise_greedy(hf_model(model_dirs["phi3"]), prompt, 30)
+    assert run_to_end(engine)["long"] == want
+    with pytest.raises(ShardingError, match="fused"):
+        check_shardable(spec, 2)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_yarn_scaled_qwen2_like_transformers(tmp_path, backend):
+    """YaRN (Qwen long-context configs): interpolated low frequencies, a ramp, and the
+    cos/sin scale, against transformers."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=1, initializer_range=0.1,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    model_dir = build_hf_model(cfg, tmp_path / "qwen2yarn")
+    spec = load_model_spec(model_dir)
+    assert spec.rope.rope_type == "yarn" and spec.rope.factor == 4.0
+    engine = make_engine(model_dir, attention_backend=backend)
+    prompts = random_prompts([90, 7], seed=12)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(12))
+    out = run_to_end(engine)
+    ref = hf_model(model_dir)
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == hf_greedy(ref, p, 12), f"prompt {i}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ARCHS, MOE_ARCHS, greedy, make_engine, random_prompts, run_to_end
+from helpers import ARCHS, UNSPLIT_ARCHS, greedy, make_engine, random_prompts, run_to_end
 from server_proc import free_port, kill_process
 
 from kvserve.engine.errors import EngineError
@@ -55,7 +55,7 @@ def _run(model_dir: Path, tp: int, **kwargs) -> tuple[dict, dict]:
         engine.close()
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE_ARCHS])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in UNSPLIT_ARCHS])
 def test_two_ranks_match_one(model_dirs, arch):
     ref, ref_cached = _run(model_dirs[arch], 1, **F32)
     got, cached = _run(model_dirs[arch], 2, **F32)
