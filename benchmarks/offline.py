@@ -42,17 +42,63 @@ SMOL = dict(
 )
 
 
-def build_model(path: Path) -> Path:
-    """Save the random-weight SmolLM2-shaped checkpoint once (seeded)."""
+# Gemma 3 270M's own shape (its 262k vocabulary, 5 sliding layers to 1 global, 512-token
+# windows)
+GEMMA3 = dict(
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    max_position_embeddings=32768,
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+)
+# Qwen3-30B-A3B's proportions (128 experts, top 8, expert FFN = 0.375 x hidden) scaled to
+# fit here: ~0.9 B parameters, ~0.2 B active per token
+QWEN3MOE = dict(
+    vocab_size=32768,
+    hidden_size=768,
+    intermediate_size=2048,
+    moe_intermediate_size=288,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+SHAPES = {"smol": ("LlamaConfig", SMOL), "gemma3": ("Gemma3TextConfig", GEMMA3)}
+SHAPES["qwen3moe"] = ("Qwen3MoeConfig", QWEN3MOE)
+
+
+def build_model(path: Path, shape: str = "smol") -> Path:
+    """Save the random-weight checkpoint of ``shape`` once (seeded)."""
     if (path / "config.json").is_file():
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOL)).to(torch.bfloat16)
+    config_class, fields = SHAPES[shape]
+    config = getattr(transformers, config_class)(**fields)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+def vocab_of(model_dir: Path) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -75,7 +121,7 @@ def worker_kvserve(a: argparse.Namespace) -> dict:
         tensor_parallel_size=a.tensor_parallel_size,
         kv_cache_dtype=a.kv_cache_dtype,
     )
-    ps = prompts(a.num_prompts, a.input_len, SMOL["vocab_size"], a.seed)
+    ps = prompts(a.num_prompts, a.input_len, vocab_of(a.model_dir), a.seed)
     llm.generate(
         ps[:2], SamplingParams(temperature=0, max_tokens=min(4, a.output_len), ignore_eos=True)
     )
@@ -130,7 +176,7 @@ def worker_hf(a: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16).eval()
-    ids = torch.tensor(prompts(a.num_prompts, a.input_len, SMOL["vocab_size"], a.seed))
+    ids = torch.tensor(prompts(a.num_prompts, a.input_len, vocab_of(a.model_dir), a.seed))
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=4, **kw)
@@ -317,7 +363,14 @@ def main() -> None:
         help="a kvserve checkout (e.g. `git worktree add /tmp/old REF`) run as engine "
         "'baseline', interleaved with this tree's",
     )
-    p.add_argument("--model-dir", type=Path, default=HERE / ".models" / "smol-bench")
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="smol",
+        help="the random-weight model: SmolLM2-135M's shape (smol), Gemma 3 270M's (gemma3), "
+        "a Qwen3-MoE (qwen3moe); saved under benchmarks/.models/SHAPE-bench",
+    )
+    p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument(
         "--real",
         action="store_true",
@@ -334,6 +387,8 @@ def main() -> None:
     p.add_argument("--no-tcmalloc", action="store_true", help="plain glibc malloc for all")
     p.add_argument("--out", default=str(HERE / "results" / "offline.json"))
     a = p.parse_args()
+    if a.model_dir is None:
+        a.model_dir = HERE / ".models" / f"{a.shape}-bench"
     if a.worker:
         fn = worker_kvserve if a.worker == "kvserve" else worker_hf
         print(json.dumps(fn(a)))
@@ -345,7 +400,7 @@ def main() -> None:
 
         a.model_dir = build_real_model(a.model_dir.parent / "smollm2-135m-instruct")
     else:
-        build_model(a.model_dir)
+        build_model(a.model_dir, a.shape)
     engines = a.engines.split(",")
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     with tqdm(total=a.repeat * len(engines), desc="offline benchmark") as bar:
@@ -358,11 +413,13 @@ def main() -> None:
     for e, rs in runs.items():
         tps = [r["output_tok_s"] for r in rs]
         summary[e] = {"median_output_tok_s": statistics.median(tps), "runs": rs}
-    vocab = json.loads((Path(a.model_dir) / "config.json").read_text())["vocab_size"]
-    costs = model_costs(a, vocab)
     roof = machine_roofline()
-    roof |= decode_floors(costs, roof)
-    roof["prefill_floor_s_compute"] = costs["prefill_flops"] / (roof["bf16_matmul_TFLOPs"] * 1e12)
+    costs = None
+    if a.shape == "smol":  # the floors are worked out for SmolLM2's shape only
+        costs = model_costs(a, vocab_of(a.model_dir))
+        roof |= decode_floors(costs, roof)
+        flops = roof["bf16_matmul_TFLOPs"] * 1e12
+        roof["prefill_floor_s_compute"] = costs["prefill_flops"] / flops
     result = {
         "workload": vars(a) | {"model_dir": str(a.model_dir)},
         "machine": {
