@@ -455,7 +455,7 @@ def main() -> None:
             share = r["collective_s"] / max(r["forward_s"], 1e-9)
             print(f"{e} / kvserve = {ratio:.2f}x; collectives {share:.0%} of rank 0's step")
     print(json.dumps(roof, indent=2))
-    if "kvserve" in summary:
+    if "kvserve" in summary and costs is not None:
         steps = sorted(r["decode_step_ms"] for r in summary["kvserve"]["runs"])
         over, phases = roof["decode_step_floor_ms_overlapped"], roof["decode_step_floor_ms_phases"]
         print(

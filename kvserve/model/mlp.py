@@ -5,8 +5,8 @@ A dense MLP fuses gate and up into one projection at load time; under tensor par
 each rank holds a slice of the intermediate size and the down projection's partial sums
 are all-reduced. ``SparseMoE`` routes each token to its top-k experts, runs each expert
 once over all the tokens routed to it (one GEMM pair per expert hit, never a loop over
-tokens) and adds the weighted outputs in expert order, so a token's result does not
-depend on the other tokens of the step: with kvserve's bf16 GEMM (batch-invariant by
+tokens) and sums each token's weighted outputs over its own top-k slots, so a token's
+result does not depend on the other tokens of the step: with kvserve's bf16 GEMM (batch-invariant by
 construction) the MoE layer is batch-invariant too.
 """
 
@@ -63,9 +63,11 @@ class SparseMoE(nn.Module):
     dense SwiGLU MLPs of ``spec.moe_intermediate_size``.
 
     Routing as transformers computes it: softmax of the router logits in float32, the
-    top ``num_experts_per_tok``, renormalised to sum to 1 when ``spec.norm_topk_prob``;
-    each expert's output is weighted in float32 and added to the token's sum in ascending
-    expert order. Not under tensor parallelism (``check_shardable`` refuses it).
+    top ``num_experts_per_tok``, renormalised to sum to 1 when ``spec.norm_topk_prob``.
+    The tokens are grouped by expert (one gather), each expert runs once over its group,
+    and each token's expert outputs, weighted in float32, are summed in top-k slot order
+    (a sum over one row's own values: it does not depend on the other tokens). Not under
+    tensor parallelism (``check_shardable`` refuses it).
     """
 
     def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
@@ -84,18 +86,17 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs by expert
-        tokens = order // self.top_k
-        weights = weights.flatten()[order]
+        grouped = x.index_select(0, order // self.top_k)  # each expert's tokens together
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(x)
-        start = 0
+        parts, start = [], 0
         for expert, n in zip(self.experts, counts, strict=True):
             if n:
-                rows = tokens[start : start + n]
-                h = expert(x.index_select(0, rows)).float() * weights[start : start + n, None]
-                out.index_add_(0, rows, h.to(x.dtype))
+                parts.append(expert(grouped[start : start + n]))
                 start += n
-        return out
+        h = torch.cat(parts).float() * weights.flatten()[order, None]
+        # back to (token, slot) order; each token's k outputs summed in slot order
+        h = h[torch.argsort(order)].view(x.shape[0], self.top_k, -1)
+        return h.sum(dim=1).to(x.dtype)
 
 
 def make_mlp(spec: ModelSpec, ops: TorchOps, tp: TPGroup | None, layer: int) -> nn.Module:
