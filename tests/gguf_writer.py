@@ -2,7 +2,8 @@
 ``gguf`` package's writer: its metadata keys, its tensor names (``gguf``'s own name map),
 and its changes to the values (Q/K rows permuted for ``llama``, Gemma's norms stored as
 ``1 + w``, a MoE layer's experts stacked per projection). The tokenizer is the checkpoint's
-byte-level BPE, written as ``gpt2`` with the pre-tokenizer name given.
+byte-level BPE, written as ``gpt2`` with the pre-tokenizer name given. And the reference
+reading of such a file: transformers' own GGUF loading (``transformers_from_gguf``).
 """
 
 from __future__ import annotations
@@ -128,3 +129,14 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def transformers_from_gguf(path: Path):
+    """``(tokenizer, model)`` as HF transformers loads GGUF file ``path`` (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
+    return tok, model.eval()

@@ -32,6 +32,21 @@ def _config(model_dir: Path, tmp_path: Path, **changes) -> Path:
     return out
 
 
+def _greedy_equals_transformers(
+    model_dir: Path, lengths: list[int], n: int, backend: str, **engine_kw
+) -> None:
+    """Random prompts of ``lengths`` run together, ``n`` greedy tokens each, equal
+    transformers' ``generate`` of each alone."""
+    engine = make_engine(model_dir, attention_backend=backend, **engine_kw)
+    prompts = random_prompts(lengths, seed=len(lengths) + n)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(n))
+    out = run_to_end(engine)
+    ref = hf_model(model_dir)
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == hf_greedy(ref, p, n), f"prompt {i}"
+
+
 def test_gemma3_layers_slide_as_layer_types_say(model_dirs):
     spec = load_model_spec(model_dirs["gemma3"])
     assert spec.hybrid and spec.layer_windows == (12, 0)
@@ -93,14 +108,7 @@ def test_qwen2_upper_layers_slide_like_transformers(tmp_path, backend):
     model_dir = build_hf_model(cfg, tmp_path / "qwen2sw")
     spec = load_model_spec(model_dir)
     assert spec.layer_windows == (0, 12)
-    engine = make_engine(model_dir, attention_backend=backend, max_num_batched_tokens=16)
-    prompts = random_prompts([40, 25, 9], seed=11)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, greedy(16))
-    out = run_to_end(engine)
-    ref = hf_model(model_dir)
-    for i, p in enumerate(prompts):
-        assert out[f"r{i}"] == hf_greedy(ref, p, 16), f"prompt {i}"
+    _greedy_equals_transformers(model_dir, [40, 25, 9], 16, backend, max_num_batched_tokens=16)
 
 
 def test_an_unsupported_architecture_is_one_line_and_exit_code_2(tmp_path):
@@ -193,11 +201,4 @@ def test_yarn_scaled_qwen2_like_transformers(tmp_path, backend):
     model_dir = build_hf_model(cfg, tmp_path / "qwen2yarn")
     spec = load_model_spec(model_dir)
     assert spec.rope.rope_type == "yarn" and spec.rope.factor == 4.0
-    engine = make_engine(model_dir, attention_backend=backend)
-    prompts = random_prompts([90, 7], seed=12)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, greedy(12))
-    out = run_to_end(engine)
-    ref = hf_model(model_dir)
-    for i, p in enumerate(prompts):
-        assert out[f"r{i}"] == hf_greedy(ref, p, 12), f"prompt {i}"
+    _greedy_equals_transformers(model_dir, [90, 7], 12, backend)

@@ -13,6 +13,7 @@ import sys
 import openai
 import pytest
 import torch
+from gguf_writer import transformers_from_gguf
 from server_proc import running_server
 
 from kvserve import LLM, SamplingParams
@@ -33,12 +34,7 @@ TEXTS = [
 
 @pytest.fixture(scope="session")
 def hf_reference(gguf_file):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kw = dict(gguf_file=gguf_file.name)
-    tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw)
-    return tok, model.eval()
+    return transformers_from_gguf(gguf_file)
 
 
 def test_tokenizer_matches_transformers(gguf_file, hf_reference):

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import gguf
 import pytest
-import torch
 from conftest import VOCAB, build_hf_model
-from gguf_writer import write_gguf
+from gguf_writer import transformers_from_gguf, write_gguf
 from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
 
 from kvserve.model.gguf import GGUFError, convert
@@ -79,13 +78,7 @@ def case(request, tmp_path_factory) -> tuple[str, Path, Path]:
 
 @pytest.fixture(scope="module")
 def hf_from_gguf(case):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _, _, path = case
-    kw = dict(gguf_file=path.name)
-    tok = AutoTokenizer.from_pretrained(path.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
-    return tok, model.eval()
+    return transformers_from_gguf(case[2])
 
 
 def test_token_ids_equal_transformers_gguf_loading(case, hf_from_gguf):
