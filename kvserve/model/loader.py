@@ -110,7 +110,9 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     expected = model.expected_weights()
     files = checkpoint_files(model_dir)
-    missing = [n for n in expected if n not in files]
+    ours = {n: text_tensor_name(spec, n) for n in files}  # checkpoint name → the model's
+    present = {n for n in ours.values() if n is not None}
+    missing = [n for n in expected if n not in present]
     if missing:
         raise WeightLoadError(
             f"{model_dir}: checkpoint lacks {len(missing)} tensor(s) the config requires, "
@@ -118,17 +120,42 @@ def load_model(
         )
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
-        if not _is_kv_scale(name):  # read by load_kv_scales for an fp8 cache
+        if not _is_kv_scale(name) and ours[name] is not None:  # kv scales: load_kv_scales
             by_file.setdefault(path, []).append(name)
-    with tqdm(total=len(files), desc="Loading weights", unit="tensor", leave=False) as bar:
+    total = sum(len(names) for names in by_file.values())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
         for path, names in sorted(by_file.items()):
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in names:
-                    _load_one(model, expected, path, name, f.get_slice(name), dtype)
+                    tensor = f.get_slice(name)
+                    _load_one(model, expected, path, ours[name], tensor, dtype)  # type: ignore[arg-type]
                     bar.update(1)
     model.init_rope(device, max_positions)
     model.eval()
     return model
+
+
+# a multimodal checkpoint's language model, as transformers 4 and 5 name it
+_LANGUAGE_MODEL = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION = ("vision_tower.", "multi_modal_projector.")
+
+
+def text_tensor_name(spec: ModelSpec, name: str) -> str | None:
+    """The model's name for checkpoint tensor ``name``; None for a tensor of a multimodal
+    checkpoint's vision part (served text-only: ``spec.multimodal``)."""
+    if not spec.multimodal:
+        return name
+    bare = name.removeprefix("model.")
+    if bare.startswith(_VISION):
+        return None
+    for theirs, own in _LANGUAGE_MODEL:
+        if name.startswith(theirs):
+            return own + name[len(theirs) :]
+    return name
 
 
 def _is_kv_scale(name: str) -> bool:

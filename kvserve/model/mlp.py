@@ -66,13 +66,14 @@ class SparseMoE(nn.Module):
     top ``num_experts_per_tok``, renormalised to sum to 1 when ``spec.norm_topk_prob``.
     The tokens are grouped by expert (one gather), each expert runs once over its group,
     and each token's expert outputs, weighted in float32, are summed in top-k slot order
-    (a sum over one row's own values: it does not depend on the other tokens). Not under
-    tensor parallelism (``check_shardable`` refuses it).
+    (a sum over one row's own values: it does not depend on the other tokens). Under
+    tensor parallelism every rank routes alike (the router is replicated) and holds a
+    slice of every expert's intermediate size; the weighted partial sums are all-reduced.
     """
 
     def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
         super().__init__()
-        assert tp is None, "check_shardable refuses tensor parallelism for MoE models"
+        self.tp = tp
         self.top_k = spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
@@ -96,7 +97,8 @@ class SparseMoE(nn.Module):
         h = torch.cat(parts).float() * weights.flatten()[order, None]
         # back to (token, slot) order; each token's k outputs summed in slot order
         h = h[torch.argsort(order)].view(x.shape[0], self.top_k, -1)
-        return h.sum(dim=1).to(x.dtype)
+        out = h.sum(dim=1).to(x.dtype)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def make_mlp(spec: ModelSpec, ops: TorchOps, tp: TPGroup | None, layer: int) -> nn.Module:

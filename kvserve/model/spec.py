@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model, served text-only
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
@@ -23,6 +24,27 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+# transformers' Gemma3TextConfig defaults: Hub configs (the multimodal ones' text_config
+# above all) leave out what equals them
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
 
 
 class ModelConfigError(ValueError):
@@ -89,6 +111,7 @@ class ModelSpec:
     # Gemma's layer: (1 + w) RMSNorms, norms after attention and around the MLP, and
     # embeddings scaled by sqrt(hidden_size)
     gemma_norms: bool = False
+    multimodal: bool = False  # a vision-language checkpoint served text-only (loader)
     # a mixture of experts (model/mlp.py: SparseMoE): experts per MoE layer, how many each
     # token is routed to, their intermediate size, whether the top-k weights are
     # renormalised; the layers that keep a dense MLP
@@ -262,6 +285,15 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    multimodal = arch == "Gemma3ForConditionalGeneration"
+    if multimodal:  # the language model's config, with the ids and dtype of the whole
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelConfigError(f"{path}: field 'text_config' must be an object")
+        top = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype")}
+        cfg = {**text, **{k: v for k, v in top.items() if v is not None}}
+    if family == "gemma3":
+        cfg = {**_GEMMA3_DEFAULTS, **cfg}
     act_field = "hidden_activation" if family == "gemma3" else "hidden_act"
     act = cfg.get(act_field) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
     if act not in SUPPORTED_ACTIVATIONS:
@@ -329,6 +361,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
             _get(cfg, "final_logit_softcapping", path, None, float) if gemma else None
         ),
         gemma_norms=gemma,
+        multimodal=multimodal,
         **_moe(cfg, family, path),
     )
 

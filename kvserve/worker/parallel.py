@@ -63,6 +63,8 @@ class ShardPlan:
     intermediate_size: int
     vocab_size: int  # the whole vocabulary
     vocab_shard: int  # embedding / LM head rows per rank (padded)
+    moe_inter_start: int = 0  # this rank's slice of every expert's intermediate size
+    moe_intermediate_size: int = 0
 
     @classmethod
     def single(cls, spec: ModelSpec) -> ShardPlan:
@@ -81,6 +83,7 @@ class ShardPlan:
             q_n = hq // size
             q_start, kv_start, kv_n = rank * q_n, rank // (size // hkv), 1
         inter_start, inter_n = split_range(spec.intermediate_size, size, rank)
+        moe_start, moe_n = split_range(spec.moe_intermediate_size, size, rank)
         return cls(
             rank,
             size,
@@ -93,6 +96,8 @@ class ShardPlan:
             inter_n,
             spec.vocab_size,
             -(-spec.vocab_size // size),
+            moe_start,
+            moe_n,
         )
 
     @property
@@ -106,7 +111,18 @@ class ShardPlan:
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.moe_intermediate_size,
         )
+
+    def _ffn(self, name: str) -> tuple[str, int, int]:
+        """``(leaf, start, size)`` of FFN tensor ``name``: its projection (Mixtral's
+        w1/w3/w2 read as gate/up/down) and this rank's slice of the intermediate size, an
+        expert's or the dense MLP's."""
+        leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if ".experts." not in name:
+            return leaf, self.inter_start, self.intermediate_size
+        leaf = _MIXTRAL_LEAVES.get(leaf, leaf)
+        return leaf, self.moe_inter_start, self.moe_intermediate_size
 
     def read(self, name: str, tslice) -> torch.Tensor:
         """This rank's part of checkpoint tensor ``name`` from a safetensors slice, reading
@@ -121,18 +137,16 @@ class ShardPlan:
         if leaf in ("k_proj", "v_proj"):
             a = self.kv_head_start * d
             return tslice[a : a + self.num_kv_heads * d]
+        leaf, start, inter = self._ffn(name)
         if leaf in ("gate_proj", "up_proj"):
-            return tslice[self.inter_start : self.inter_start + self.intermediate_size]
+            return tslice[start : start + inter]
         if leaf in ("o_proj", "down_proj"):
             if is_bias:  # added once, by rank 0, before the all-reduce
                 full = tslice[:]
                 return full if self.rank == 0 else torch.zeros_like(full)
-            a, n = (
-                (self.q_head_start * d, self.num_heads * d)
-                if leaf == "o_proj"
-                else (self.inter_start, self.intermediate_size)
-            )
-            return tslice[:, a : a + n]
+            if leaf == "o_proj":
+                start, inter = self.q_head_start * d, self.num_heads * d
+            return tslice[:, start : start + inter]
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             end = min(self.vocab_start + self.vocab_shard, self.vocab_size)
             rows = tslice[self.vocab_start : end]
@@ -152,14 +166,18 @@ class ShardPlan:
             return (self.num_heads * d, *full[1:])
         if leaf in ("k_proj", "v_proj"):
             return (self.num_kv_heads * d, *full[1:])
+        leaf, _, inter = self._ffn(name)
         if leaf in ("gate_proj", "up_proj"):
-            return (self.intermediate_size, *full[1:])
+            return (inter, *full[1:])
         if leaf in ("o_proj", "down_proj") and not name.endswith(".bias"):
-            n = self.num_heads * d if leaf == "o_proj" else self.intermediate_size
+            n = self.num_heads * d if leaf == "o_proj" else inter
             return (full[0], n)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return (self.vocab_shard, *full[1:])
         return full
+
+
+_MIXTRAL_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
@@ -181,10 +199,10 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
             "gate/up fused, which kvserve does not split over ranks yet; use "
             "--tensor-parallel-size 1"
         )
-    if spec.num_experts:
+    if spec.num_experts and spec.moe_intermediate_size < size:
         raise ShardingError(
-            f"tensor_parallel_size {size}: {spec.architecture} is a mixture of experts, "
-            "which kvserve does not split over ranks yet; use --tensor-parallel-size 1"
+            f"tensor_parallel_size {size} exceeds the experts' intermediate size "
+            f"{spec.moe_intermediate_size}"
         )
     if hkv < size and (size % hkv or hq % size):
         raise ShardingError(

@@ -135,8 +135,9 @@ def test_moe_specs_say_which_layers_route_to_experts(model_dirs):
     mixtral = load_model_spec(model_dirs["mixtral"])
     assert (mixtral.num_experts, mixtral.moe_intermediate_size) == (4, 48)
     assert mixtral.norm_topk_prob and mixtral.dense_layers == ()
-    with pytest.raises(ShardingError, match="mixture of experts"):
-        check_shardable(mixtral, 2)
+    check_shardable(mixtral, 2)  # experts split by their intermediate size
+    with pytest.raises(ShardingError, match="experts' intermediate size 48"):
+        check_shardable(mixtral, 64)
 
 
 def test_bf16_experts_run_on_the_batch_invariant_gemm(model_dirs):
@@ -202,3 +203,30 @@ def test_yarn_scaled_qwen2_like_transformers(tmp_path, backend):
     spec = load_model_spec(model_dir)
     assert spec.rope.rope_type == "yarn" and spec.rope.factor == 4.0
     _greedy_equals_transformers(model_dir, [90, 7], 12, backend)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """``Gemma3ForConditionalGeneration`` (Gemma 3 4B and up): the text_config's model,
+    the language model's tensors under either transformers' naming, the vision tower's
+    skipped; greedy text equals transformers' text-only generation."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+        initializer_range=0.1,
+    )  # fmt: skip
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    cfg = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=5,
+        boi_token_index=3, eoi_token_index=4, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model_dir = build_hf_model(cfg, tmp_path / "gemma3mm")
+    spec = load_model_spec(model_dir)
+    assert spec.multimodal and spec.architecture == "Gemma3ForConditionalGeneration"
+    assert spec.layer_windows == (12, 0) and spec.vocab_size == 512
+    _greedy_equals_transformers(model_dir, [30, 9], 12, "cpu")
