@@ -63,6 +63,18 @@ class AttentionMetadata:
     window_masks: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
 
 
+def visible(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0
+) -> torch.Tensor:
+    """Which key positions each query position attends to (broadcast ``q_pos`` ``[q, 1]``
+    against ``k_pos`` ``[1, k]``): causal, and with a ``window`` only the last ``window``
+    positions up to the query plus the first ``sinks``. The one rule of every dense mask."""
+    mask = k_pos <= q_pos
+    if window:
+        mask &= (k_pos > q_pos - window) | (k_pos < sinks)
+    return mask
+
+
 class AttentionBackend(Protocol):
     """Writes new K/V into the cache and returns attention output ``[tokens, heads, dim]``.
 
@@ -115,19 +127,12 @@ class TorchPagedAttention:
                 assert meta.decode_block_tables is not None and meta.decode_lens is not None
                 width = meta.decode_block_tables.shape[1] * self.block_size
                 pos = torch.arange(width, device=meta.decode_lens.device).unsqueeze(0)
-                lens = meta.decode_lens.unsqueeze(1)
-                mask = pos < lens
-                if w:
-                    mask &= pos > lens - 1 - w
+                mask = visible(meta.decode_lens.unsqueeze(1) - 1, pos, w)
                 masks.append(mask.view(-1, 1, 1, width))
             for p in meta.prefills:
                 n = p.end - p.start
-                computed = p.context_len - n
-                q_pos = torch.arange(computed, p.context_len).unsqueeze(1)
-                k_pos = torch.arange(p.context_len).unsqueeze(0)
-                mask = k_pos <= q_pos
-                if w:
-                    mask &= k_pos > q_pos - w
+                q_pos = torch.arange(p.context_len - n, p.context_len).unsqueeze(1)
+                mask = visible(q_pos, torch.arange(p.context_len).unsqueeze(0), w)
                 masks.append(mask.view(1, 1, n, p.context_len).to(meta.slot_mapping.device))
             meta.window_masks[w] = masks
         return meta.window_masks[w]

@@ -5,7 +5,7 @@ What differs from ``llama.LlamaForCausalLM``, as HF transformers computes it:
 - RMSNorm scales by ``1 + w`` and keeps float32 until the end (``GemmaRMSNorm``);
 - four norms a layer: after attention, and before and after the MLP (``GemmaDecoderLayer``);
 - embeddings multiplied by ``sqrt(hidden_size)`` (rounded to the model's dtype);
-- GeGLU MLP (``llama.GeluMLP``), q/k norms, queries scaled by
+- GeGLU MLP (``mlp.GeluMLP``), q/k norms, queries scaled by
   ``query_pre_attn_scalar ** -0.5``, optional final logit soft-capping (``ModelSpec``);
 - interleaved sliding and global layers (``spec.layer_windows``), the sliding ones with
   their own rotary base (``spec.local_rope``): both handled by the base class.

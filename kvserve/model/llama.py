@@ -173,7 +173,8 @@ class LlamaForCausalLM(nn.Module):
         local = self.plan.local_spec(spec)
         self.local_spec = local
         self.embed_tokens = nn.Embedding(self.plan.vocab_shard, spec.hidden_size)
-        backends = {w: backend.for_window(w) for w in set(spec.layer_windows)}
+        # the model-wide backend serves the global layers (a hybrid model has no window)
+        backends = {w: backend.for_window(w) for w in set(spec.layer_windows) if w}
         windows = spec.layer_windows or (None,) * spec.num_layers
         self.layers = nn.ModuleList(
             self.layer_class(local, backends.get(w, backend), ops, tp, i)
@@ -187,6 +188,11 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rope: RotaryEmbedding | None = None
         self.local_rope: RotaryEmbedding | None = None  # the sliding layers' (Gemma 3)
+        # per layer: rotated with local_rope's tables (a sliding layer, when there is one)
+        self._local_layers = tuple(
+            spec.local_rope is not None and bool(spec.layer_window(i))
+            for i in range(spec.num_layers)
+        )
         # a packed copy of the tied embeddings for the LM head (``model.linear``)
         self.lm_head_packed: nn.Module | None = None
         # the layers in one C++ call (``model.fused_stack``), set after prepacking
@@ -218,8 +224,9 @@ class LlamaForCausalLM(nn.Module):
             if self.local_rope is not None:
                 local = self.local_rope.tables(x.dtype, meta.max_position)
             residual = None
-            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                rope = local if self.spec.layer_window(i) else tables
+            layers = zip(self.layers, kv_caches, self._local_layers, strict=True)
+            for layer, cache, sliding in layers:
+                rope = local if sliding else tables
                 x, residual = layer(positions, x, residual, rope, cache, meta)
         assert residual is not None
         return self.norm.add_forward(x, residual)[0]

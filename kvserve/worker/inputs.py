@@ -22,7 +22,7 @@ import torch
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import KVLoad
 from kvserve.kv.swap import SwapIn, SwapOut
-from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.model.attention import AttentionMetadata, PrefillChunk, visible
 from kvserve.request import Request
 from kvserve.sampling import SampleRow
 from kvserve.sched.scheduler import ScheduledRequest, SchedulerOutput
@@ -124,10 +124,7 @@ class InputBuilder:
         if computed == 0 and self.window is None:
             return None
         q_pos = torch.arange(computed, computed + n).unsqueeze(1)
-        k_pos = torch.arange(computed + n).unsqueeze(0)
-        mask = k_pos <= q_pos
-        if self.window is not None:
-            mask &= (k_pos > q_pos - self.window) | (k_pos < self.sinks)
+        mask = visible(q_pos, torch.arange(computed + n).unsqueeze(0), self.window, self.sinks)
         return mask.view(1, 1, n, computed + n).to(self.device)
 
     def build(self, batch: list[ScheduledRequest]) -> StepInputs:
@@ -224,9 +221,7 @@ class InputBuilder:
         max_len = padded.shape[1] * self.block_size
         pos = torch.arange(max_len).unsqueeze(0)
         lens_t = torch.tensor(lens).unsqueeze(1)
-        mask = pos < lens_t
-        if self.window is not None:
-            mask &= (pos > (lens_t - 1 - self.window)) | (pos < self.sinks)
+        mask = visible(lens_t - 1, pos, self.window, self.sinks)  # a decode sits at len - 1
         need_mask = self.window is not None or any(n != max_len for n in lens)
         mask_t = mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
         return padded, mask_t
