@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from kvserve.config import EngineArgs
+from kvserve.config import KV_LAYOUTS, EngineArgs
 from kvserve.router.config import ROUTING_CHOICES
 from kvserve.server.config import ROLES
 from kvserve.server.tools.parsers import PARSER_NAMES
@@ -253,6 +253,7 @@ def _plan(ns: argparse.Namespace) -> int:
         overhead=parse_size(ns.overhead),
         tp=ns.tp,
         block_size=ns.block_size,
+        kv_layout=ns.kv_layout,
     )
     plans = [plan(base, "base")]
     plans += [plan(variant(base, spec), spec) for spec in ns.compare or []]
@@ -463,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--overhead", default="1GiB", help="per GPU: activations, CUDA context")
     pl.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
     pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    hybrid = "as the engine flag: hybrid counts a sliding layer's window only"
+    pl.add_argument("--kv-layout", default="auto", choices=KV_LAYOUTS, help=hybrid)
     pl.add_argument("--compare", action="append", help="key=value[,key=value] variant")
     pl.add_argument("--json", action="store_true", help="print the plans as JSON")
     pl.set_defaults(func=_plan)

@@ -22,6 +22,7 @@ PREFIX_CACHE_ISOLATION = ("none", "tenant")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 PREEMPTION_VICTIMS = ("cost", "latest")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+KV_LAYOUTS = ("auto", "hybrid", "uniform")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class CacheConfig:
     taken only while requests are swapped out (0 disables swapping).
     ``kv_cache_smooth_k``: an int8 or token-scale fp8 cache stores keys less their layer's
     mean key, calibrated at start (``kvserve.kv.smoothing``); no effect on other caches.
+    ``kv_layout``: ``hybrid`` gives a model with sliding and global layers one block table
+    per group of layers (``kvserve.kv.groups``), so sliding layers hold only their window;
+    ``uniform`` one table for every layer; ``auto`` is hybrid for such a model unless a
+    feature not yet wired for it is on (swap preemption, a KV store, a cluster).
     """
 
     block_size: int = 16
@@ -88,8 +93,11 @@ class CacheConfig:
     swap_space: int = 4 * 1024**3
     kv_cache_scales: str = "auto"
     kv_cache_smooth_k: bool = True
+    kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
         if self.kv_cache_scales not in KV_CACHE_SCALES:
             raise ValueError(
                 f"kv_cache_scales {self.kv_cache_scales!r} is not one of "
@@ -302,6 +310,13 @@ class EngineArgs:
         None, "with a sliding window: first tokens always attended (default 4 with the flag)"
     )
     swap_space: int | str = _arg("4GiB", "host memory for swapped-out KV (0: off)")
+    kv_layout: str = _arg(
+        "auto",
+        "hybrid: a model with sliding and global layers keeps only the window's KV for the "
+        "sliding ones (one block table per layer group); uniform: one table for all layers; "
+        "auto: hybrid for such a model unless swap preemption, a KV store or a cluster is on",
+        KV_LAYOUTS,
+    )
     max_num_batched_tokens: int = _arg(2048, "token budget of one engine step")
     max_num_seqs: int = _arg(256, "most running sequences")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps")
@@ -383,6 +398,7 @@ class EngineArgs:
             parse_size(self.swap_space),
             self.kv_cache_scales,
             self.kv_cache_smooth_k,
+            self.kv_layout,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -93,6 +93,7 @@ class EngineBuilder:
             sinks = 4 if self.cache_config.sliding_window else 0
         self.attention_sinks = sinks if self.window is not None else 0
         self.cache_config = self._resolve_kv_scales(self.cache_config)
+        self.cache_config = self._resolve_kv_layout(args, self.cache_config)
         self.parallel = args.parallel_config()
         shard_inputs = ShardInputs(
             self.model_config,
@@ -152,7 +153,9 @@ class EngineBuilder:
             self.cache_config.block_size,
             enable_caching=self.cache_config.enable_prefix_caching,
             cache_keys=(self.model_fingerprint, f"kv={self.kv_format.name}"),
-            reserve_null_block=self.window is not None,
+            reserve_null_block=self.window is not None or self.kv_spec.groups is not None,
+            groups=self.kv_spec.groups,
+            max_step_tokens=self.scheduler_config.max_num_batched_tokens,
         )
         if not 0.0 <= args.prewarm_device_fraction <= 1.0:
             raise EngineError(
@@ -165,7 +168,9 @@ class EngineBuilder:
                 f"{self.max_model_len}; raise kv_cache_memory or lower max_model_len"
             )
         swap_on = bool(
-            self.cache_config.swap_space and self.scheduler_config.preemption_mode != "recompute"
+            self.cache_config.swap_space
+            and self.scheduler_config.preemption_mode != "recompute"
+            and not self.kv.hybrid  # a preempted request recomputes (kv/manager.py)
         )
         inputs_device = self.device if executor is None else torch.device("cpu")
         inputs = InputBuilder(self.kv, inputs_device, self.window, self.attention_sinks, dense)
@@ -302,6 +307,35 @@ class EngineBuilder:
             return cache
         head = cache.calculate_kv_scales or has_kv_scales(self.model_dir)
         return dataclasses.replace(cache, kv_cache_scales="head" if head else "token")
+
+    def _resolve_kv_layout(self, args: EngineArgs, cache: CacheConfig) -> CacheConfig:
+        """``kv_layout`` ``auto`` → ``hybrid`` for a model with sliding and global layers
+        unless swap preemption, a KV store or a cluster is on (not wired for it yet), else
+        ``uniform``. Refuses (EngineError) ``hybrid`` where it cannot apply."""
+        blockers = []
+        if self.scheduler_config.preemption_mode == "swap":
+            blockers.append("preemption_mode swap")
+        if args.store_config().urls:
+            blockers.append("a KV store (kv_store, or a cluster's)")
+        if args.cluster:
+            blockers.append("a cluster (replication)")
+        if cache.kv_layout == "hybrid":
+            if not self.spec.hybrid:
+                raise EngineError(
+                    f"kv_layout hybrid: every layer of {self.spec.architecture} attends "
+                    "alike; the hybrid layout is for models with sliding and global layers"
+                )
+            if blockers:
+                raise EngineError(
+                    f"kv_layout hybrid does not work with {', '.join(blockers)} yet; drop "
+                    "them or use kv_layout uniform"
+                )
+        layout = "uniform"
+        if self.spec.hybrid and cache.kv_layout != "uniform":
+            layout = "uniform" if blockers else "hybrid"
+            if blockers:
+                logger.info("KV layout uniform: %s not wired for the hybrid one", blockers)
+        return dataclasses.replace(cache, kv_layout=layout)
 
     def _check_parallel(self, args: EngineArgs) -> None:
         """Refuse, at start, what tensor parallelism does not support yet."""

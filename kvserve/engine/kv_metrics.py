@@ -110,6 +110,11 @@ def engine_info(engine: EngineParts) -> dict[str, Any]:
     kv = engine.kv
     return {
         "bytes_per_token": engine.kv_spec.bytes_per_token,
+        # hybrid: one block table per group of layers; a sliding group (its window in
+        # tokens) holds only its window's blocks, a global one (None) every block
+        "kv_layout": "hybrid" if kv.hybrid else "uniform",
+        "kv_group_windows": list(kv.windows),
+        "kv_layers_per_block": engine.kv_spec.block_layers,
         "num_blocks": kv.num_blocks,
         "block_size": kv.block_size,
         "max_model_len": engine.max_model_len,
@@ -140,7 +145,7 @@ def snapshot(engine: EngineParts) -> KVStats:
     bs = kv.block_size
     engine.peak_usage.record(pool.num_used / kv.num_blocks)
     allocated = pool.num_used * bs
-    unused = sum(
+    unused = len(kv.windows) * sum(  # each group's last block is as full as group 0's
         max(len(kv.block_table(r.request_id)) * bs - r.num_computed_tokens, 0)
         for r in sched.running
     )

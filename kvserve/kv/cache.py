@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.hugepages import huge_zeros
+from kvserve.kv.groups import KVGroups
 from kvserve.kv.quant import TILE, KVFormat, QuantizedKVCache
 
 _TOKEN_SCALE_BYTES = 2  # float16 per (token, KV head) for int8
@@ -26,7 +27,8 @@ class KVCacheSpec:
 
     ``dtype`` is the stored element type; ``scale`` is the quantization scale granularity
     (``none``, ``token``: one float16 per token and KV head, ``head``: per layer and head,
-    negligible and not counted per token).
+    negligible and not counted per token). ``groups`` (the hybrid layout, kv/groups.py):
+    a block holds ``groups.group_size`` layers, not all of them.
     """
 
     num_layers: int
@@ -36,6 +38,7 @@ class KVCacheSpec:
     block_size: int
     scale: str = "none"
     tiled: bool = False  # [2, slots / TILE, H, TILE, D] (module docstring)
+    groups: KVGroups | None = None
 
     def __post_init__(self) -> None:
         if self.tiled and (self.scale == "head" or self.block_size % TILE or self.head_dim % 2):
@@ -54,19 +57,33 @@ class KVCacheSpec:
         fmt: KVFormat,
         block_size: int,
         tiled: bool = False,
+        groups: KVGroups | None = None,
     ) -> KVCacheSpec:
-        return cls(num_layers, num_kv_heads, head_dim, fmt.storage, block_size, fmt.scale, tiled)
+        return cls(
+            num_layers, num_kv_heads, head_dim, fmt.storage, block_size, fmt.scale, tiled, groups
+        )
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """2 (K and V) × KV heads × (head dim × element size + per-token scale)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        scale = _TOKEN_SCALE_BYTES if self.scale == "token" else 0
+        return 2 * self.num_kv_heads * (self.head_dim * elem + scale)
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) × layers × KV heads × (head dim × element size + per-token scale)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        scale = _TOKEN_SCALE_BYTES if self.scale == "token" else 0
-        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * elem + scale)
+        """One token's K/V in every layer (in the hybrid layout: before any of it leaves a
+        sliding window)."""
+        return self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def block_layers(self) -> int:
+        """Layers one pool block holds: every layer, or a hybrid layout's group size."""
+        return self.groups.group_size if self.groups is not None else self.num_layers
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        return self.block_layers * self.layer_bytes_per_token * self.block_size
 
     def num_blocks_for(self, memory_bytes: int) -> int:
         return memory_bytes // self.bytes_per_block
@@ -76,19 +93,30 @@ class KVCacheSpec:
     ) -> list[torch.Tensor] | list[QuantizedKVCache]:
         """Per-layer caches of ``num_blocks`` blocks: ``[2, slots, H, D]`` tensor views of one
         zeroed allocation (``[2, slots / TILE, H, TILE, D]`` when ``tiled``), or
-        ``QuantizedKVCache`` objects for a quantized ``fmt`` (tiled alike)."""
+        ``QuantizedKVCache`` objects for a quantized ``fmt`` (tiled alike). In the hybrid
+        layout the layers at one position of their groups share one cache's slots (a
+        quantized cache's per-layer state stays each layer's own)."""
         slots = num_blocks * self.block_size
+        n = self.block_layers
         if fmt is not None and fmt.quantized:
-            return [
+            shared = [
                 QuantizedKVCache(fmt, slots, self.num_kv_heads, self.head_dim, device, self.tiled)
-                for _ in range(self.num_layers)
+                for _ in range(n)
+            ]
+            if self.groups is None:
+                return shared
+            return [
+                shared[j] if g == 0 else shared[j].sharing_rows()
+                for g, j in zip(self.groups.layer_group, self.groups.layer_slot, strict=True)
             ]
         h = self.num_kv_heads
         rows = (slots // TILE, h, TILE) if self.tiled else (slots, h)
         # on a CPU, in a mapping of its own on huge pages (kvserve/hugepages.py): attention
         # reads blocks scattered over all of it
-        full = huge_zeros((self.num_layers, 2, *rows, self.head_dim), self.dtype, device)
-        return list(full.unbind(0))
+        full = list(huge_zeros((n, 2, *rows, self.head_dim), self.dtype, device).unbind(0))
+        if self.groups is None:
+            return full
+        return [full[j] for j in self.groups.layer_slot]
 
 
 def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:

@@ -14,6 +14,15 @@ always left to compute, because the step that computes it produces the next toke
 Sliding windows: ``free_outside_window`` returns blocks no future query can attend to
 (except attention-sink blocks) and puts the pool's null block in their table slots.
 
+Hybrid layout (``groups``, kv/groups.py): a request has one block table per group over the
+one pool, all of the same length (a logical block ``i`` has one page in each group). A
+sliding group's pages leave as its window passes (``free_outside_windows``); a global
+group keeps them. Prefix caching names a group's page by the block hash and the group
+(group 0 keeps the plain hash), and a hit (``find_cached_prefix``: one tuple of pages per
+logical block) needs a global group's every page but a sliding group's pages only within
+its window of the hit's end. Swap and the KV store move whole pages of one group and are
+not wired for it yet: the engine refuses them with this layout.
+
 Tenants: every block a request takes is charged to its tenant in the ``TenantLedger``
 (see there for the rule); ``allocate_slots`` refuses what would push a tenant past its
 limit. After a refusal ``shortage`` says why: ``POOL`` (not enough free blocks) or
@@ -26,13 +35,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.groups import KVGroups
 from kvserve.kv.hashing import BlockHash, hash_blocks, root_hash
+from kvserve.kv.hybrid_prefix import find_hybrid_prefix, group_hash
 from kvserve.kv.tenant_ledger import TenantLedger
 from kvserve.request import Request
 from kvserve.utils import cdiv
 
 POOL = "pool"
 TENANT_LIMIT = "tenant_limit"
+# a prefix-cache hit: one logical block's page, or its page in each group (hybrid layout)
+CachedBlock = int | tuple[int, ...]
 
 
 @dataclass
@@ -63,13 +76,24 @@ class KVCacheManager:
         enable_caching: bool = False,
         cache_keys: tuple[str, ...] = (),
         reserve_null_block: bool = False,
+        groups: KVGroups | None = None,
+        max_step_tokens: int = 0,
     ):
+        """``groups``: the hybrid layout (None or one group: one table per request);
+        ``max_step_tokens``: the most tokens one step computes for a request (sizes a
+        sliding group's peak in ``blocks_needed``)."""
         self.block_size = block_size
+        self.groups = groups if groups is not None and groups.hybrid else None
+        # per group: its window (None: keeps every block); one group when uniform
+        self.windows: tuple[int | None, ...] = (
+            self.groups.windows if self.groups is not None else (None,)
+        )
+        self.max_step_tokens = max_step_tokens
         self.enable_caching = enable_caching
         self.cache_keys = (*cache_keys, f"block_size={block_size}")
         self.pool = BlockPool(num_blocks, reserve_null_block=reserve_null_block)
         self.stats = PrefixCacheStats()
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[list[int]]] = {}  # request id → a table per group
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already in the index
         self._roots: dict[str | None, BlockHash] = {}
@@ -83,11 +107,27 @@ class KVCacheManager:
         return self.pool.num_usable
 
     @property
+    def hybrid(self) -> bool:
+        return self.groups is not None
+
+    @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """The longest sequence the whole pool holds."""
+        if self.groups is None:
+            return self.num_blocks * self.block_size
+        lo, hi = 0, self.num_blocks * self.block_size
+        while lo < hi:  # blocks_needed grows with the tokens
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.blocks_needed(mid) <= self.num_blocks else (lo, mid - 1)
+        return lo
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+        """Pool blocks a sequence of ``num_tokens`` holds at most (hybrid: with a step's
+        worth of new tokens in each sliding group beside its window)."""
+        if self.groups is None:
+            return cdiv(num_tokens, self.block_size)
+        step = min(self.max_step_tokens, num_tokens)
+        return self.groups.blocks_held(num_tokens - step, self.block_size, step)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` fits in the whole pool."""
@@ -120,10 +160,12 @@ class KVCacheManager:
         return hash_blocks(self._root(request.cache_salt), tokens, self.block_size)
 
     # ---- prefix lookup and allocation ---------------------------------------------------
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, request: Request) -> list[CachedBlock]:
         """Leading blocks of ``request`` already in the pool (empty when caching is off, the
-        request has computed tokens or wants prompt logprobs). Changes nothing; the hit
-        statistics are counted when ``allocate_slots`` admits the request."""
+        request has computed tokens or wants prompt logprobs), at most its
+        ``restore_limit``'s. Block ids, or in the hybrid layout one tuple of pages per
+        logical block (``find_hybrid_prefix``). Changes nothing; the hit statistics are
+        counted when ``allocate_slots`` admits the request."""
         if (
             not self.enable_caching
             or request.num_computed_tokens
@@ -131,7 +173,12 @@ class KVCacheManager:
         ):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self._cached_run(request, self.block_hashes(request, max_blocks))
+        if request.restore_limit is not None:
+            max_blocks = min(max_blocks, request.restore_limit // self.block_size)
+        hashes = self.block_hashes(request, max_blocks)
+        if self.groups is not None:
+            return find_hybrid_prefix(self.pool, self.windows, request, hashes, self.block_size)
+        return list(self._cached_run(request, hashes))
 
     def _cached_run(
         self, request: Request, hashes: list[BlockHash], live: list[bool] | None = None
@@ -149,34 +196,48 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
+    def _per_group(self, cached: list[CachedBlock]) -> list[list[int]]:
+        """``cached`` as one list of pages per group."""
+        if self.groups is None:
+            return [list(cached)]  # type: ignore[arg-type]
+        return [[c[g] for c in cached] for g in range(len(self.windows))]  # type: ignore[index]
+
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, cached_blocks: list[CachedBlock] | None = None
     ) -> list[int] | None:
         """Ensure blocks for the request's computed tokens (plus ``cached_blocks``' tokens)
-        and ``num_new_tokens`` more. ``cached_blocks`` (from ``find_cached_prefix``, first
-        call only) are shared, not allocated.
+        and ``num_new_tokens`` more, in every group. ``cached_blocks`` (from
+        ``find_cached_prefix``, first call only) are shared, not allocated.
 
-        Returns the newly allocated block ids (possibly empty), or None — changing nothing
-        and setting ``shortage`` — when the pool is short or the tenant would pass its limit.
+        Returns the newly allocated block ids (possibly empty; every group's, group by
+        group), or None — changing nothing and setting ``shortage`` — when the pool is short
+        or the tenant would pass its limit.
         """
-        cached = cached_blocks or []
-        table = self._tables.get(request.request_id, [])
-        computed = request.num_computed_tokens + len(cached) * self.block_size
-        need = max(self.blocks_needed(computed + num_new_tokens) - len(table) - len(cached), 0)
-        if not self._admissible(request.tenant, need, cached):
+        cached = self._per_group(cached_blocks or [])
+        null = self.pool.null_block
+        shared = [b for group in cached for b in group if b != null]
+        tables = self._tables.get(request.request_id) or [[] for _ in self.windows]
+        n_cached = len(cached[0])
+        computed = request.num_computed_tokens + n_cached * self.block_size
+        blocks = cdiv(computed + num_new_tokens, self.block_size)  # table entries
+        need = [max(blocks - len(t) - n_cached, 0) for t in tables]
+        if not self._admissible(request.tenant, sum(need), shared):
             return None
-        if self.enable_caching and request.num_computed_tokens == 0 and not table:
+        if self.enable_caching and request.num_computed_tokens == 0 and not tables[0]:
             self.stats.queries += request.num_tokens  # counted once per admission
-            self.stats.hits += len(cached) * self.block_size
-        table = self._tables.setdefault(request.request_id, [])
+            self.stats.hits += n_cached * self.block_size
+        self._tables[request.request_id] = tables
         self._tenant[request.request_id] = request.tenant
-        if cached:
-            self.pool.touch(cached)
-            table.extend(cached)
-            self._num_cached[request.request_id] = len(cached)
-        new = self.pool.allocate(need) or []
-        table.extend(new)
-        self.ledger.charge(request.tenant, [*cached, *new])
+        if n_cached:
+            self.pool.touch(shared)
+            for table, group in zip(tables, cached, strict=True):
+                table.extend(group)
+            self._num_cached[request.request_id] = n_cached
+        new = self.pool.allocate(sum(need)) or []
+        it = iter(new)
+        for table, n in zip(tables, need, strict=True):
+            table.extend(next(it) for _ in range(n))
+        self.ledger.charge(request.tenant, [*shared, *new])
         return new
 
     def _admissible(self, tenant: str, need: int, cached: list[int]) -> bool:
@@ -197,6 +258,7 @@ class KVCacheManager:
         """For a request coming back from swap: its leading full blocks that the pool
         still holds under the same hash and tokens (another request's, or cached-free), to
         be shared instead of copied back. Stops at the first missing or null entry."""
+        self._uniform_only("swap")
         if not self.enable_caching:
             return []
         full = min(request.num_computed_tokens // self.block_size, len(live))
@@ -214,6 +276,7 @@ class KVCacheManager:
         fresh block where ``live[i]`` (the caller copies the K/V in) and the null block
         elsewhere, plus room for ``num_new_tokens`` more. Returns the fresh blocks in table
         order, or None (setting ``shortage``, changing nothing)."""
+        self._uniform_only("swap")
         if request.request_id in self._tables:
             raise ValueError(f"request {request.request_id!r} already holds blocks")
         shared = shared or []
@@ -227,40 +290,64 @@ class KVCacheManager:
         rest = live[len(shared) :]
         table = [*shared, *(next(it) if alive else self.pool.null_block for alive in rest)]
         table.extend(it)
-        self._tables[request.request_id] = table  # type: ignore[assignment]
+        self._tables[request.request_id] = [table]  # type: ignore[list-item]
         self._tenant[request.request_id] = request.tenant
         self._num_cached[request.request_id] = len(shared)
         self.ledger.charge(request.tenant, [*shared, *fresh])
         return fresh
 
+    def _uniform_only(self, what: str) -> None:
+        if self.groups is not None:
+            raise NotImplementedError(f"{what} is not wired for the hybrid KV layout")
+
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens."""
+        """Register the request's blocks (every group's pages) that are now full of
+        computed tokens."""
         if not self.enable_caching:
             return
         rid = request.request_id
-        table = self._tables.get(rid)
-        if not table:
+        tables = self._tables.get(rid)
+        if not tables or not tables[0]:
             return
-        full = min(request.num_computed_tokens // self.block_size, len(table))
+        full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         done = self._num_cached.get(rid, 0)
         if full <= done:
             return
         bs = self.block_size
         hashes = self.block_hashes(request, full)
-        for i in range(done, full):
-            b = table[i]
-            if b != self.pool.null_block:
-                self.pool.cache(b, hashes[i], request.token_slice(i * bs, (i + 1) * bs))
+        null = self.pool.null_block
+        for g, table in enumerate(tables):
+            for i in range(done, full):
+                b = table[i]
+                if b != null:
+                    tokens = request.token_slice(i * bs, (i + 1) * bs)
+                    self.pool.cache(b, group_hash(hashes[i], g), tokens)
         self._num_cached[rid] = full
 
     def free_outside_window(self, request: Request, window: int, sinks: int = 0) -> int:
         """Release blocks whose positions all lie before the window of every future query
         (the next query sits at ``num_computed_tokens``) and past the ``sinks`` first
         tokens. Their table slots become the null block. Returns how many were freed."""
-        table = self._tables.get(request.request_id)
+        return self._free_before(request, 0, window, sinks)
+
+    def free_outside_windows(
+        self, request: Request, window: int | None = None, sinks: int = 0
+    ) -> int:
+        """``free_outside_window`` for every group that slides: in the hybrid layout each
+        sliding group over its own window (no sinks), else the one table over ``window``
+        (a no-op when None). Returns how many blocks were freed."""
+        if self.groups is None:
+            return 0 if window is None else self._free_before(request, 0, window, sinks)
+        return sum(
+            self._free_before(request, g, w) for g, w in enumerate(self.windows) if w is not None
+        )
+
+    def _free_before(self, request: Request, group: int, window: int, sinks: int = 0) -> int:
+        tables = self._tables.get(request.request_id)
         null = self.pool.null_block
-        if not table or null is None:
+        if not tables or null is None:
             return 0
+        table = tables[group]
         dead_end = request.num_computed_tokens - window + 1  # positions < this are dead
         first = cdiv(sinks, self.block_size)
         freed = []
@@ -278,35 +365,43 @@ class KVCacheManager:
         rid = request.request_id
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
-        table = self._tables.pop(rid, None)
+        tables = self._tables.pop(rid, None)
         tenant = self._tenant.pop(rid, None)
-        if table:
+        null = self.pool.null_block
+        for table in tables or ():
             self.pool.free(reversed(table))
-            null = self.pool.null_block
             self.ledger.release(tenant or request.tenant, [b for b in table if b != null])
 
     def block_table(self, request_id: str) -> list[int]:
+        """The request's table (group 0's in the hybrid layout); empty when it holds none."""
+        tables = self._tables.get(request_id)
+        return tables[0] if tables else []
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """One table per group (a single one when uniform); empty when it holds none."""
         return self._tables.get(request_id, [])
 
-    def num_live_blocks(self, request_id: str) -> int:
-        """Blocks a request holds, not counting null-block placeholders."""
+    def _blocks(self, request_id: str) -> list[int]:
         null = self.pool.null_block
-        return sum(1 for b in self._tables.get(request_id, ()) if b != null)
+        return [b for t in self._tables.get(request_id, ()) for b in t if b != null]
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Blocks a request holds (every group's), not counting null-block placeholders."""
+        return len(self._blocks(request_id))
 
     def num_exclusive_blocks(self, request_id: str) -> int:
         """Blocks only this request references: what freeing it gives back to the pool."""
-        null = self.pool.null_block
         refs = self.pool.ref_count
-        return sum(1 for b in self._tables.get(request_id, ()) if b != null and refs(b) == 1)
+        return sum(1 for b in self._blocks(request_id) if refs(b) == 1)
 
     def num_shared_prefix_blocks(self, request_id: str) -> int:
-        """Leading blocks of the request that are in the prefix index and referenced by
-        someone else too: they survive the request's preemption and a recompute finds them
-        (0 without prefix caching)."""
+        """Leading blocks of the request (group 0's) that are in the prefix index and
+        referenced by someone else too: they survive the request's preemption and a
+        recompute finds them (0 without prefix caching)."""
         if not self.enable_caching:
             return 0
         n = 0
-        for b in self._tables.get(request_id, ()):
+        for b in self.block_table(request_id):
             if (
                 b == self.pool.null_block
                 or self.pool.ref_count(b) < 2
@@ -324,14 +419,19 @@ class KVCacheManager:
         return self.pool.evict_cached()
 
     def check_integrity(self) -> None:
-        """Pool invariants hold and every used block is owned by exactly its ref count."""
+        """Pool invariants hold, every used block is owned by exactly its ref count, every
+        request's group tables have one length, and the tenants' charges match."""
         self.pool.check_integrity()
         owners: dict[int, int] = {}
+        charged: dict[str, dict[int, int]] = {}
+        for rid, tables in self._tables.items():
+            if len(tables) != len(self.windows) or len({len(t) for t in tables}) > 1:
+                raise AssertionError(f"request {rid!r}: group tables of unequal lengths")
+            refs = charged.setdefault(self._tenant[rid], {})
+            for b in self._blocks(rid):
+                owners[b] = owners.get(b, 0) + 1
+                refs[b] = refs.get(b, 0) + 1
         null = self.pool.null_block
-        for table in self._tables.values():
-            for b in table:
-                if b != null:
-                    owners[b] = owners.get(b, 0) + 1
         for b in range(self.pool.num_blocks):
             if b == null:
                 continue
@@ -339,12 +439,6 @@ class KVCacheManager:
                 raise AssertionError(
                     f"block {b}: {owners.get(b, 0)} owners but ref count {self.pool.ref_count(b)}"
                 )
-        charged: dict[str, dict[int, int]] = {}
-        for rid, table in self._tables.items():
-            refs = charged.setdefault(self._tenant[rid], {})
-            for b in table:
-                if b != null:
-                    refs[b] = refs.get(b, 0) + 1
         for tenant in set(charged) | set(self.ledger.usages()):
             if self.ledger.references(tenant) != charged.get(tenant, {}):
                 raise AssertionError(f"tenant {tenant!r}: ledger and block tables disagree")

@@ -119,6 +119,18 @@ class QuantizedKVCache:
         self.candidates = FP8_SCALE_CANDIDATES.get(fmt.storage, 1)  # token-scale fp8 only
         self.k_shift: torch.Tensor | None = None  # K smoothing: [H, D] float32
 
+    def sharing_rows(self) -> QuantizedKVCache:
+        """Another layer's cache over the same slots (a hybrid layout's layers at one
+        position of their groups: kv/groups.py): the same codes and per-token scales, its
+        own per-head scales, K shift and calibration flag."""
+        other = object.__new__(QuantizedKVCache)
+        other.__dict__.update(self.__dict__)
+        if self.fmt.scale != "token":
+            other.scale = self.scale.clone()
+        other.k_shift = None
+        other.calibrating = False
+        return other
+
     def set_k_shift(self, shift: torch.Tensor) -> None:
         """Store every later key as ``k - shift`` (``[H, D]``; K smoothing). Token
         scales only (ValueError otherwise); must precede any write."""

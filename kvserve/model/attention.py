@@ -61,6 +61,13 @@ class AttentionMetadata:
     query_start: torch.Tensor | None = None  # [seqs + 1] first token row of each sequence
     # masks a backend with its own window built for this step (TorchPagedAttention.for_window)
     window_masks: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    # the hybrid KV layout (kv/groups.py): groups 1, 2, …'s metadata, over their own block
+    # tables (this object is group 0's); empty when every layer shares one table
+    groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of the layers of KV group ``group`` (this one when uniform)."""
+        return self if group == 0 or not self.groups else self.groups[group - 1]
 
 
 def visible(

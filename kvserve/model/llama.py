@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kv.groups import KVGroups
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.fused_stack import FusedStack
 from kvserve.model.mlp import make_mlp, mlp_weights, our_mlp_name
@@ -193,6 +194,12 @@ class LlamaForCausalLM(nn.Module):
             spec.local_rope is not None and bool(spec.layer_window(i))
             for i in range(spec.num_layers)
         )
+        # per layer: its KV group in the hybrid layout (the step's meta.groups, when set)
+        self._kv_groups = (
+            KVGroups.for_layer_windows(spec.layer_windows).layer_group
+            if spec.hybrid
+            else (0,) * spec.num_layers
+        )
         # a packed copy of the tied embeddings for the LM head (``model.linear``)
         self.lm_head_packed: nn.Module | None = None
         # the layers in one C++ call (``model.fused_stack``), set after prepacking
@@ -224,10 +231,10 @@ class LlamaForCausalLM(nn.Module):
             if self.local_rope is not None:
                 local = self.local_rope.tables(x.dtype, meta.max_position)
             residual = None
-            layers = zip(self.layers, kv_caches, self._local_layers, strict=True)
-            for layer, cache, sliding in layers:
+            layers = zip(self.layers, kv_caches, self._local_layers, self._kv_groups, strict=True)
+            for layer, cache, sliding, group in layers:
                 rope = local if sliding else tables
-                x, residual = layer(positions, x, residual, rope, cache, meta)
+                x, residual = layer(positions, x, residual, rope, cache, meta.for_group(group))
         assert residual is not None
         return self.norm.add_forward(x, residual)[0]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kvserve.kv.cache import KVCacheSpec
+from kvserve.kv.groups import KVGroups
 from kvserve.kv.quant import kv_format
 from kvserve.model.spec import load_model_spec
 from kvserve.planner.hardware import find_accelerator
@@ -38,6 +39,7 @@ class PlanInput:
     tp: int = 1
     block_size: int = 16
     kv_cache_scales: str = "auto"  # fp8: as the engine's flag; auto = token for a shape
+    kv_layout: str = "auto"  # as the engine's flag: hybrid for sliding + global layers
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Plan:
     gpu: str = ""  # the assumed GPU and its memory
     concurrency: int = 1
     fit_note: str | None = None  # with gpus_needed None: why, and the --tp that would fit
+    kv_layout: str = "uniform"  # or "hybrid (…groups…)": kv_bytes_per_token is an average
 
 
 def resolve_shape(model: str) -> ModelShape:
@@ -91,6 +94,7 @@ def resolve_shape(model: str) -> ModelShape:
         s.head_dim,
         params,
         s.sliding_window,
+        s.layer_windows,
     )
 
 
@@ -100,7 +104,32 @@ def kv_spec_for(shape: ModelShape, p: PlanInput, per_rank: bool = False) -> KVCa
     counted on every rank holding them), which is what the engine sizes its pool by."""
     fmt = kv_format(p.kv_cache_dtype, parse_dtype(p.dtype), p.kv_cache_scales)
     heads = kv_heads_per_rank(shape.num_kv_heads, p.tp) if per_rank else shape.num_kv_heads
-    return KVCacheSpec.for_format(shape.num_layers, heads, shape.head_dim, fmt, p.block_size)
+    groups = None
+    if shape.layer_windows and p.kv_layout != "uniform":
+        groups = KVGroups.for_layer_windows(shape.layer_windows)
+    return KVCacheSpec.for_format(
+        shape.num_layers, heads, shape.head_dim, fmt, p.block_size, groups=groups
+    )
+
+
+def _request_bytes(spec: KVCacheSpec, tokens: int) -> int:
+    """KV bytes one request of ``tokens`` (whole blocks) holds: every layer's, or in the
+    hybrid layout the global groups' every block and the sliding groups' windows."""
+    if spec.groups is None:
+        return tokens * spec.bytes_per_token
+    return spec.groups.blocks_held(tokens, spec.block_size) * spec.bytes_per_block
+
+
+def _layout(spec: KVCacheSpec) -> str:
+    g = spec.groups
+    if g is None:
+        return "uniform"
+    full = sum(w is None for w in g.windows)
+    windows = sorted({w for w in g.windows if w is not None})
+    return (
+        f"hybrid: {g.num_groups} groups of {g.group_size} layers, {full} global, "
+        f"{g.num_groups - full} sliding over {'/'.join(map(str, windows))}"
+    )
 
 
 def plan(p: PlanInput, label: str = "") -> Plan:
@@ -113,12 +142,12 @@ def plan(p: PlanInput, label: str = "") -> Plan:
     if shape.sliding_window:
         tokens = min(tokens, shape.sliding_window + p.block_size)  # window + partial block
     tokens = cdiv(tokens, p.block_size) * p.block_size  # paged: whole blocks
-    per_request = tokens * spec.bytes_per_token
+    per_request = _request_bytes(spec, tokens)
     weight_bytes = shape.num_params * torch.empty((), dtype=parse_dtype(p.dtype)).element_size()
     gpu_mem = p.gpu_memory or find_accelerator(p.gpu).memory_bytes
     usable = int(gpu_mem * p.gpu_memory_utilization) - p.overhead  # weights + KV
     per_gpu = usable - weight_bytes // p.tp
-    per_request_gpu = tokens * kv_spec_for(shape, p, per_rank=True).bytes_per_token
+    per_request_gpu = _request_bytes(kv_spec_for(shape, p, per_rank=True), tokens)
     max_conc = max(0, per_gpu // per_request_gpu)
     gpus = cdiv(p.concurrency, max_conc) * p.tp if max_conc > 0 else None
     note = None
@@ -135,7 +164,7 @@ def plan(p: PlanInput, label: str = "") -> Plan:
         label=label or p.model,
         model=shape.name,
         weight_bytes=weight_bytes,
-        kv_bytes_per_token=spec.bytes_per_token,
+        kv_bytes_per_token=per_request // tokens,
         tokens_per_request=tokens,
         kv_bytes_per_request=per_request,
         kv_bytes_total=per_request * p.concurrency,
@@ -145,6 +174,7 @@ def plan(p: PlanInput, label: str = "") -> Plan:
         gpu=f"{gpu_name} ({format_size(gpu_mem)} x {p.gpu_memory_utilization:g})",
         concurrency=p.concurrency,
         fit_note=note,
+        kv_layout=_layout(spec),
     )
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What sizes a model's memory: layers, KV heads, head dim, parameter count."""
+    """What sizes a model's memory: layers, KV heads, head dim, parameter count, and the
+    attention windows: one for every layer, or per layer (``layer_windows``, 0: global)."""
 
     name: str
     num_layers: int
@@ -20,6 +21,7 @@ class ModelShape:
     head_dim: int
     num_params: int
     sliding_window: int | None = None
+    layer_windows: tuple[int, ...] = ()
 
 
 def _shape(
@@ -31,9 +33,21 @@ def _shape(
     params: float,
     head_dim: int | None = None,
     window: int | None = None,
+    local: int | None = None,
 ) -> ModelShape:
+    """``local``: Gemma 3's pattern, every sixth layer global, the others sliding over
+    ``local`` tokens."""
+    per_layer = tuple(0 if (i + 1) % 6 == 0 else local for i in range(layers)) if local else ()
     return ModelShape(
-        name, layers, hidden, heads, kv, head_dim or hidden // heads, int(params * 1e9), window
+        name,
+        layers,
+        hidden,
+        heads,
+        kv,
+        head_dim or hidden // heads,
+        int(params * 1e9),
+        window,
+        per_layer,
     )
 
 
@@ -54,6 +68,11 @@ PRESETS = {
         _shape("qwen2.5-14b", 48, 5120, 40, 8, 14.8),
         _shape("qwen2.5-32b", 64, 5120, 40, 8, 32.8),
         _shape("qwen2.5-72b", 80, 8192, 64, 8, 72.7),
+        _shape("gemma-3-270m", 18, 640, 4, 1, 0.27, head_dim=256, local=512),
+        _shape("gemma-3-1b", 26, 1152, 4, 1, 1.0, head_dim=256, local=512),
+        _shape("gemma-3-4b", 34, 2560, 8, 4, 3.88, head_dim=256, local=1024),
+        _shape("gemma-3-12b", 48, 3840, 16, 8, 11.8, head_dim=256, local=1024),
+        _shape("gemma-3-27b", 62, 5376, 32, 16, 27.0, head_dim=128, local=1024),
         # the classic multi-head-attention example: every head has its own K/V
         _shape("13b-mha", 40, 5120, 40, 40, 13.0),
     )

@@ -21,6 +21,7 @@ def print_plans(plans: list[Plan], console: Console | None = None) -> None:
         ("GPU (memory x utilization)", lambda p: p.gpu),
         ("concurrency", lambda p: f"{p.concurrency:,}"),
         ("weights", lambda p: format_size(p.weight_bytes)),
+        ("KV layout", lambda p: p.kv_layout),
         ("KV bytes / token", lambda p: f"{p.kv_bytes_per_token:,}"),
         ("context + output tokens / request (blocks)", lambda p: f"{p.tokens_per_request:,}"),
         ("KV / request", lambda p: format_size(p.kv_bytes_per_request)),

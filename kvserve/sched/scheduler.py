@@ -265,9 +265,7 @@ class Scheduler:
             out.swap_in.append(self.swap.release(req.request_id, fresh[:copied], len(shared)))
             self._returning[req.request_id] = live  # until the step ends (see _preempt)
             return n
-        cached = self.kv.find_cached_prefix(req)
-        if req.restore_limit is not None:
-            cached = cached[: req.restore_limit // self.kv.block_size]
+        cached = self.kv.find_cached_prefix(req)  # at most req.restore_limit's
         computed = req.num_computed_tokens + len(cached) * self.kv.block_size
         stored = 0
         if (

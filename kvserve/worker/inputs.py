@@ -55,26 +55,31 @@ class StepInputs:
         """A copy with every tensor on ``device`` (itself when already there)."""
         if self.input_ids.device == device:
             return self
-        meta = self.meta
-        moved = {
-            f.name: getattr(meta, f.name).to(device)
-            for f in dataclasses.fields(meta)
-            if isinstance(getattr(meta, f.name), torch.Tensor)
-        }
-        prefills = [
-            dataclasses.replace(
-                p,
-                block_table=None if p.block_table is None else p.block_table.to(device),
-                mask=None if p.mask is None else p.mask.to(device),
-            )
-            for p in meta.prefills
-        ]
         return dataclasses.replace(
             self,
             input_ids=self.input_ids.to(device),
             positions=self.positions.to(device),
-            meta=dataclasses.replace(meta, prefills=prefills, **moved),
+            meta=_meta_to(self.meta, device),
         )
+
+
+def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """A copy of ``meta`` (and its groups') with every tensor on ``device``."""
+    moved = {
+        f.name: getattr(meta, f.name).to(device)
+        for f in dataclasses.fields(meta)
+        if isinstance(getattr(meta, f.name), torch.Tensor)
+    }
+    prefills = [
+        dataclasses.replace(
+            p,
+            block_table=None if p.block_table is None else p.block_table.to(device),
+            mask=None if p.mask is None else p.mask.to(device),
+        )
+        for p in meta.prefills
+    ]
+    groups = [_meta_to(g, device) for g in meta.groups]
+    return dataclasses.replace(meta, prefills=prefills, groups=groups, **moved)
 
 
 @dataclass
@@ -95,6 +100,17 @@ class WorkerStep:
     @classmethod
     def of(cls, out: SchedulerOutput, inputs: StepInputs | None) -> WorkerStep:
         return cls(out.swap_out, out.swap_in, out.swap_drop, out.kv_loads, inputs)
+
+
+@dataclass
+class _SharedMeta:
+    """What every group's metadata of one step shares."""
+
+    max_position: int
+    num_decodes: int
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    decode_lens: list[int]
 
 
 class InputBuilder:
@@ -128,48 +144,51 @@ class InputBuilder:
         return mask.view(1, 1, n, computed + n).to(self.device)
 
     def build(self, batch: list[ScheduledRequest]) -> StepInputs:
-        """Inputs for ``batch`` (any order; decodes are put first)."""
+        """Inputs for ``batch`` (any order; decodes are put first). In the hybrid KV layout
+        the metadata has one copy per group (``AttentionMetadata.groups``), each over that
+        group's block tables; masks and lengths are shared."""
         batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)
+        groups = len(self.kv.windows)
         ids: list[int] = []
         decode_pos: list[int] = []
-        decode_slots: list[int] = []
         prefill_pos: list[torch.Tensor] = []
-        prefill_slots: list[torch.Tensor] = []
-        tables: list[list[int]] = []  # every sequence's, decodes first (the batch order)
         seq_lens: list[int] = []
         query_start = [0]
-        prefills: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
         prompt_rows: list[int] = []
         prompt: list[PromptRows] = []
+        # per group: every sequence's table (decodes first, the batch order) and slots
+        tables: list[list[list[int]]] = [[] for _ in range(groups)]
+        decode_slots: list[list[int]] = [[] for _ in range(groups)]
+        prefill_slots: list[list[torch.Tensor]] = [[] for _ in range(groups)]
+        prefills: list[list[PrefillChunk]] = [[] for _ in range(groups)]
         bs = self.block_size
         for s in batch:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
-            table_list = self.kv.block_table(req.request_id)
+            group_tables = self.kv.block_tables(req.request_id)
             tok_start = len(ids)
             ids.extend(req.token_slice(start, start + n))
-            tables.append(table_list)
             seq_lens.append(start + n)
             query_start.append(len(ids))
+            for g, table_list in enumerate(group_tables):
+                tables[g].append(table_list)
             if n == 1:
                 decode_pos.append(start)
-                decode_slots.append(table_list[start // bs] * bs + start % bs)
+                for g, table_list in enumerate(group_tables):
+                    decode_slots[g].append(table_list[start // bs] * bs + start % bs)
             else:
-                table = torch.tensor(table_list, dtype=torch.long)
                 prefill_pos.append(torch.arange(start, start + n))
-                prefill_slots.append(self._slots(table, start, start + n))
-                if self.dense_masks:  # the SDPA backend's per-chunk description
-                    prefills.append(
-                        PrefillChunk(
-                            tok_start,
-                            tok_start + n,
-                            start + n,
-                            None if start == 0 else table.to(self.device),
-                            self._prefill_mask(start, n),
+                mask = self._prefill_mask(start, n) if self.dense_masks else None
+                for g, table_list in enumerate(group_tables):
+                    table = torch.tensor(table_list, dtype=torch.long)
+                    prefill_slots[g].append(self._slots(table, start, start + n))
+                    if self.dense_masks:  # the SDPA backend's per-chunk description
+                        context = None if start == 0 else table.to(self.device)
+                        prefills[g].append(
+                            PrefillChunk(tok_start, tok_start + n, start + n, context, mask)
                         )
-                    )
             k = req.params.prompt_logprobs
             if k is not None and start < req.num_prompt_tokens - 1:
                 last = min(start + n, req.num_prompt_tokens - 1)
@@ -180,24 +199,21 @@ class InputBuilder:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(req)
         positions = torch.cat([torch.tensor(decode_pos, dtype=torch.long), *prefill_pos])
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(
-                [torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]
-            ).to(self.device),
-            max_position=int(positions.max()),
-            num_decodes=len(decode_pos),
+        shared = _SharedMeta(
+            int(positions.max()),
+            len(decode_pos),
+            torch.tensor(seq_lens, dtype=torch.long, device=self.device),
+            torch.tensor(query_start, dtype=torch.long, device=self.device),
+            [p + 1 for p in decode_pos],
         )
-        if not self.dense_masks:
-            meta.seq_block_tables = self._padded(tables)
-            meta.seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device)
-            meta.query_start = torch.tensor(query_start, dtype=torch.long, device=self.device)
-        elif decode_pos:
-            decode_lens = [p + 1 for p in decode_pos]
-            meta.decode_block_tables, meta.decode_mask = self._decode_meta(
-                tables[: len(decode_pos)], decode_lens
-            )
-            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
-        meta.prefills = prefills
+        metas = [
+            self._meta(shared, tables[g], decode_slots[g], prefill_slots[g], prefills[g])
+            for g in range(groups)
+        ]
+        meta = metas[0]
+        for m in metas[1:]:
+            m.window_masks = meta.window_masks  # built once per step, for every group
+        meta.groups = metas[1:]
         return StepInputs(
             torch.tensor(ids, dtype=torch.long, device=self.device),
             positions.to(self.device),
@@ -207,6 +223,35 @@ class InputBuilder:
             [r.request_id for r in sampled],
             [self._row(r) for r in sampled],
         )
+
+    def _meta(
+        self,
+        shared: _SharedMeta,
+        tables: list[list[int]],
+        decode_slots: list[int],
+        prefill_slots: list[torch.Tensor],
+        prefills: list[PrefillChunk],
+    ) -> AttentionMetadata:
+        """One group's metadata: its slots and block tables, the step's lengths."""
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(
+                [torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]
+            ).to(self.device),
+            max_position=shared.max_position,
+            num_decodes=shared.num_decodes,
+        )
+        if not self.dense_masks:
+            meta.seq_block_tables = self._padded(tables)
+            meta.seq_lens = shared.seq_lens
+            meta.query_start = shared.query_start
+        elif shared.decode_lens:
+            lens = shared.decode_lens
+            meta.decode_block_tables, meta.decode_mask = self._decode_meta(
+                tables[: len(lens)], lens
+            )
+            meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
+        meta.prefills = prefills
+        return meta
 
     def _padded(self, tables: list[list[int]]) -> torch.Tensor:
         """``[len(tables), longest]`` int64 block tables, 0-padded, on the device."""

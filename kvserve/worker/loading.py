@@ -19,6 +19,7 @@ import torch
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.engine.errors import EngineError
 from kvserve.kv.cache import TILE, KVCacheSpec
+from kvserve.kv.groups import KVGroups
 from kvserve.kv.quant import KVFormat, kv_format
 from kvserve.kv.smoothing import key_means
 from kvserve.model.attention import (
@@ -123,8 +124,17 @@ def rank_kv_spec(
     """The KV spec of rank ``rank`` of ``world``: its KV heads' share of every block (in
     the tiled layout when ``tiled``; the bytes are the same)."""
     heads = ShardPlan.for_rank(inp.spec, rank, world).num_kv_heads
+    groups = None
+    if inp.cache_config.kv_layout == "hybrid":
+        groups = KVGroups.for_layer_windows(inp.spec.layer_windows)
     return KVCacheSpec.for_format(
-        inp.spec.num_layers, heads, inp.spec.head_dim, fmt, inp.cache_config.block_size, tiled
+        inp.spec.num_layers,
+        heads,
+        inp.spec.head_dim,
+        fmt,
+        inp.cache_config.block_size,
+        tiled,
+        groups,
     )
 
 

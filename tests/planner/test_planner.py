@@ -46,6 +46,37 @@ def test_planner_bytes_per_token_equals_what_the_engine_allocates(llama_dir, dty
     )
 
 
+def test_hybrid_layout_counts_a_sliding_layer_window_only():
+    """Gemma-3-1B at 8k: 4 global layers hold every token, 22 sliding ones 33 blocks of 16
+    (their 512-token window plus the block the next token goes to); bf16, 1 KV head of 256."""
+    layer_token = 2 * 1 * 256 * 2
+    hybrid = plan(PlanInput(model="gemma-3-1b", context=8192))
+    uniform = plan(PlanInput(model="gemma-3-1b", context=8192, kv_layout="uniform"))
+    assert uniform.kv_bytes_per_request == 26 * 8192 * layer_token
+    assert hybrid.kv_bytes_per_request == (4 * 8192 + 22 * 33 * 16) * layer_token
+    assert hybrid.kv_layout.startswith("hybrid: 13 groups of 2 layers, 2 global")
+    assert hybrid.max_concurrency_per_replica >= 4 * uniform.max_concurrency_per_replica
+
+
+def test_planned_hybrid_request_is_what_the_engine_holds(model_dirs):
+    """The planner's bytes for one request are the pages the engine's sequence holds while
+    it decodes, with room for the block its next token goes to in each sliding group."""
+    from helpers import greedy, random_prompts
+
+    engine = make_engine(model_dirs["gemma3"], dtype="bfloat16")
+    assert engine.kv.hybrid
+    page = engine.kv_spec.bytes_per_block
+    req = engine.add_request("p", random_prompts([200], seed=5)[0], greedy(57))
+    held = 0
+    while not req.is_finished:
+        engine.step()
+        if req.output_token_ids and not req.is_finished:  # decoding
+            held = max(held, engine.kv.num_live_blocks("p") * page)
+    planned = plan(PlanInput(model=str(model_dirs["gemma3"]), context=200, output_len=56))
+    sliding = sum(w is not None for w in engine.kv.windows)
+    assert held <= planned.kv_bytes_per_request <= held + sliding * page
+
+
 def test_concurrency_and_gpu_count():
     p = plan(dataclasses.replace(MHA_13B, gpu_memory=80 * 1024**3, overhead=0))
     room = int(80 * 1024**3 * 0.9) - p.weight_bytes
