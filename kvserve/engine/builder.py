@@ -168,9 +168,7 @@ class EngineBuilder:
                 f"{self.max_model_len}; raise kv_cache_memory or lower max_model_len"
             )
         swap_on = bool(
-            self.cache_config.swap_space
-            and self.scheduler_config.preemption_mode != "recompute"
-            and not self.kv.hybrid  # a preempted request recomputes (kv/manager.py)
+            self.cache_config.swap_space and self.scheduler_config.preemption_mode != "recompute"
         )
         inputs_device = self.device if executor is None else torch.device("cpu")
         inputs = InputBuilder(self.kv, inputs_device, self.window, self.attention_sinks, dense)
@@ -180,7 +178,8 @@ class EngineBuilder:
         else:
             assert shard is not None and self.model is not None
             self.runner = ModelRunner(self.model, shard.allocate(num_blocks), self.device, inputs)
-        self.cost_model = PreemptionCostModel(self.kv_spec.bytes_per_token)
+        # bytes a block copies per token: every layer's, or a hybrid layout's group's
+        self.cost_model = PreemptionCostModel(self.kv_spec.bytes_per_block // self.kv.block_size)
         self.cost_model.calibrate_copy(self.device)
         self.swap = None
         if swap_on:
@@ -310,11 +309,9 @@ class EngineBuilder:
 
     def _resolve_kv_layout(self, args: EngineArgs, cache: CacheConfig) -> CacheConfig:
         """``kv_layout`` ``auto`` → ``hybrid`` for a model with sliding and global layers
-        unless swap preemption, a KV store or a cluster is on (not wired for it yet), else
-        ``uniform``. Refuses (EngineError) ``hybrid`` where it cannot apply."""
+        unless a KV store or a cluster is on (not wired for it yet), else ``uniform``.
+        Refuses (EngineError) ``hybrid`` where it cannot apply."""
         blockers = []
-        if self.scheduler_config.preemption_mode == "swap":
-            blockers.append("preemption_mode swap")
         if args.store_config().urls:
             blockers.append("a KV store (kv_store, or a cluster's)")
         if args.cluster:

@@ -121,9 +121,11 @@ class KVCacheSpec:
 
 def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
     """Every device tensor holding per-slot data, viewed as ``[2, blocks, block_size, …]``
-    (fp8 through uint8: CPU index kernels do not cover fp8). Per-head fp8 scales are
-    global and stay on the device."""
+    (fp8 through uint8: CPU index kernels do not cover fp8), each once: in the hybrid
+    layout layers share rows (``KVCacheSpec.allocate``), and a block is one group's page.
+    Per-head fp8 scales are global and stay on the device."""
     out = []
+    seen: set[int] = set()
     for cache in caches:
         if isinstance(cache, QuantizedKVCache):
             parts, tiled = [cache.data.view(torch.uint8)], cache.tiled
@@ -132,7 +134,9 @@ def block_tensors(caches: list, block_size: int) -> list[torch.Tensor]:
         else:
             parts, tiled = [cache], cache.dim() == 5
         for t in parts:
-            out.append(t.view(2, -1, rows_per_block(block_size, tiled), *t.shape[2:]))
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out.append(t.view(2, -1, rows_per_block(block_size, tiled), *t.shape[2:]))
     return out
 
 

@@ -20,8 +20,9 @@ sliding group's pages leave as its window passes (``free_outside_windows``); a g
 group keeps them. Prefix caching names a group's page by the block hash and the group
 (group 0 keeps the plain hash), and a hit (``find_cached_prefix``: one tuple of pages per
 logical block) needs a global group's every page but a sliding group's pages only within
-its window of the hit's end. Swap and the KV store move whole pages of one group and are
-not wired for it yet: the engine refuses them with this layout.
+its window of the hit's end. Swap moves a request's pages as one list, group after group
+(``swap_table``; a restore rebuilds the groups' tables from it). The KV store is not wired
+for groups yet: the engine refuses it with this layout.
 
 Tenants: every block a request takes is charged to its tenant in the ``TenantLedger``
 (see there for the rule); ``allocate_slots`` refuses what would push a tenant past its
@@ -257,12 +258,17 @@ class KVCacheManager:
     def shared_prefix_for_restore(self, request: Request, live: list[bool]) -> list[int]:
         """For a request coming back from swap: its leading full blocks that the pool
         still holds under the same hash and tokens (another request's, or cached-free), to
-        be shared instead of copied back. Stops at the first missing or null entry."""
-        self._uniform_only("swap")
-        if not self.enable_caching:
+        be shared instead of copied back. Stops at the first missing or null entry.
+        Empty in the hybrid layout (every live page is copied back)."""
+        if not self.enable_caching or self.groups is not None:
             return []
         full = min(request.num_computed_tokens // self.block_size, len(live))
         return self._cached_run(request, self.compute_block_hashes(request, full), live)
+
+    def swap_table(self, request_id: str) -> list[int]:
+        """What swap copies of a request: its table, or in the hybrid layout every group's
+        table, group after group (null entries are not copied)."""
+        return [b for t in self._tables.get(request_id, ()) for b in t]
 
     def allocate_restored(
         self,
@@ -271,34 +277,39 @@ class KVCacheManager:
         num_new_tokens: int,
         shared: list[int] | None = None,
     ) -> list[int] | None:
-        """Blocks for a request coming back from swap: a table whose first entries are the
-        ``shared`` blocks (``shared_prefix_for_restore``, referenced, not copied), then a
-        fresh block where ``live[i]`` (the caller copies the K/V in) and the null block
-        elsewhere, plus room for ``num_new_tokens`` more. Returns the fresh blocks in table
-        order, or None (setting ``shortage``, changing nothing)."""
-        self._uniform_only("swap")
+        """Blocks for a request coming back from swap (``live``: which entries of its
+        ``swap_table`` were copied out): a table whose first entries are the ``shared``
+        blocks (``shared_prefix_for_restore``, referenced, not copied), then a fresh block
+        where ``live[i]`` (the caller copies the K/V in) and the null block elsewhere, plus
+        room for ``num_new_tokens`` more; in the hybrid layout so for each group's part of
+        ``live``. Returns the fresh blocks, those to copy into first (in ``live`` order),
+        or None (setting ``shortage``, changing nothing)."""
         if request.request_id in self._tables:
             raise ValueError(f"request {request.request_id!r} already holds blocks")
         shared = shared or []
-        extra = max(self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(live), 0)
-        need = sum(live) - len(shared) + extra
-        if not self._admissible(request.tenant, need, shared):
+        groups = len(self.windows)
+        per_group = len(live) // groups
+        blocks = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        extra = max(blocks - per_group, 0)
+        to_copy = sum(live) - len(shared)
+        if not self._admissible(request.tenant, to_copy + extra * groups, shared):
             return None
         self.pool.touch(shared)
-        fresh = self.pool.allocate(need) or []
-        it = iter(fresh)
-        rest = live[len(shared) :]
-        table = [*shared, *(next(it) if alive else self.pool.null_block for alive in rest)]
-        table.extend(it)
-        self._tables[request.request_id] = [table]  # type: ignore[list-item]
+        fresh = self.pool.allocate(to_copy + extra * groups) or []
+        copied, extras = iter(fresh[:to_copy]), iter(fresh[to_copy:])
+        null = self.pool.null_block
+        tables = []
+        for g in range(groups):
+            part = live[g * per_group : (g + 1) * per_group]
+            kept = list(shared) if g == 0 else []
+            table = [*kept, *(next(copied) if alive else null for alive in part[len(kept) :])]
+            table.extend(next(extras) for _ in range(extra))
+            tables.append(table)
+        self._tables[request.request_id] = tables  # type: ignore[assignment]
         self._tenant[request.request_id] = request.tenant
         self._num_cached[request.request_id] = len(shared)
         self.ledger.charge(request.tenant, [*shared, *fresh])
         return fresh
-
-    def _uniform_only(self, what: str) -> None:
-        if self.groups is not None:
-            raise NotImplementedError(f"{what} is not wired for the hybrid KV layout")
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks (every group's pages) that are now full of

@@ -329,7 +329,7 @@ class Scheduler:
         """Swap out or free ``req``'s blocks and send it back to the waiting queue. Returns
         the tokens it gives back to this step's budget (it may already be scheduled)."""
         mode = self.policy.mode_for(req)
-        table = self.kv.block_table(req.request_id)
+        table = self.kv.swap_table(req.request_id)
         null = self.kv.pool.null_block
         copy = None
         back = next((s for s in out.swap_in if s.request_id == req.request_id), None)

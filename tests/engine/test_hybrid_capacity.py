@@ -113,7 +113,8 @@ def test_auto_layout_and_refusals(gemma_8k, llama_dir):
     assert not make_engine(llama_dir).kv.hybrid  # every layer alike: one table
     with pytest.raises(EngineError, match="attends alike"):
         make_engine(llama_dir, kv_layout="hybrid")
-    with pytest.raises(EngineError, match="preemption_mode swap"):
-        make_engine(gemma_8k, kv_layout="hybrid", preemption_mode="swap")
-    auto_swap = make_engine(gemma_8k, preemption_mode="swap", max_model_len=1024)
-    assert not auto_swap.kv.hybrid  # auto keeps what swap needs
+    store = ("host://?capacity=64MiB",)
+    with pytest.raises(EngineError, match="a KV store"):
+        make_engine(gemma_8k, kv_layout="hybrid", kv_store=store, max_model_len=1024)
+    stored = make_engine(gemma_8k, kv_store=store, max_model_len=1024)
+    assert not stored.kv.hybrid  # auto keeps what the store needs

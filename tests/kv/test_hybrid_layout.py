@@ -3,7 +3,6 @@ pool, sliding groups freeing what their window passed, and prefix hits per group
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvserve.kv.cache import KVCacheSpec
@@ -138,8 +137,27 @@ def test_prefix_hit_needs_every_global_page_and_the_window_of_sliding_ones():
     assert kv.find_cached_prefix(_req("f", [7, *tokens[1:]])) == []
 
 
-def test_swap_is_refused_not_mixed_up():
-    kv = _manager(100, (32, 0))
-    req = _req("a", list(range(40)))
-    with pytest.raises(NotImplementedError, match="swap"):
-        kv.allocate_restored(req, [True, True, True], 1)
+def test_swap_round_trip_rebuilds_every_group_table():
+    """A swapped request's pages go out as one list, group after group (null entries
+    left out), and come back into fresh pages in the same places of each group's table."""
+    kv = _manager(200, (32, 0))
+    req = _req("a", list(range(100)))
+    _run(kv, req, 40)
+    before = [list(t) for t in kv.block_tables("a")]
+    flat = kv.swap_table("a")
+    assert flat == [b for t in before for b in t]
+    live = [b != kv.pool.null_block for b in flat]
+    kv.free(req)
+    fresh = kv.allocate_restored(req, live, 1)
+    assert fresh is not None and len(fresh) == sum(live)  # 100 tokens + 1 fit 7 blocks
+    after = kv.block_tables("a")
+    assert [[b == kv.pool.null_block for b in t] for t in after] == [
+        [b == kv.pool.null_block for b in t] for t in before
+    ]
+    assert [b for t in after for b in t if b != kv.pool.null_block] == fresh  # copy order
+    kv.check_integrity()
+    kv.free(req)
+    more = kv.allocate_restored(req, live, 40)  # 140 tokens: two more blocks per group
+    assert more is not None and len(more) == sum(live) + 2 * 2
+    assert all(len(t) == 9 for t in kv.block_tables("a"))
+    kv.check_integrity()
