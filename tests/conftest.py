@@ -28,6 +28,7 @@ def _configs() -> dict[str, object]:
         MixtralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
     )
@@ -92,6 +93,18 @@ def _configs() -> dict[str, object]:
             moe_intermediate_size=32,
             norm_topk_prob=True,
             mlp_only_layers=[1],
+        ),
+        # 8 experts, top-2 not renormalised, a shared expert with its sigmoid gate, q/k/v
+        # biases; its first layer a dense MLP (decoder_sparse_step 2)
+        "qwen2_moe": Qwen2MoeConfig(
+            **{**common, "num_hidden_layers": 2},
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
         ),
         # fused qkv / gate_up in the checkpoint, LongRoPE (prompts stay within the original
         # 64 positions here: test_families crosses it), no window

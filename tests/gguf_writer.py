@@ -41,10 +41,12 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch == "gemma3":
         w.add_sliding_window(cfg["sliding_window"])
 
@@ -89,6 +91,8 @@ def _tensors(arch: str, cfg: dict, model_dir: Path) -> dict[str, np.ndarray]:
         assert gname is not None, name
         if arch in _NORM_OFFSET_ARCHS and base.endswith("norm"):
             value = value + 1
+        if base.endswith("shared_expert_gate"):
+            value = value.reshape(-1)  # llama.cpp stores the shared expert's gate as 1-D
         if arch == "llama" and leaf == "weight" and base.endswith(("q_proj", "k_proj")):
             kv = "k_proj" in base
             value = _permute(value, cfg["num_key_value_heads" if kv else "num_attention_heads"])

@@ -14,8 +14,10 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling import SamplingParams
 
 # the tiny checkpoints conftest builds
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral")
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+ARCHS = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral"
+)  # fmt: skip
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 UNSPLIT_ARCHS = ("phi3",)  # not split over ranks yet (check_shardable refuses)
 
 

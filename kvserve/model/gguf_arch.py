@@ -5,10 +5,11 @@ llama.cpp's conventions (``convert_hf_to_gguf.py``), undone here:
 
 - ``llama``: Q/K rows permuted for interleaved rotary (``unpermute``); Mistral models use
   this architecture too.
-- ``qwen2``, ``qwen3``, ``qwen3moe``: tensors as HF has them (rotary in halves); a MoE
-  layer's experts stacked into one ``[experts, rows, cols]`` tensor per projection, split
-  back into ``mlp.experts.N.*``; Qwen3-MoE renormalises the top-k weights (llama.cpp always
-  does).
+- ``qwen2``, ``qwen3``, ``qwen3moe``, ``qwen2moe``: tensors as HF has them (rotary in
+  halves); a MoE layer's experts stacked into one ``[experts, rows, cols]`` tensor per
+  projection, split back into ``mlp.experts.N.*``; Qwen3-MoE renormalises the top-k
+  weights (llama.cpp always does), Qwen2-MoE does not and has a shared expert
+  (``*_shexp``) whose gate llama.cpp stores as one row.
 - ``gemma3``: every RMSNorm weight stored as ``1 + w``; the sliding/global pattern (every
   6th layer global), the local rotary base (10000) and the query scale (head_dim, or
   hidden / heads for the 62-layer 27B) are llama.cpp's, not in the metadata.
@@ -29,6 +30,7 @@ HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 _GEMMA3_PATTERN = 6  # llama.cpp: every 6th layer attends globally
@@ -56,6 +58,13 @@ _LAYER_NAMES_BY_ARCH = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "qwen2moe": {
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    },
 }
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {
@@ -130,12 +139,19 @@ def hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
         }
     if arch == "qwen2":
         config["attention_bias"] = True  # Qwen2's q/k/v biases (the files carry them)
-    elif arch == "qwen3moe":
+    elif arch in ("qwen3moe", "qwen2moe"):
         config.update(
             num_experts=int(get("expert_count")),
             num_experts_per_tok=int(get("expert_used_count")),
             moe_intermediate_size=int(get("expert_feed_forward_length")),
-            norm_topk_prob=True,
+            norm_topk_prob=arch == "qwen3moe",
+        )
+    if arch == "qwen2moe":
+        config.update(
+            qkv_bias=True,
+            shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length")),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
     elif arch == "gemma3":
         del config["hidden_act"]
@@ -173,7 +189,7 @@ def hf_tensors(
         raise GGUFError(f"tensor {name!r} is not part of a {arch} model")
     layer, base, leaf = parts[1], parts[2], parts[3]
     prefix = f"model.layers.{layer}."
-    if arch == "qwen3moe" and base in _EXPERTS:
+    if arch in ("qwen3moe", "qwen2moe") and base in _EXPERTS:
         return [
             (f"{prefix}mlp.experts.{e}.{_EXPERTS[base]}.{leaf}", np.ascontiguousarray(data[e]))
             for e in range(data.shape[0])
@@ -183,6 +199,8 @@ def hf_tensors(
         raise GGUFError(f"tensor {name!r} is not part of a {arch} model")
     if arch == "gemma3" and base.endswith("norm"):
         data = data - 1  # stored as 1 + w
+    elif base == "ffn_gate_inp_shexp":
+        data = data.reshape(1, -1)  # one row: [1, hidden]
     elif arch == "llama" and base in ("attn_q", "attn_k") and leaf == "weight":
         heads = config["num_attention_heads" if base == "attn_q" else "num_key_value_heads"]
         data = unpermute(data, heads)

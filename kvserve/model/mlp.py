@@ -1,5 +1,5 @@
 """The feed-forward half of a decoder layer: dense (SwiGLU, GeGLU) or a sparse mixture of
-experts (Qwen3-MoE, Mixtral).
+experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral).
 
 A dense MLP fuses gate and up into one projection at load time; under tensor parallelism
 each rank holds a slice of the intermediate size and the down projection's partial sums
@@ -69,6 +69,11 @@ class SparseMoE(nn.Module):
     (a sum over one row's own values: it does not depend on the other tokens). Under
     tensor parallelism every rank routes alike (the router is replicated) and holds a
     slice of every expert's intermediate size; the weighted partial sums are all-reduced.
+
+    Qwen2-MoE's shared expert (``spec.shared_expert_intermediate_size``): a dense SwiGLU
+    MLP every token goes through, scaled by ``sigmoid(shared_expert_gate(x))`` and added
+    to the routed experts' sum (under TP split like a dense MLP, inside the one
+    all-reduce).
     """
 
     def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
@@ -79,6 +84,14 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
         expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size)
         self.experts = nn.ModuleList(MLP(expert, ops, None) for _ in range(spec.num_experts))
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Module | None = None
+        if spec.shared_expert_intermediate_size:
+            shared = dataclasses.replace(
+                spec, intermediate_size=spec.shared_expert_intermediate_size
+            )
+            self.shared_expert = MLP(shared, ops, None)
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -98,6 +111,8 @@ class SparseMoE(nn.Module):
         # back to (token, slot) order; each token's k outputs summed in slot order
         h = h[torch.argsort(order)].view(x.shape[0], self.top_k, -1)
         out = h.sum(dim=1).to(x.dtype)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -140,6 +155,8 @@ def mlp_weights(spec: ModelSpec, layer: int, prefix: str) -> dict[str, tuple[int
     out: dict[str, tuple[int, ...]] = {}
     if spec.is_moe_layer(layer):
         out[mlp + "gate.weight"] = (spec.num_experts, h)
+        if spec.shared_expert_intermediate_size:
+            out[mlp + "shared_expert_gate.weight"] = (1, h)
     names = ("gate_proj", "up_proj", "down_proj")
     shapes: tuple[tuple[int, int], ...] = ((inter, h), (inter, h), (h, inter))
     if spec.family == "mixtral":
@@ -151,4 +168,8 @@ def mlp_weights(spec: ModelSpec, layer: int, prefix: str) -> dict[str, tuple[int
             out[f"{mlp}{e}{name}.weight"] = shape
             if spec.mlp_bias:
                 out[f"{mlp}{e}{name}.bias"] = (shape[0],)
+    if spec.is_moe_layer(layer) and spec.shared_expert_intermediate_size:
+        s = spec.shared_expert_intermediate_size
+        for name, shape in zip(names, ((s, h), (s, h), (h, s)), strict=True):
+            out[f"{mlp}shared_expert.{name}.weight"] = shape
     return out

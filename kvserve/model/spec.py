@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model, served text-only
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
 }
@@ -119,6 +120,8 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Qwen2-MoE: one shared expert every token goes through, scaled by a sigmoid gate
+    shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -238,7 +241,7 @@ def _windows(cfg: dict[str, Any], family: str, path: Path) -> tuple[int | None, 
         return None, ()
     n = _get(cfg, "num_hidden_layers", path)
     window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
+    if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = None  # as transformers reads these configs: the field is a default
     types = cfg.get("layer_types")
     if types is None and family == "gemma3":
@@ -328,7 +331,10 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         raise ModelConfigError(f"{path}: field 'head_dim'={head_dim} must be even for rotary")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    qwen2 = family in ("qwen2", "qwen2_moe")  # q/k/v biases, none on o_proj
     attention_bias = family == "qwen2" or bool(cfg.get("attention_bias", False))
+    if family == "qwen2_moe":
+        attention_bias = bool(cfg.get("qkv_bias", True))
     return ModelSpec(
         architecture=arch,
         family=family,
@@ -344,7 +350,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         rope=_rope(cfg, path),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
-        o_proj_bias=family != "qwen2" and attention_bias,
+        o_proj_bias=not qwen2 and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         sliding_window=window,
@@ -368,7 +374,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
 
 def _moe(cfg: dict[str, Any], family: str, path: Path) -> dict[str, Any]:
     """``ModelSpec``'s mixture-of-experts fields for ``family`` (none for dense ones)."""
-    if family not in ("qwen3_moe", "mixtral"):
+    if family not in ("qwen3_moe", "qwen2_moe", "mixtral"):
         return {}
     key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
     experts = _get(cfg, key, path)
@@ -397,4 +403,7 @@ def _moe(cfg: dict[str, Any], family: str, path: Path) -> dict[str, Any]:
         "moe_intermediate_size": inter,
         "norm_topk_prob": norm,
         "dense_layers": dense,
+        "shared_expert_intermediate_size": (
+            _get(cfg, "shared_expert_intermediate_size", path) if family == "qwen2_moe" else 0
+        ),
     }

@@ -82,6 +82,8 @@ def resolve_shape(model: str) -> ModelShape:
     )
     dense_mlp = 3 * s.hidden_size * s.intermediate_size
     moe_mlp = s.num_experts * (3 * s.hidden_size * s.moe_intermediate_size + s.hidden_size)
+    if s.shared_expert_intermediate_size:  # Qwen2-MoE: the shared expert and its gate
+        moe_mlp += 3 * s.hidden_size * s.shared_expert_intermediate_size + s.hidden_size
     mlps = sum(moe_mlp if s.is_moe_layer(i) else dense_mlp for i in range(s.num_layers))
     embed = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
     params = s.num_layers * attention + mlps + embed + s.hidden_size

@@ -65,6 +65,8 @@ class ShardPlan:
     vocab_shard: int  # embedding / LM head rows per rank (padded)
     moe_inter_start: int = 0  # this rank's slice of every expert's intermediate size
     moe_intermediate_size: int = 0
+    shared_inter_start: int = 0  # and of Qwen2-MoE's shared expert's
+    shared_intermediate_size: int = 0
 
     @classmethod
     def single(cls, spec: ModelSpec) -> ShardPlan:
@@ -84,6 +86,7 @@ class ShardPlan:
             q_start, kv_start, kv_n = rank * q_n, rank // (size // hkv), 1
         inter_start, inter_n = split_range(spec.intermediate_size, size, rank)
         moe_start, moe_n = split_range(spec.moe_intermediate_size, size, rank)
+        shared_start, shared_n = split_range(spec.shared_expert_intermediate_size, size, rank)
         return cls(
             rank,
             size,
@@ -98,6 +101,8 @@ class ShardPlan:
             -(-spec.vocab_size // size),
             moe_start,
             moe_n,
+            shared_start,
+            shared_n,
         )
 
     @property
@@ -112,6 +117,7 @@ class ShardPlan:
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size,
             moe_intermediate_size=self.moe_intermediate_size,
+            shared_expert_intermediate_size=self.shared_intermediate_size,
         )
 
     def _ffn(self, name: str) -> tuple[str, int, int]:
@@ -119,6 +125,8 @@ class ShardPlan:
         w1/w3/w2 read as gate/up/down) and this rank's slice of the intermediate size, an
         expert's or the dense MLP's."""
         leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if ".shared_expert." in name:
+            return leaf, self.shared_inter_start, self.shared_intermediate_size
         if ".experts." not in name:
             return leaf, self.inter_start, self.intermediate_size
         leaf = _MIXTRAL_LEAVES.get(leaf, leaf)

@@ -138,6 +138,33 @@ def test_moe_specs_say_which_layers_route_to_experts(model_dirs):
     check_shardable(mixtral, 2)  # experts split by their intermediate size
     with pytest.raises(ShardingError, match="experts' intermediate size 48"):
         check_shardable(mixtral, 64)
+    qwen2 = load_model_spec(model_dirs["qwen2_moe"])
+    assert qwen2.shared_expert_intermediate_size == 48 and not qwen2.norm_topk_prob
+    assert qwen2.attention_bias and not qwen2.o_proj_bias
+    assert [qwen2.is_moe_layer(i) for i in range(2)] == [False, True]  # sparse step 2
+
+
+def test_shared_expert_is_batch_invariant_in_bf16(model_dirs):
+    """Qwen2-MoE's shared expert and its gate on kvserve's GEMM: a prompt gives the same
+    tokens alone and in a batch with others joining and leaving."""
+    from helpers import greedy, random_prompts, run_to_end
+
+    from kvserve.model.linear import KernelGateUpSilu
+    from kvserve.model.mlp import SparseMoE
+
+    prompts = random_prompts([23, 40, 9, 31], seed=21)
+    alone = {}
+    for i, p in enumerate(prompts):
+        engine = make_engine(model_dirs["qwen2_moe"], dtype="bfloat16")
+        engine.add_request(str(i), p, greedy(24))
+        alone.update(run_to_end(engine))
+    engine = make_engine(model_dirs["qwen2_moe"], dtype="bfloat16", max_num_batched_tokens=48)
+    moe = engine.model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and moe.shared_expert is not None
+    assert isinstance(moe.shared_expert.gate_up_proj, KernelGateUpSilu)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(24))
+    assert run_to_end(engine) == alone
 
 
 def test_bf16_experts_run_on_the_batch_invariant_gemm(model_dirs):

@@ -4,7 +4,8 @@ HF transformers' own GGUF loading give the same token ids and the same greedy ou
 (float32), and the GGUF file gives what its source checkpoint gives.
 
 The shapes follow what transformers can read back from a GGUF file: it takes Qwen3's
-head_dim and Qwen3-MoE's expert size from its defaults (128, 768), Gemma 3's query scale
+head_dim and Qwen3-MoE's expert size from its defaults (128, 768), Qwen2-MoE's expert and
+shared expert sizes (1408, 5632), Gemma 3's query scale
 from its default (256) and its sliding pattern from its default (every 6th layer global).
 """
 
@@ -45,6 +46,12 @@ def _config(arch: str):
             **COMMON, num_hidden_layers=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=768, norm_topk_prob=True,
         )  # fmt: skip
+    if arch == "qwen2moe":
+        return t.Qwen2MoeConfig(
+            **COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+            norm_topk_prob=False,
+        )  # fmt: skip
     return t.Gemma3TextConfig(
         **COMMON, num_hidden_layers=6, head_dim=256, query_pre_attn_scalar=256,
         sliding_window=12, rope_parameters={
@@ -61,6 +68,7 @@ CASES = [
     ("qwen2", "qwen2"),
     ("qwen3", "default"),
     ("qwen3moe", "qwen2"),
+    ("qwen2moe", "qwen2"),
     ("gemma3", "default"),
 ]
 
