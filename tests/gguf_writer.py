@@ -47,8 +47,16 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if arch == "gemma3":
+    if arch == "gemma3" or (arch == "phi3" and cfg.get("sliding_window")):
         w.add_sliding_window(cfg["sliding_window"])
+    if arch == "phi3" and _longrope(cfg):  # LongRoPE: factors are tensors (_tensors)
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+
+
+def _longrope(cfg: dict) -> dict:
+    """The config's LongRoPE parameters (transformers 5 saves them as rope_parameters)."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    return rope if rope.get("rope_type", rope.get("type")) == "longrope" else {}
 
 
 def _tokenizer(w: gguf.GGUFWriter, model_dir: Path, cfg: dict, pre: str) -> None:
@@ -71,6 +79,8 @@ def _tokenizer(w: gguf.GGUFWriter, model_dir: Path, cfg: dict, pre: str) -> None
     w.add_token_merges(merges)
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("pad_token_id") is not None:  # else transformers takes its config default
+        w.add_pad_token_id(cfg["pad_token_id"])
     w.add_add_bos_token(False)
 
 
@@ -101,6 +111,10 @@ def _tensors(arch: str, cfg: dict, model_dir: Path) -> dict[str, np.ndarray]:
         gname = names.get_name(key)
         assert gname is not None, key
         out[f"{gname}.weight"] = np.stack([v for _, v in sorted(parts, key=lambda p: p[0])])
+    rope = _longrope(cfg)
+    if arch == "phi3" and rope:
+        for kind in ("long", "short"):
+            out[f"rope_factors_{kind}.weight"] = np.asarray(rope[f"{kind}_factor"], np.float32)
     return out
 
 

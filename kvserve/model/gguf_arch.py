@@ -10,6 +10,9 @@ llama.cpp's conventions (``convert_hf_to_gguf.py``), undone here:
   projection, split back into ``mlp.experts.N.*``; Qwen3-MoE renormalises the top-k
   weights (llama.cpp always does), Qwen2-MoE does not and has a shared expert
   (``*_shexp``) whose gate llama.cpp stores as one row.
+- ``phi3``: q/k/v and gate/up fused as HF's Phi-3 stores them (``attn_qkv``, ``ffn_up``);
+  LongRoPE's factors as two tensors (``rope_factors_long``/``_short``) that become the
+  config's ``rope_scaling``; the sliding window, when the file has one, for every layer.
 - ``gemma3``: every RMSNorm weight stored as ``1 + w``; the sliding/global pattern (every
   6th layer global), the local rotary base (10000) and the query scale (head_dim, or
   hidden / heads for the 62-layer 27B) are llama.cpp's, not in the metadata.
@@ -32,6 +35,7 @@ HF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _GEMMA3_PATTERN = 6  # llama.cpp: every 6th layer attends globally
 _GEMMA3_LOCAL_THETA = 10000.0
@@ -58,6 +62,7 @@ _LAYER_NAMES_BY_ARCH = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen2moe": {
         "ffn_gate_inp": "mlp.gate",
         "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -93,6 +98,17 @@ def architecture(reader: Any) -> str:
             f"(supported: {', '.join(HF_ARCHITECTURES)})"
         )
     return arch
+
+
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _tensor(reader: Any, name: str) -> np.ndarray | None:
+    """A small float32 tensor of the file (LongRoPE's factors), or None."""
+    for t in reader.tensors:
+        if t.name == name:
+            return np.asarray(t.data, dtype=np.float32).reshape(-1)
+    return None
 
 
 def hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
@@ -153,6 +169,20 @@ def hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    elif arch == "phi3":
+        window = get("attention.sliding_window", None)
+        config["sliding_window"] = int(window) if window else None
+        long, short = (_tensor(reader, n) for n in _ROPE_FACTORS)
+        if (long is None) != (short is None):
+            raise GGUFError("LongRoPE needs both rope_factors_long and rope_factors_short")
+        if long is not None and short is not None:
+            original = int(get("rope.scaling.original_context_length"))
+            config["original_max_position_embeddings"] = original
+            config["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": long.tolist(),
+                "short_factor": short.tolist(),
+            }
     elif arch == "gemma3":
         del config["hidden_act"]
         pattern = int(get("attention.sliding_window_pattern", _GEMMA3_PATTERN))
@@ -184,6 +214,8 @@ def hf_tensors(
         return [(hf, data - 1 if arch == "gemma3" and name == "output_norm.weight" else data)]
     if name == "rope_freqs.weight":
         raise GGUFError("rope scaling factors (rope_freqs) are not supported")
+    if arch == "phi3" and name in _ROPE_FACTORS:
+        return []  # in the config's rope_scaling (hf_config)
     parts = name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or parts[3] not in ("weight", "bias"):
         raise GGUFError(f"tensor {name!r} is not part of a {arch} model")

@@ -46,6 +46,8 @@ def _config(arch: str):
             **COMMON, num_hidden_layers=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=768, norm_topk_prob=True,
         )  # fmt: skip
+    if arch == "phi3":
+        return t.Phi3Config(**COMMON, num_hidden_layers=2, pad_token_id=0)
     if arch == "qwen2moe":
         return t.Qwen2MoeConfig(
             **COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
@@ -69,6 +71,7 @@ CASES = [
     ("qwen3", "default"),
     ("qwen3moe", "qwen2"),
     ("qwen2moe", "qwen2"),
+    ("phi3", "default"),
     ("gemma3", "default"),
 ]
 
@@ -130,6 +133,34 @@ def test_the_gguf_file_runs_as_its_source_checkpoint(case):
 
 def case_pre(arch: str) -> str:
     return dict(CASES)[arch]
+
+
+def test_phi3_longrope_and_window_from_gguf(tmp_path):
+    """A Phi-3 file with LongRoPE's factor tensors and a sliding window runs as its source
+    checkpoint, past the original context and the window (kvserve on both: the same
+    numerics; transformers' GGUF loading reads neither)."""
+    import transformers as t
+
+    config = t.Phi3Config(
+        **COMMON, num_hidden_layers=2, pad_token_id=0, sliding_window=24,
+        original_max_position_embeddings=32,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.25 * i for i in range(8)],
+            "long_factor": [1.0 + 2.0 * i for i in range(8)],
+        },
+    )  # fmt: skip
+    model_dir = build_hf_model(config, tmp_path / "hf")
+    path = write_gguf(model_dir, tmp_path / "phi3-f32.gguf", "phi3")
+    spec = load_model_spec(convert(path))
+    assert spec.sliding_window == 24 and spec.rope == load_model_spec(model_dir).rope
+    outs = []
+    for d in (model_dir, convert(path)):
+        engine = make_engine(d, dtype="float32", kv_cache_memory="64MiB")
+        for i, p in enumerate(random_prompts([20, 45], seed=6)):
+            engine.add_request(f"r{i}", p, greedy(24))
+        outs.append(run_to_end(engine))
+    assert outs[0] == outs[1]
 
 
 def test_a_tensor_the_architecture_lacks_is_named(tmp_path):
