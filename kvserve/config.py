@@ -78,7 +78,7 @@ class CacheConfig:
     ``kv_layout``: ``hybrid`` gives a model with sliding and global layers one block table
     per group of layers (``kvserve.kv.groups``), so sliding layers hold only their window;
     ``uniform`` one table for every layer; ``auto`` is hybrid for such a model unless a
-    feature not yet wired for it is on (a KV store, a cluster).
+    feature not yet wired for it is on (a cluster).
     """
 
     block_size: int = 16
@@ -314,7 +314,7 @@ class EngineArgs:
         "auto",
         "hybrid: a model with sliding and global layers keeps only the window's KV for the "
         "sliding ones (one block table per layer group); uniform: one table for all layers; "
-        "auto: hybrid for such a model unless a KV store or a cluster is on",
+        "auto: hybrid for such a model unless a cluster is on",
         KV_LAYOUTS,
     )
     max_num_batched_tokens: int = _arg(2048, "token budget of one engine step")

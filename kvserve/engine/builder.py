@@ -233,6 +233,7 @@ class EngineBuilder:
                 self.kv.block_size,
                 self.model_fingerprint,
                 self.kv_format.name,
+                self.kv_spec.groups.layer_group if self.kv_spec.groups is not None else None,
             )
             block_format = self.runner.kv_transfer.block_format
         return KVOffloader(store, self.kv, block_format, store_config.session_ttl)
@@ -309,11 +310,9 @@ class EngineBuilder:
 
     def _resolve_kv_layout(self, args: EngineArgs, cache: CacheConfig) -> CacheConfig:
         """``kv_layout`` ``auto`` → ``hybrid`` for a model with sliding and global layers
-        unless a KV store or a cluster is on (not wired for it yet), else ``uniform``.
-        Refuses (EngineError) ``hybrid`` where it cannot apply."""
+        unless a cluster is on (its pre-warmed blocks are not per group yet), else
+        ``uniform``. Refuses (EngineError) ``hybrid`` where it cannot apply."""
         blockers = []
-        if args.store_config().urls:
-            blockers.append("a KV store (kv_store, or a cluster's)")
         if args.cluster:
             blockers.append("a cluster (replication)")
         if cache.kv_layout == "hybrid":

@@ -21,8 +21,8 @@ group keeps them. Prefix caching names a group's page by the block hash and the 
 (group 0 keeps the plain hash), and a hit (``find_cached_prefix``: one tuple of pages per
 logical block) needs a global group's every page but a sliding group's pages only within
 its window of the hit's end. Swap moves a request's pages as one list, group after group
-(``swap_table``; a restore rebuilds the groups' tables from it). The KV store is not wired
-for groups yet: the engine refuses it with this layout.
+(``swap_table``; a restore rebuilds the groups' tables from it); the KV store stores a
+logical block's pages as one block of every layer (kv/offload.py).
 
 Tenants: every block a request takes is charged to its tenant in the ``TenantLedger``
 (see there for the rule); ``allocate_slots`` refuses what would push a tenant past its

@@ -40,27 +40,31 @@ _FETCH_CHUNK = 32  # blocks per store round trip when loading
 
 @dataclass(frozen=True)
 class KVSave:
-    """A full block to store: its key (chained hash), device block and token ids."""
+    """A full block to store: its key (chained hash), its device page in each KV group
+    (one block when uniform: kv/groups.py) and token ids. Stored blocks hold every layer
+    in layer order whatever the layout, so either layout reads them."""
 
     key: bytes
-    block: int
+    pages: tuple[int, ...]
     tokens: list[int]
 
 
 @dataclass(frozen=True)
 class KVLoad:
     """Fetched payload ``rows`` ([n, payload bytes], uint8, host) for the first n of a
-    request's ``blocks``."""
+    request's logical ``blocks``; with ``groups`` > 1 (the hybrid layout) ``blocks`` holds
+    each group's pages in turn, ``len(blocks) // groups`` a group."""
 
     request_id: str
     blocks: list[int]
     rows: torch.Tensor
+    groups: int = 1
 
 
 @dataclass
 class _Load:
     request: Request
-    blocks: list[int]  # device blocks to fill, in order
+    blocks: list[int]  # device blocks to fill, in order (each group's in turn)
     future: Future
 
 
@@ -107,12 +111,13 @@ class KVOffloader:
             done = self._saved.get(rid, 0)
             if full <= done:
                 continue
-            table = self.kv.block_table(rid)
+            tables = self.kv.block_tables(rid)
             hashes = self.kv.block_hashes(request, full)
             self._saved[rid] = full
             for i in range(done, full):
-                if table[i] != null and not host.contains([hashes[i]]):
-                    todo.append(KVSave(hashes[i], table[i], self._tokens(request, i)))
+                pages = tuple(t[i] for t in tables)
+                if null not in pages and not host.contains([hashes[i]]):
+                    todo.append(KVSave(hashes[i], pages, self._tokens(request, i)))
         self.num_saved_blocks += len(todo)
         return todo
 
@@ -144,9 +149,11 @@ class KVOffloader:
         return self.store.lookup(hashes[start:])
 
     def start_load(self, request: Request, start: int, blocks: list[int]) -> None:
-        """Fetch blocks ``start .. start + len(blocks)`` of the request into ``blocks``."""
-        hashes = self.kv.block_hashes(request, start + len(blocks))[start:]
-        tokens = [self._tokens(request, start + j) for j in range(len(blocks))]
+        """Fetch blocks ``start …`` of the request into ``blocks`` (in the hybrid layout
+        each group's new pages in turn, as ``allocate_slots`` returns them)."""
+        n = len(blocks) // len(self.kv.windows)
+        hashes = self.kv.block_hashes(request, start + n)[start:]
+        tokens = [self._tokens(request, start + j) for j in range(n)]
         fut = self._pool.submit(self._fetch, self.block_format(), hashes, tokens)
         self._loads[request.request_id] = _Load(request, blocks, fut)
 
@@ -182,11 +189,11 @@ class KVOffloader:
             except Exception:  # a store bug must not kill the engine: recompute instead
                 logger.exception("KV store load failed; recomputing")
                 rows = torch.empty(0, 0, dtype=torch.uint8)
-            n = rows.shape[0]
-            if n < len(load.blocks):
+            n, groups = rows.shape[0], len(self.kv.windows)
+            if n < len(load.blocks) // groups:
                 self.num_load_failures += 1
             self.num_loaded_blocks += n
-            done.append((load.request, KVLoad(rid, load.blocks, rows)))
+            done.append((load.request, KVLoad(rid, load.blocks, rows, groups)))
         return done
 
     # ---- pre-warm ------------------------------------------------------------------------

@@ -223,7 +223,7 @@ class MultiprocExecutor:
         returns their count."""
         if not saves:
             return 0
-        self._send(SaveBlocks([s.block for s in saves]))
+        self._send(SaveBlocks([s.pages for s in saves]))
         rows: dict[int, torch.Tensor] = {}
         deadline = time.monotonic() + self._timeout + _MARGIN_S
         while len(rows) < self.size:

@@ -37,14 +37,24 @@ _DTYPE_NAMES = {
 
 
 class KVTransfer:
-    def __init__(self, caches: list, block_size: int, model_fingerprint: str, kv_dtype: str):
+    """``layer_group``: each layer's KV group in the hybrid layout (kv/groups.py; None:
+    uniform). A stored block holds every layer's rows in layer order either way, a layer's
+    taken from its group's page."""
+
+    def __init__(
+        self,
+        caches: list,
+        block_size: int,
+        model_fingerprint: str,
+        kv_dtype: str,
+        layer_group: tuple[int, ...] | None = None,
+    ):
         self.caches = caches
-        self._views = block_tensors(caches, block_size)
-        parts_per_layer = len(self._views) // len(caches)
-        parts = tuple(
-            (_DTYPE_NAMES[v.dtype], (v.shape[0], *v.shape[2:]))
-            for v in self._views[:parts_per_layer]
-        )
+        # per layer, its parts (a hybrid layout's layers share tensors: not deduplicated)
+        self._layers = [block_tensors([c], block_size) for c in caches]
+        self._groups = layer_group or (0,) * len(caches)
+        self._device = self._layers[0][0].device
+        parts = tuple((_DTYPE_NAMES[v.dtype], (v.shape[0], *v.shape[2:])) for v in self._layers[0])
         self._base = (model_fingerprint, kv_dtype, block_size, len(caches), parts)
         self.row_slice: tuple[int, int] | None = None  # (offset, bytes) under TP
 
@@ -70,15 +80,24 @@ class KVTransfer:
         """Per layer: (dtype name, shape) of each tensor part of one block."""
         return self._base[4]
 
-    def rows(self, blocks: list[int]) -> torch.Tensor:
-        """One row of payload bytes per block ``[n, payload bytes]`` uint8 on the host:
-        every layer's parts, layer-major (``serde.pack``)."""
-        n = len(blocks)
-        idx = torch.tensor(blocks, device=self._views[0].device)
+    def rows(self, pages: list[tuple[int, ...]]) -> torch.Tensor:
+        """One row of payload bytes per block ``[n, payload bytes]`` uint8 on the host, from
+        its page in each group (``KVSave.pages``): every layer's parts, layer-major
+        (``serde.pack``)."""
+        n = len(pages)
+        idx = [
+            torch.tensor([p[g] for p in pages], device=self._device)
+            for g in range(max(self._groups) + 1)
+        ]
         return torch.cat(
             [
-                v.index_select(1, idx).transpose(0, 1).contiguous().view(torch.uint8).reshape(n, -1)
-                for v in self._views
+                v.index_select(1, idx[g])
+                .transpose(0, 1)
+                .contiguous()
+                .view(torch.uint8)
+                .reshape(n, -1)
+                for views, g in zip(self._layers, self._groups, strict=True)
+                for v in views
             ],
             dim=1,
         ).cpu()
@@ -88,24 +107,31 @@ class KVTransfer:
         if not saves:
             return 0
         fmt = self.block_format()
-        rows = self.rows([s.block for s in saves])
+        rows = self.rows([s.pages for s in saves])
         store.put(
             [(s.key, serde.encode(fmt, s.key, rows[j], s.tokens)) for j, s in enumerate(saves)]
         )
         return len(saves)
 
     def load(self, loads: list[KVLoad]) -> None:
-        """Payload rows ([n, payload bytes]) of each load into its device blocks; with
-        ``row_slice`` (a tensor-parallel rank) only those bytes of each row are its."""
+        """Payload rows ([n, payload bytes]) of each load into its device blocks (a layer's
+        into its group's pages); with ``row_slice`` (a tensor-parallel rank) only those
+        bytes of each row are its."""
         for ld in loads:
             n = ld.rows.shape[0]
             if not n:
                 continue
-            idx = torch.tensor(ld.blocks[:n], device=self._views[0].device)
+            per_group = len(ld.blocks) // ld.groups
+            idx = [
+                torch.tensor(ld.blocks[g * per_group : g * per_group + n], device=self._device)
+                for g in range(ld.groups)
+            ]
             offset = self.row_slice[0] if self.row_slice is not None else 0
-            for view in self._views:
-                shape = (n, 2, *view.shape[2:])
-                size = view[:, :1].numel() * view.element_size()  # bytes of one block
-                part = ld.rows[:, offset : offset + size].contiguous().view(view.dtype).view(shape)
-                view.index_copy_(1, idx, part.transpose(0, 1).to(view.device))
-                offset += size
+            for views, g in zip(self._layers, self._groups, strict=True):
+                for view in views:
+                    shape = (n, 2, *view.shape[2:])
+                    size = view[:, :1].numel() * view.element_size()  # bytes of one block
+                    rows = ld.rows[:, offset : offset + size].contiguous()
+                    part = rows.view(view.dtype).view(shape)
+                    view.index_copy_(1, idx[g], part.transpose(0, 1).to(view.device))
+                    offset += size

@@ -64,9 +64,10 @@ class CacheReady:
 
 @dataclass(frozen=True)
 class SaveBlocks:
-    """Every rank answers with ``SavedRows``: its shard of these blocks' bytes."""
+    """Every rank answers with ``SavedRows``: its shard of these blocks' bytes (each
+    block's page per KV group, ``KVSave.pages``)."""
 
-    blocks: list[int]
+    blocks: list[tuple[int, ...]]
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,9 @@ def _loop(wa: WorkerArgs, store, sub: zmq.Socket, push: zmq.Socket, shard: Shard
             bs = shard.kv_spec.block_size
             if msg.swap:
                 runner.host_swap = HostSwap(runner.kv_caches, bs, shard.kv_spec.bytes_per_block)
-            transfer = KVTransfer(runner.kv_caches, bs, "", "")
+            groups = shard.kv_spec.groups
+            layer_group = groups.layer_group if groups is not None else None
+            transfer = KVTransfer(runner.kv_caches, bs, "", "", layer_group)
             if msg.store:
                 transfer.row_slice = _row_slice(shard, wa.rank, wa.world_size)
                 runner.kv_transfer = transfer
@@ -178,10 +180,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def _row_slice(shard: ShardBuilder, rank: int, world: int) -> tuple[int, int]:
     """(offset, bytes) of this rank's shard in a stored block's payload row: the ranks'
-    shards in rank order, each ``bytes_per_block`` of its KV heads."""
-    sizes = [
-        rank_kv_spec(shard.inp, shard.kv_format, q, world).bytes_per_block for q in range(world)
-    ]
+    shards in rank order, each every layer's bytes of its KV heads for one block (in the
+    hybrid layout more than one pool block, which holds a group's layers)."""
+    sizes = []
+    for q in range(world):
+        spec = rank_kv_spec(shard.inp, shard.kv_format, q, world)
+        sizes.append(spec.bytes_per_token * spec.block_size)
     return sum(sizes[:rank]), sizes[rank]
 
 

@@ -192,6 +192,6 @@ def test_a_stored_block_of_tiles_is_a_miss_for_an_engine_of_rows():
     tiles = KVTransfer(tiles_spec.allocate(4, cpu), 16, "model", "bfloat16")
     assert rows.block_format().payload_bytes == tiles.block_format().payload_bytes
     key, tokens = b"k" * 16, list(range(16))
-    blob = serde.encode(tiles.block_format(), key, tiles.rows([1])[0], tokens)
+    blob = serde.encode(tiles.block_format(), key, tiles.rows([(1,)])[0], tokens)
     assert not isinstance(serde.check(tiles.block_format(), key, blob, tokens), str)
     assert serde.check(rows.block_format(), key, blob, tokens) == "mismatch: parts"

@@ -177,12 +177,15 @@ def test_shard_plans():
         check_shardable(smol, 4)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
-def test_kv_store_under_tp(model_dirs, tmp_path, kv):
+@pytest.mark.parametrize(
+    ("arch", "kv"), [("llama", "auto"), ("llama", "int8"), ("llama", "fp8"), ("gemma3", "auto")]
+)
+def test_kv_store_under_tp(model_dirs, tmp_path, arch, kv):
     """A restarted TP=2 engine restores the prefixes from the file tier (each stored block
     holds both ranks' shards) with TP=1's tokens; a TP=1 engine on the same store finds
-    nothing (a block stored at another TP size is a miss, never misread)."""
-    model, url = model_dirs["llama"], f"file://{tmp_path}?capacity=64MiB"
+    nothing (a block stored at another TP size is a miss, never misread). Gemma 3 in the
+    hybrid KV layout: each rank writes and reads its groups' pages."""
+    model, url = model_dirs[arch], f"file://{tmp_path}?capacity=64MiB"
     kw = dict(kv_cache_dtype=kv, max_num_batched_tokens=32, kv_store=(url,), **F32)
     ref, _ = _run(model, 1, kv_cache_dtype=kv, **F32)
     loaded = []
