@@ -67,6 +67,10 @@ class ShardPlan:
     moe_intermediate_size: int = 0
     shared_inter_start: int = 0  # and of Qwen2-MoE's shared expert's
     shared_intermediate_size: int = 0
+    # the whole model's, to find a rank's rows in Phi-3's fused qkv_proj / gate_up_proj
+    total_heads: int = 0
+    total_kv_heads: int = 0
+    total_intermediate_size: int = 0
 
     @classmethod
     def single(cls, spec: ModelSpec) -> ShardPlan:
@@ -103,6 +107,9 @@ class ShardPlan:
             moe_n,
             shared_start,
             shared_n,
+            hq,
+            hkv,
+            spec.intermediate_size,
         )
 
     @property
@@ -140,6 +147,8 @@ class ShardPlan:
         d = self.head_dim
         leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
         is_bias = name.endswith(".bias")
+        if leaf in ("qkv_proj", "gate_up_proj"):  # Phi-3's fused tensors: each part's rows
+            return torch.cat([tslice[a:b] for a, b in self._fused_rows(leaf)])
         if leaf == "q_proj":
             return tslice[self.q_head_start * d : (self.q_head_start + self.num_heads) * d]
         if leaf in ("k_proj", "v_proj"):
@@ -164,12 +173,28 @@ class ShardPlan:
             return rows
         return tslice[:]
 
+    def _fused_rows(self, leaf: str) -> list[tuple[int, int]]:
+        """This rank's row ranges of a fused tensor: its query, key and value heads'
+        rows of ``qkv_proj``, or its slice of the gate's and of the up projection's rows
+        of ``gate_up_proj``."""
+        if leaf == "gate_up_proj":
+            a, n, total = self.inter_start, self.intermediate_size, self.total_intermediate_size
+            return [(a, a + n), (total + a, total + a + n)]
+        d, q_rows = self.head_dim, self.total_heads * self.head_dim
+        k = self.kv_head_start * d
+        v = q_rows + self.total_kv_heads * d + k
+        q = self.q_head_start * d
+        kv = self.num_kv_heads * d
+        return [(q, q + self.num_heads * d), (q_rows + k, q_rows + k + kv), (v, v + kv)]
+
     def shape(self, name: str, full: tuple[int, ...]) -> tuple[int, ...]:
         """The shape ``read`` returns for a tensor whose checkpoint shape is ``full``."""
         if self.size == 1:
             return full
         d = self.head_dim
         leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if leaf in ("qkv_proj", "gate_up_proj"):
+            return (sum(b - a for a, b in self._fused_rows(leaf)), *full[1:])
         if leaf == "q_proj":
             return (self.num_heads * d, *full[1:])
         if leaf in ("k_proj", "v_proj"):
@@ -201,12 +226,6 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
         raise ShardingError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    if spec.fused_checkpoint:
-        raise ShardingError(
-            f"tensor_parallel_size {size}: {spec.architecture} checkpoints store q/k/v and "
-            "gate/up fused, which kvserve does not split over ranks yet; use "
-            "--tensor-parallel-size 1"
-        )
     if spec.num_experts and spec.moe_intermediate_size < size:
         raise ShardingError(
             f"tensor_parallel_size {size} exceeds the experts' intermediate size "
