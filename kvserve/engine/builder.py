@@ -352,8 +352,9 @@ class EngineBuilder:
     def _log_capacity(self) -> None:
         tokens = self.kv.capacity_tokens
         tp = self.parallel.tensor_parallel_size
+        groups = self.kv_spec.groups
         logger.info(
-            "KV cache: %d bytes/token%s, %d blocks × %d tokens = %d tokens (%s, %s); "
+            "KV cache: %d bytes/token%s, %d blocks × %d tokens = %d tokens (%s, %s, %s); "
             "max concurrency at max_model_len %d: %.2fx",
             self.kv_spec.bytes_per_token,
             "" if tp == 1 else f" on each of {tp} ranks (the fullest rank's shard)",
@@ -362,8 +363,9 @@ class EngineBuilder:
             tokens,
             format_size(self.kv.num_blocks * self.kv_spec.bytes_per_block),
             str(self.kv_spec.dtype).removeprefix("torch."),
+            "uniform layout" if groups is None else groups.describe(),
             self.max_model_len,
-            tokens / self.max_model_len,
+            self.kv.num_blocks / self.kv.blocks_needed(self.max_model_len),
         )
 
     def _eos_token_ids(self) -> tuple[int, ...]:

@@ -72,6 +72,15 @@ class KVGroups:
         """More than one group: each has its own block table."""
         return len(self.windows) > 1
 
+    def describe(self) -> str:
+        """One line for logs and ``kvserve plan``."""
+        full = sum(w is None for w in self.windows)
+        windows = "/".join(str(w) for w in sorted({w for w in self.windows if w is not None}))
+        return (
+            f"hybrid: {self.num_groups} groups of {self.group_size} layers, {full} global, "
+            f"{self.num_groups - full} sliding over {windows}"
+        )
+
     def blocks_held(self, num_tokens: int, block_size: int, extra_tokens: int = 0) -> int:
         """Pages one sequence of ``num_tokens`` computed tokens holds at most, with
         ``extra_tokens`` more being computed in a step: every block in a global group; in a

@@ -123,15 +123,7 @@ def _request_bytes(spec: KVCacheSpec, tokens: int) -> int:
 
 
 def _layout(spec: KVCacheSpec) -> str:
-    g = spec.groups
-    if g is None:
-        return "uniform"
-    full = sum(w is None for w in g.windows)
-    windows = sorted({w for w in g.windows if w is not None})
-    return (
-        f"hybrid: {g.num_groups} groups of {g.group_size} layers, {full} global, "
-        f"{g.num_groups - full} sliding over {'/'.join(map(str, windows))}"
-    )
+    return "uniform" if spec.groups is None else spec.groups.describe()
 
 
 def plan(p: PlanInput, label: str = "") -> Plan:
