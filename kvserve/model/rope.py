@@ -1,5 +1,13 @@
-"""Rotary position embeddings (HF "rotate half" layout) with default, linear, llama3, yarn and
-longrope scaling.
+"""Rotary position embeddings (HF "rotate half" layout) with default, linear, llama3, yarn,
+longrope and dynamic (NTK) scaling.
+
+Dynamic NTK scaling raises the rotary base for a sequence longer than the model's
+``max_position_embeddings`` M: ``base · (factor · L / M − (factor − 1))^(d / (d − 2))`` for
+length L. transformers recomputes it for the longest position of each forward call; here
+position p (≥ M) is rotated with the base of length p + 1, per position, so again a
+token's rotation does not depend on its batch. That is what transformers computes for
+every decode step (each step grows the length by one); a prefill chunk past M rotates its
+earlier positions with smaller bases than transformers' one call would.
 
 LongRoPE (Phi-3) divides the frequencies by ``short_factor`` within the original context
 and by ``long_factor`` beyond it. transformers switches on the longest position of each
@@ -104,13 +112,26 @@ class RotaryEmbedding:
             self.long_inv_freq = long_frequencies(rope, head_dim).to(device)
         self.scaling = attention_scaling(rope)
         self.device = device
+        self.rope, self.head_dim = rope, head_dim
         self._build(max(max_positions, 1))
+
+    def _dynamic_rows(self, pos: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK: each position's angles with the base of its own length (float32,
+        as transformers computes them)."""
+        r, d = self.rope, self.head_dim
+        m = r.original_max_position_embeddings
+        base = r.theta * ((r.factor * (pos + 1) / m) - (r.factor - 1)) ** (d / (d - 2))
+        exponents = torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d
+        inv = 1.0 / (base[:, None] ** exponents[None, :])
+        return pos[:, None] * inv
 
     def _build(self, n: int) -> None:
         pos = torch.arange(n, device=self.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq)
         if self.long_inv_freq is not None and n > self.long_from:
             freqs[self.long_from :] = torch.outer(pos[self.long_from :], self.long_inv_freq)
+        if self.rope.rope_type == "dynamic" and n > self.long_from:
+            freqs[self.long_from :] = self._dynamic_rows(pos[self.long_from :])
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
         if self.scaling != 1.0:

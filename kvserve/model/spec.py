@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' Gemma3TextConfig defaults: Hub configs (the multimodal ones' text_config
@@ -198,6 +198,8 @@ def _rope_params(
     max_pos = cfg.get("max_position_embeddings", 8192)
     original = params.get("original_max_position_embeddings")
     original = int(original or cfg.get("original_max_position_embeddings") or max_pos)
+    if rope_type == "dynamic":  # transformers scales past the config's own length
+        original = int(max_pos)
     factor = params.get("factor")
     if factor is None:  # yarn and longrope: the ratio of the contexts
         factor = max_pos / original if rope_type in ("yarn", "longrope") else 1.0

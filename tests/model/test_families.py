@@ -210,8 +210,43 @@ def test_longrope_switches_to_the_long_factors_past_the_original_context(model_d
     engine.add_request("long", prompt, greedy(30))
     want = _stepwise_greedy(hf_model(model_dirs["phi3"]), prompt, 30)
     assert run_to_end(engine)["long"] == want
-    with pytest.raises(ShardingError, match="fused"):
-        check_shardable(spec, 2)
+    check_shardable(spec, 2)  # the fused tensors split per part (tests/worker)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_dynamic_ntk_rope_past_max_position_embeddings(tmp_path, backend):
+    """Dynamic NTK scaling: a 30-token prompt decoded 40 tokens past the model's 48
+    positions, each position from 48 on rotated with the base of its own length, as
+    transformers' model computes it called step by step."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
+        initializer_range=0.1, bos_token_id=0, eos_token_id=1,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )  # fmt: skip
+    model_dir = build_hf_model(cfg, tmp_path / "dynamic")
+    spec = load_model_spec(model_dir)
+    assert spec.rope.rope_type == "dynamic" and spec.rope.original_max_position_embeddings == 48
+    engine = make_engine(model_dir, attention_backend=backend, max_model_len=96)
+    prompt = random_prompts([30], seed=8)[0]
+    engine.add_request("d", prompt, greedy(40))
+    assert run_to_end(engine)["d"] == _stepwise_greedy(hf_model(model_dir), prompt, 40)
+    # the tables themselves, position by position as transformers grows them (the tiny
+    # model's tokens above barely depend on the base)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvserve.model.rope import RotaryEmbedding
+
+    ours = RotaryEmbedding(spec.rope, spec.head_dim, 96, torch.device("cpu"))
+    theirs = LlamaRotaryEmbedding(config=hf_model(model_dir).config)
+    x = torch.zeros(1, 1, spec.head_dim)
+    for p in range(96):
+        cos, sin = theirs(x, torch.tensor([[p]]))
+        torch.testing.assert_close(ours.cos[p], cos[0, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.sin[p], sin[0, 0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours.cos[90], torch.cos(90 * torch.cat([ours.inv_freq] * 2)))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -60,7 +60,7 @@ def test_unsupported_architecture_names_file_and_field(llama_dir, copy_model):
         ({"hidden_size": None}, "hidden_size"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_type"),
+        ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "rope_type"),
         ({"vocab_size": "many"}, "vocab_size"),
     ],
 )
