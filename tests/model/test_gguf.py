@@ -116,7 +116,7 @@ def test_chat_with_the_gguf_model_through_kvserve_serve(gguf_file, tmp_path):
         assert out.choices[0].finish_reason in ("stop", "length")
 
 
-def _foreign_gguf(path, arch: str = "phi3", tokenizer: str = "gpt2"):
+def _foreign_gguf(path, arch: str = "gemma2", tokenizer: str = "gpt2"):
     """A small GGUF file written by the ``gguf`` package's writer, of another family
     (``arch``) or with another tokenizer model."""
     import gguf
@@ -140,16 +140,16 @@ def _foreign_gguf(path, arch: str = "phi3", tokenizer: str = "gpt2"):
 def test_another_family_is_refused_naming_the_file_and_the_architecture(tmp_path):
     """Once a traceback (``'GGUFReader' object has no attribute 'path'``) raised while
     formatting this very message; the CLI now says what is unsupported and exits."""
-    phi = _foreign_gguf(tmp_path / "phi-3-mini.gguf", arch="phi3")
-    with pytest.raises(GGUFError, match=re.escape(f"{phi}: general.architecture 'phi3'")):
-        convert(phi)
+    foreign = _foreign_gguf(tmp_path / "gemma-2-2b.gguf", arch="gemma2")
+    with pytest.raises(GGUFError, match=re.escape(f"{foreign}: general.architecture 'gemma2'")):
+        convert(foreign)
     sp = _foreign_gguf(tmp_path / "sp.gguf", arch="llama", tokenizer="llama")
     with pytest.raises(GGUFError, match=re.escape(f"{sp}: ")):
         convert(sp)
     run = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(phi)],
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(foreign)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 2  # the model's fault: a supervisor need not retry
-    assert "general.architecture 'phi3' is not supported (supported: llama," in run.stderr
+    assert "general.architecture 'gemma2' is not supported (supported: llama," in run.stderr
     assert "Traceback" not in run.stderr
