@@ -312,26 +312,21 @@ class EngineBuilder:
         """``kv_layout`` ``auto`` → ``hybrid`` for a model with sliding and global layers
         unless a cluster is on (its pre-warmed blocks are not per group yet), else
         ``uniform``. Refuses (EngineError) ``hybrid`` where it cannot apply."""
-        blockers = []
-        if args.cluster:
-            blockers.append("a cluster (replication)")
         if cache.kv_layout == "hybrid":
             if not self.spec.hybrid:
                 raise EngineError(
                     f"kv_layout hybrid: every layer of {self.spec.architecture} attends "
                     "alike; the hybrid layout is for models with sliding and global layers"
                 )
-            if blockers:
+            if args.cluster:
                 raise EngineError(
-                    f"kv_layout hybrid does not work with {', '.join(blockers)} yet; drop "
-                    "them or use kv_layout uniform"
+                    "kv_layout hybrid does not work with a cluster (replication) yet; drop "
+                    "--cluster or use kv_layout uniform"
                 )
-        layout = "uniform"
-        if self.spec.hybrid and cache.kv_layout != "uniform":
-            layout = "uniform" if blockers else "hybrid"
-            if blockers:
-                logger.info("KV layout uniform: %s not wired for the hybrid one", blockers)
-        return dataclasses.replace(cache, kv_layout=layout)
+        hybrid = self.spec.hybrid and cache.kv_layout != "uniform" and not args.cluster
+        if self.spec.hybrid and cache.kv_layout == "auto" and args.cluster:
+            logger.info("KV layout uniform: a cluster is not wired for the hybrid one")
+        return dataclasses.replace(cache, kv_layout="hybrid" if hybrid else "uniform")
 
     def _check_parallel(self, args: EngineArgs) -> None:
         """Refuse, at start, what tensor parallelism does not support yet."""

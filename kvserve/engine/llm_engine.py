@@ -197,8 +197,7 @@ class LLMEngine:
         outputs = []
         for s, start in zip(scheduled, starts, strict=True):
             req = s.request
-            if self.window is not None or self.kv.hybrid:
-                self.kv.free_outside_windows(req, self.window, self.attention_sinks)
+            self.kv.free_outside_windows(req, self.window, self.attention_sinks)
             plp = result.prompt_logprobs.get(req.request_id)
             if plp is not None:  # entries for positions start+1 …; a recompute overwrites
                 if not req.prompt_logprobs:

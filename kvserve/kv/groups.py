@@ -91,13 +91,3 @@ class KVGroups:
         for w in self.windows:
             n += every if w is None else min(every, cdiv(w + extra_tokens, block_size) + 1)
         return n
-
-    def bytes_per_token(self, layer_bytes_per_token: int, context: int) -> float:
-        """Average KV bytes per token of a sequence of ``context`` tokens, given one
-        layer's bytes per token: global layers count every token, sliding layers their
-        window's."""
-        n = 0.0
-        for w in self.windows:
-            seen = context if w is None else min(w, context)
-            n += self.group_size * layer_bytes_per_token * seen
-        return n / max(context, 1)

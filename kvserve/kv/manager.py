@@ -11,7 +11,7 @@ each — full blocks are shared, never written again, so no copy-on-write is nee
 each step ``cache_full_blocks`` registers blocks that became full. At least one token is
 always left to compute, because the step that computes it produces the next token's logits.
 
-Sliding windows: ``free_outside_window`` returns blocks no future query can attend to
+Sliding windows: ``free_outside_windows`` returns blocks no future query can attend to
 (except attention-sink blocks) and puts the pool's null block in their table slots.
 
 Hybrid layout (``groups``, kv/groups.py): a request has one block table per group over the
@@ -335,18 +335,14 @@ class KVCacheManager:
                     self.pool.cache(b, group_hash(hashes[i], g), tokens)
         self._num_cached[rid] = full
 
-    def free_outside_window(self, request: Request, window: int, sinks: int = 0) -> int:
-        """Release blocks whose positions all lie before the window of every future query
-        (the next query sits at ``num_computed_tokens``) and past the ``sinks`` first
-        tokens. Their table slots become the null block. Returns how many were freed."""
-        return self._free_before(request, 0, window, sinks)
-
     def free_outside_windows(
         self, request: Request, window: int | None = None, sinks: int = 0
     ) -> int:
-        """``free_outside_window`` for every group that slides: in the hybrid layout each
-        sliding group over its own window (no sinks), else the one table over ``window``
-        (a no-op when None). Returns how many blocks were freed."""
+        """Release blocks whose positions all lie before the window of every future query
+        (the next query sits at ``num_computed_tokens``) and past the ``sinks`` first
+        tokens; their table slots become the null block. In the hybrid layout each sliding
+        group over its own window (no sinks), else the one table over ``window`` (a no-op
+        when None). Returns how many blocks were freed."""
         if self.groups is None:
             return 0 if window is None else self._free_before(request, 0, window, sinks)
         return sum(

@@ -112,6 +112,7 @@ class _SharedMeta:
     seq_lens: torch.Tensor
     query_start: torch.Tensor
     decode_lens: list[int]
+    decode_mask: torch.Tensor | None  # the SDPA backend's (every group's tables one length)
 
 
 class InputBuilder:
@@ -200,12 +201,18 @@ class InputBuilder:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(req)
         positions = torch.cat([torch.tensor(decode_pos, dtype=torch.long), *prefill_pos])
+        decode_lens = [p + 1 for p in decode_pos]
+        decode_mask = None
+        if self.dense_masks and decode_lens:
+            width = max(len(t) for t in tables[0][: len(decode_lens)])
+            decode_mask = self._decode_mask(width * bs, decode_lens)
         shared = _SharedMeta(
             int(positions.max()),
             len(decode_pos),
             torch.tensor(seq_lens, dtype=torch.long, device=self.device),
             torch.tensor(query_start, dtype=torch.long, device=self.device),
-            [p + 1 for p in decode_pos],
+            decode_lens,
+            decode_mask,
         )
         metas = [
             self._meta(shared, tables[g], decode_slots[g], prefill_slots[g], prefills[g])
@@ -247,9 +254,8 @@ class InputBuilder:
             meta.query_start = shared.query_start
         elif shared.decode_lens:
             lens = shared.decode_lens
-            meta.decode_block_tables, meta.decode_mask = self._decode_meta(
-                tables[: len(lens)], lens
-            )
+            meta.decode_block_tables = self._padded(tables[: len(lens)])
+            meta.decode_mask = shared.decode_mask
             meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
         meta.prefills = prefills
         return meta
@@ -264,17 +270,14 @@ class InputBuilder:
             rows[i, : len(t)] = t
         return torch.from_numpy(rows).to(self.device)
 
-    def _decode_meta(
-        self, tables: list[list[int]], lens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        padded = self._padded(tables)
-        max_len = padded.shape[1] * self.block_size
+    def _decode_mask(self, max_len: int, lens: list[int]) -> torch.Tensor | None:
+        """``[decodes, 1, 1, max_len]`` of the keys each decode sees (None: all of the
+        padded context of every decode: plain causal attention)."""
         pos = torch.arange(max_len).unsqueeze(0)
         lens_t = torch.tensor(lens).unsqueeze(1)
         mask = visible(lens_t - 1, pos, self.window, self.sinks)  # a decode sits at len - 1
         need_mask = self.window is not None or any(n != max_len for n in lens)
-        mask_t = mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
-        return padded, mask_t
+        return mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
 
     @staticmethod
     def _row(req: Request) -> SampleRow:
