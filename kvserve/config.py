@@ -21,7 +21,7 @@ __all__ = ["ParallelConfig", "host_port"]  # re-exported: one import for every c
 PREFIX_CACHE_ISOLATION = ("none", "tenant")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 PREEMPTION_VICTIMS = ("cost", "latest")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 KV_LAYOUTS = ("auto", "hybrid", "uniform")
 
 
@@ -31,8 +31,9 @@ class ModelConfig:
 
     ``dtype`` ``auto`` takes the checkpoint's dtype. ``max_model_len`` ``None`` takes the
     model's ``max_position_embeddings``. ``attention_backend`` ``auto`` uses the C++ CPU kernels
-    (paged decode attention, fused RMSNorm/RoPE/SiLU) on CPU when they build, else the
-    portable PyTorch (SDPA) path; ``torch`` forces the latter, ``cpu`` requires the former.
+    (paged decode attention, fused RMSNorm/RoPE/SiLU) on CPU when they build, the Triton
+    paged-attention kernels on a GPU, else the portable PyTorch (SDPA) path; ``torch``
+    forces the latter, ``cpu`` and ``triton`` require theirs.
     Except with ``torch``, bf16/fp16 linear weights on a CPU are prepacked for oneDNN.
     """
 
@@ -272,7 +273,8 @@ class EngineArgs:
     seed: int = _arg(0, "seed of the weights' random init (tests) and of default seeds")
     attention_backend: str = _arg(
         "auto",
-        "cpu: C++ kernels; torch: portable SDPA; auto: cpu on a CPU device when they build",
+        "cpu: C++ kernels; triton: Triton kernels (GPU); torch: portable SDPA; "
+        "auto: cpu on a CPU device when they build, triton on a GPU",
         ATTENTION_BACKENDS,
     )
     block_size: int = _arg(16, "tokens per KV block")

@@ -7,11 +7,18 @@ real BPE tokenizer, so the tests compare against the reference implementation it
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels (model/triton_*.py) run under Triton's interpreter on CPU
+# tensors. It must be set before they are defined; kvserve imports them only when the Triton
+# backend is built, and a run on a GPU (scripts/gpu_check.sh) compiles them for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from helpers import ARCHS
 from s3_proc import aws_env, moto  # noqa: F401 - fixtures for the S3 tests
 

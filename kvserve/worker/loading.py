@@ -36,6 +36,7 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.spec import ModelSpec
+from kvserve.model.triton_backend import TritonPagedAttention, triton_unusable
 from kvserve.utils import cdiv, format_size
 from kvserve.worker.parallel import ShardPlan, TPGroup
 
@@ -69,16 +70,28 @@ def select_kernels(
     window,
     sinks: int,
     tileable_kv: bool = False,
+    kv_storage: torch.dtype | None = None,
 ) -> tuple[TorchPagedAttention, TorchOps]:
     """Attention backend and element-wise ops for ``attention_backend`` ``choice``.
 
-    ``cpu`` (and ``auto`` on a CPU device) uses the C++ kernels: paged attention (for head
+    ``triton`` (and ``auto`` on a GPU, where Triton runs) uses the Triton kernels
+    (``model/triton_backend.py``; on CPU only under Triton's interpreter, for tests), else
+    ``auto`` on a GPU takes the portable SDPA path. ``cpu`` (and ``auto`` on a CPU device)
+    uses the C++ kernels: paged attention (for head
     dims it is built for) and the fused RMSNorm/RoPE/SiLU ops. With ``tileable_kv``
     (``kv_tiles_apply``: a bf16 model with a plain bf16 cache or an 8-bit one with per-token
     scales) the C++ backend takes the tiled cache layout where the kernels read it
     (block_size a multiple of 16; the kernel build says which head dims:
-    ``tiled_kv_supported``).
+    ``tiled_kv_supported``). ``kv_storage`` (the cache's element type) rules the Triton
+    backend out where it cannot read it (``triton_unusable``).
     """
+    if choice == "triton" or (choice == "auto" and device.type != "cpu"):
+        reason = triton_unusable(device, spec.head_dim, kv_storage)
+        if reason is None:
+            return TritonPagedAttention(block_size, window, sinks), TorchOps()
+        if choice == "triton":
+            raise EngineError(f"attention_backend 'triton': {reason}")
+        logger.warning("attention: the portable SDPA path (%s)", reason)
     if choice == "torch" or (choice == "auto" and device.type != "cpu"):
         return TorchPagedAttention(block_size), TorchOps()
     if device.type != "cpu":
@@ -156,6 +169,7 @@ class ShardBuilder:
             inp.window,
             inp.attention_sinks,
             tileable_kv=kv_tiles_apply(inp.dtype, self.kv_format),
+            kv_storage=self.kv_format.storage,
         )
         self.model: LlamaForCausalLM = load_model(
             inp.model_dir, inp.spec, inp.dtype, device, self.backend, ops, inp.max_model_len, tp

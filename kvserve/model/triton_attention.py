@@ -1,0 +1,321 @@
+"""Triton paged attention: every row of a step, decode or prefill, read in place from the
+KV blocks (no gathered context, no dense mask), for CUDA (and AMD) GPUs; Triton's
+interpreter (``TRITON_INTERPRET=1``, set before this module is imported) runs the same
+kernels on CPU tensors, which is how the tests check them.
+
+Cache layout: rows (``kv/cache.py``): K and V each ``[slots, kv_heads, head_dim]``, slot =
+block id * block_size + offset; 16/32-bit, or int8/fp8 codes with per-token scales
+``[slots, kv_heads]`` float16 or per-head scales ``[kv_heads]`` float32.
+
+**The determinism rule** (the CPU kernels' rule, ``csrc/paged_attention.cpp``): a row's
+output depends only on its query, its context's K/V and its position, never on the other
+rows of the step or how its prompt was chunked. So:
+
+- A program takes ``BLOCK_M`` rows of one sequence and one query head (a fixed tile
+  shape, whatever the batch). Rows are independent in every operation; keys a row does
+  not see contribute an exact zero (scores -inf, the running max starts finite).
+- Keys are visited in ``BLOCK_N``-aligned tiles in position order, grouped in splits of
+  ``SPLIT`` positions fixed by position. Each split's softmax state is computed from
+  scratch and merged into the row's result in split order (``_merge``). The one-program
+  kernel merges as it goes; the split-KV kernel (decode-only steps with long contexts)
+  computes splits in parallel programs and ``_merge_kernel`` merges them in the same
+  order with the same arithmetic, so both give a row the same bits.
+- Floating-point fusion is off (``enable_fp_fusion=False``): the same expression
+  compiles to the same roundings in every kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # query rows per program (one sequence's); fixed: part of the numerics
+BLOCK_N = 32  # keys per tile
+SPLIT = 512  # key positions per split, fixed by position (a multiple of BLOCK_N)
+# Triton's interpreter multiplies bf16 dot operands wrongly (3.9: as raw bits), so when
+# interpreting, operands are widened to float32 first: exact for bf16 and fp16 values, and
+# the products and float32 accumulation are the same as a bf16 dot's.
+_WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
+# the running max's start: finite, so a tile a row does not see is an exact no-op for it
+_NEG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _find_seq(query_start, num_seqs, pid, BM: tl.constexpr):
+    """The sequence whose tiles hold program ``pid``: tiles of sequence s are numbered
+    from ``query_start[s] // BM + s`` (an upper bound of the tiles before it)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start + mid).to(tl.int32) // BM + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _merge(m_run, l_run, acc_run, m, den, acc):
+    """One split's softmax state merged into the running one (both may be empty)."""
+    m_new = tl.maximum(m_run, m)
+    a = tl.exp(m_run - m_new)
+    b = tl.exp(m - m_new)
+    return m_new, l_run * a + den * b, acc_run * a[:, None] + acc * b[:, None]
+
+
+@triton.jit
+def _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS,
+               kvh, sk_slot, sk_head, ss_slot, window, sinks, scale,
+               PAGE: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+               SCALES: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """The keys of tiles ``[lo, hi)`` (BN-aligned positions) folded into (m, den, acc)."""
+    d = tl.arange(0, DP)
+    for start in range(lo, hi, BN):
+        kpos = start + tl.arange(0, BN)
+        k_ok = kpos < ctx_len
+        page = tl.load(table + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        slot = page * PAGE + kpos % PAGE
+        off = slot[:, None] * sk_slot + kvh * sk_head + d[None, :]
+        ld = k_ok[:, None] & (d[None, :] < D)
+        k = tl.load(K + off, mask=ld, other=0.0)
+        v = tl.load(V + off, mask=ld, other=0.0)
+        if SCALES == 1:  # per (token, head)
+            ks = tl.load(KS + slot * ss_slot + kvh, mask=k_ok, other=0.0).to(tl.float32)
+            vs = tl.load(VS + slot * ss_slot + kvh, mask=k_ok, other=0.0).to(tl.float32)
+            k = k.to(tl.float32) * ks[:, None]
+            v = v.to(tl.float32) * vs[:, None]
+        elif SCALES == 2:  # per head
+            k = k.to(tl.float32) * tl.load(KS + kvh)
+            v = v.to(tl.float32) * tl.load(VS + kvh)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if _WIDEN:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        vis = (kpos[None, :] <= pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        if WINDOW:
+            vis = vis & ((kpos[None, :] > pos[:, None] - window) | (kpos[None, :] < sinks))
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        den = den * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype)
+        if _WIDEN:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        m = m_new
+    return m, den, acc
+
+
+@triton.jit
+def _split_state(q, pos, row_ok, pos_min, pos_max, split, table, K, V, KS, VS, kvh,
+                 sk_slot, sk_head, ss_slot, window, sinks, scale,
+                 PAGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                 DP: tl.constexpr, SPL: tl.constexpr, SCALES: tl.constexpr,
+                 WINDOW: tl.constexpr):  # fmt: skip
+    """Split ``split``'s softmax state (from scratch) for a tile's rows: its sink tiles,
+    then the tiles of the tile's window (every tile up to the last row's position)."""
+    m = tl.full([BM], _NEG, tl.float32)
+    den = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DP], tl.float32)
+    lo = split * SPL
+    ctx_len = pos_max + 1  # keys past the tile's last row are never visible
+    hi = tl.minimum(lo + SPL, ctx_len)
+    hi = (hi + BN - 1) // BN * BN
+    if WINDOW:
+        sink_hi = tl.minimum((sinks + BN - 1) // BN * BN, hi)
+        m, den, acc = _key_tiles(q, pos, row_ok, m, den, acc, lo, sink_hi, table, ctx_len, K, V,
+                               KS, VS, kvh, sk_slot, sk_head, ss_slot, window, sinks, scale,
+                               PAGE, BN, D, DP, SCALES, WINDOW)  # fmt: skip
+        first = tl.maximum(pos_min - window + 1, 0) // BN * BN
+        lo = tl.maximum(tl.maximum(lo, sink_hi), first)
+    m, den, acc = _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS,
+                           kvh, sk_slot, sk_head, ss_slot, window, sinks, scale,
+                           PAGE, BN, D, DP, SCALES, WINDOW)  # fmt: skip
+    return m, den, acc
+
+
+@triton.jit
+def _tile(query_start, seq_lens, num_seqs, pid, BM: tl.constexpr):
+    """A program's sequence and rows: (seq, rows, their positions, row mask, the
+    first and last row's positions, whether the program has rows at all)."""
+    seq = _find_seq(query_start, num_seqs, pid, BM)
+    q0 = tl.load(query_start + seq).to(tl.int32)
+    q1 = tl.load(query_start + seq + 1).to(tl.int32)
+    row0 = q0 + (pid - (q0 // BM + seq)) * BM
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < q1
+    ctx_len = tl.load(seq_lens + seq).to(tl.int32)
+    pos = ctx_len - (q1 - rows)
+    pos_max = ctx_len - (q1 - tl.minimum(row0 + BM, q1)) - 1
+    return seq, rows, pos, row_ok, ctx_len - (q1 - row0), pos_max, row0 < q1
+
+
+@triton.jit
+def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_seqs,
+                      sq_row, sq_head, so_row, so_head, st_row, sk_slot, sk_head, ss_slot,
+                      window, sinks, scale, GROUP: tl.constexpr, PAGE: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                      SPL: tl.constexpr, SCALES: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """One program: ``BM`` rows of one sequence, one query head, every split merged."""
+    head = tl.program_id(1)
+    seq, rows, pos, row_ok, pos_min, pos_max, live = _tile(
+        query_start, seq_lens, num_seqs, tl.program_id(0), BM
+    )
+    if live:
+        d = tl.arange(0, DP)
+        q_off = rows[:, None] * sq_row + head * sq_head + d[None, :]
+        q_mask = row_ok[:, None] & (d[None, :] < D)
+        q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+        m_run = tl.full([BM], _NEG, tl.float32)
+        l_run = tl.zeros([BM], tl.float32)
+        acc_run = tl.zeros([BM, DP], tl.float32)
+        for split in range(0, pos_max // SPL + 1):
+            m, den, acc = _split_state(q, pos, row_ok, pos_min, pos_max, split,
+                                     tables + seq * st_row, K, V, KS, VS, head // GROUP,
+                                     sk_slot, sk_head, ss_slot, window, sinks, scale, PAGE,
+                                     BM, BN, D, DP, SPL, SCALES, WINDOW)  # fmt: skip
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc)
+        out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
+        o_off = rows[:, None] * so_row + head * so_head + d[None, :]
+        tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _split_kernel(Q, K, V, KS, VS, PM, PL, PACC, tables, query_start, seq_lens, num_seqs,
+                  sq_row, sq_head, st_row, sk_slot, sk_head, ss_slot, window, sinks, scale,
+                  GROUP: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr,
+                  NSPLIT: tl.constexpr, SCALES: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """One split of one tile and head: its state into the partial buffers
+    (``PM``/``PL`` ``[rows, heads, NSPLIT]``, ``PACC`` ``[rows, heads, NSPLIT, DP]``)."""
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq, rows, pos, row_ok, pos_min, pos_max, live = _tile(
+        query_start, seq_lens, num_seqs, tl.program_id(0), BM
+    )
+    if live and split * SPL <= pos_max:
+        d = tl.arange(0, DP)
+        q_mask = row_ok[:, None] & (d[None, :] < D)
+        q = tl.load(Q + rows[:, None] * sq_row + head * sq_head + d[None, :], mask=q_mask)
+        m, den, acc = _split_state(q, pos, row_ok, pos_min, pos_max, split,
+                                 tables + seq * st_row, K, V, KS, VS, head // GROUP,
+                                 sk_slot, sk_head, ss_slot, window, sinks, scale, PAGE,
+                                 BM, BN, D, DP, SPL, SCALES, WINDOW)  # fmt: skip
+        heads = tl.num_programs(1)
+        state = (rows * heads + head) * NSPLIT + split
+        tl.store(PM + state, m, mask=row_ok)
+        tl.store(PL + state, den, mask=row_ok)
+        tl.store(PACC + state[:, None] * DP + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(PM, PL, PACC, Out, seq_lens, query_start, num_seqs, so_row, so_head,
+                  BM: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr,
+                  NSPLIT: tl.constexpr):  # fmt: skip
+    """A tile's splits merged in split order, as ``_attention_kernel`` merges them."""
+    head = tl.program_id(1)
+    _, rows, _, row_ok, _, pos_max, live = _tile(
+        query_start, seq_lens, num_seqs, tl.program_id(0), BM
+    )
+    if live:
+        d = tl.arange(0, DP)
+        heads = tl.num_programs(1)
+        m_run = tl.full([BM], _NEG, tl.float32)
+        l_run = tl.zeros([BM], tl.float32)
+        acc_run = tl.zeros([BM, DP], tl.float32)
+        for split in range(0, pos_max // SPL + 1):
+            state = (rows * heads + head) * NSPLIT + split
+            m = tl.load(PM + state, mask=row_ok, other=_NEG)
+            den = tl.load(PL + state, mask=row_ok, other=0.0)
+            acc = tl.load(PACC + state[:, None] * DP + d[None, :], mask=row_ok[:, None],
+                          other=0.0)  # fmt: skip
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc)
+        out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
+        o_mask = row_ok[:, None] & (d[None, :] < D)
+        o_off = rows[:, None] * so_row + head * so_head + d[None, :]
+        tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=o_mask)
+
+
+def _scale_kind(k_scale: torch.Tensor | None) -> int:
+    """0: a 16/32-bit cache; 1: per-token scales ``[slots, H]``; 2: per-head ``[H]``."""
+    if k_scale is None:
+        return 0
+    return 1 if k_scale.dim() == 2 else 2
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    sinks: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    block_size: int = 16,
+    max_context: int | None = None,
+    split_kv: bool | None = None,
+) -> torch.Tensor:
+    """Attention output ``[T, Hq, D]`` of ``q`` ``[T, Hq, D]`` (sequence after sequence,
+    rows of sequence s from ``query_start[s]``, its context ``seq_lens[s]`` tokens
+    including the rows, the rows being its last ones) over K/V ``[slots, Hkv, D]`` at the
+    slots ``tables[s]`` names (``block_size`` slots per block). ``window`` > 0: each row
+    sees its last ``window`` positions and the first ``sinks``. ``max_context`` (the
+    longest ``seq_lens``; read from the device when None) sizes the split-KV grid;
+    ``split_kv`` None takes the split-KV kernels for a decode-only step of more than one
+    split. Either way a row gets the same bits (the module's determinism rule)."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    seqs = seq_lens.shape[0]
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    if max_context is None:
+        max_context = int(seq_lens.max())
+    kind = _scale_kind(k_scale)
+    ks = k_scale if k_scale is not None else k_cache
+    vs = v_scale if v_scale is not None else v_cache
+    dp = max(16, triton.next_power_of_2(d))
+    nsplit = triton.cdiv(max_context, SPLIT)
+    if split_kv is None:
+        split_kv = t == seqs and nsplit > 1
+    grid_m = triton.cdiv(t, BLOCK_M) + seqs
+    common = dict(
+        GROUP=hq // hkv, PAGE=block_size, BM=BLOCK_M, BN=BLOCK_N, D=d, DP=dp, SPL=SPLIT,
+        SCALES=kind, WINDOW=window > 0, enable_fp_fusion=False,
+    )  # fmt: skip
+    geometry = (
+        tables, query_start, seq_lens, seqs, q.stride(0), q.stride(1),
+    )  # fmt: skip
+    ss_slot = k_scale.stride(0) if k_scale is not None and kind == 1 else 0
+    cache = (tables.stride(0), k_cache.stride(0), k_cache.stride(1), ss_slot)
+    if not split_kv:
+        _attention_kernel[(grid_m, hq)](
+            q, k_cache, v_cache, ks, vs, out, *geometry[:4], q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), *cache, window, sinks, scale, **common,
+        )  # fmt: skip
+        return out
+    pm = torch.empty((t, hq, nsplit), dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty((t, hq, nsplit, dp), dtype=torch.float32, device=q.device)
+    _split_kernel[(grid_m, hq, nsplit)](
+        q, k_cache, v_cache, ks, vs, pm, pl, pacc, *geometry, *cache, window, sinks, scale,
+        NSPLIT=nsplit, **common,
+    )  # fmt: skip
+    _merge_kernel[(grid_m, hq)](
+        pm, pl, pacc, out, seq_lens, query_start, seqs, out.stride(0), out.stride(1),
+        BM=BLOCK_M, D=d, DP=dp, SPL=SPLIT, NSPLIT=nsplit, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
