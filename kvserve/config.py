@@ -25,6 +25,12 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 KV_LAYOUTS = ("auto", "hybrid", "uniform")
 
 
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raises ValueError naming ``name`` when ``value`` is not one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} {value!r} is not one of {', '.join(choices)}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which checkpoint to load and how.
@@ -32,9 +38,11 @@ class ModelConfig:
     ``dtype`` ``auto`` takes the checkpoint's dtype. ``max_model_len`` ``None`` takes the
     model's ``max_position_embeddings``. ``attention_backend`` ``auto`` uses the C++ CPU kernels
     (paged decode attention, fused RMSNorm/RoPE/SiLU) on CPU when they build, the Triton
-    paged-attention kernels on a GPU, else the portable PyTorch (SDPA) path; ``torch``
-    forces the latter, ``cpu`` and ``triton`` require theirs.
-    Except with ``torch``, bf16/fp16 linear weights on a CPU are prepacked for oneDNN.
+    kernels on a GPU, else the portable PyTorch (SDPA) path; ``torch`` forces the latter,
+    ``cpu`` and ``triton`` require theirs. Except with ``torch``, bf16/fp16 linear weights
+    on a CPU are prepacked for oneDNN. ``enforce_eager``: no CUDA graphs (worker/cuda_graphs).
+    ``batch_invariant``: Triton GEMMs and norms too (``model/triton_ops.py``), so on a GPU a
+    row's output does not depend on the batch (the CPU kernels always keep that contract).
     """
 
     model: str
@@ -43,13 +51,11 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
+    enforce_eager: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend {self.attention_backend!r} is not one of "
-                f"{', '.join(ATTENTION_BACKENDS)}"
-            )
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
@@ -97,13 +103,8 @@ class CacheConfig:
     kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
-        if self.kv_cache_scales not in KV_CACHE_SCALES:
-            raise ValueError(
-                f"kv_cache_scales {self.kv_cache_scales!r} is not one of "
-                f"{', '.join(KV_CACHE_SCALES)}"
-            )
+        _check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
+        _check_choice("kv_cache_scales", self.kv_cache_scales, KV_CACHE_SCALES)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -119,11 +120,7 @@ class CacheConfig:
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; "
                 f"choose one of {', '.join(KV_CACHE_DTYPES)}"
             )
-        if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
-            raise ValueError(
-                f"prefix_cache_isolation {self.prefix_cache_isolation!r} is not one of "
-                f"{', '.join(PREFIX_CACHE_ISOLATION)}"
-            )
+        _check_choice("prefix_cache_isolation", self.prefix_cache_isolation, PREFIX_CACHE_ISOLATION)
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.attention_sinks is not None and self.attention_sinks < 0:
@@ -161,16 +158,8 @@ class SchedulerConfig:
             )
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode {self.preemption_mode!r} is not one of "
-                f"{', '.join(PREEMPTION_MODES)}"
-            )
-        if self.preemption_victim not in PREEMPTION_VICTIMS:
-            raise ValueError(
-                f"preemption_victim {self.preemption_victim!r} is not one of "
-                f"{', '.join(PREEMPTION_VICTIMS)}"
-            )
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("preemption_victim", self.preemption_victim, PREEMPTION_VICTIMS)
 
 
 @dataclass(frozen=True)
@@ -273,9 +262,12 @@ class EngineArgs:
     seed: int = _arg(0, "seed of the weights' random init (tests) and of default seeds")
     attention_backend: str = _arg(
         "auto",
-        "cpu: C++ kernels; triton: Triton kernels (GPU); torch: portable SDPA; "
-        "auto: cpu on a CPU device when they build, triton on a GPU",
+        "cpu: C++ kernels; triton: Triton kernels (GPU); torch: portable SDPA; auto: cpu/triton",
         ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = _arg(False, "CUDA: no CUDA graphs; every step runs eagerly")
+    batch_invariant: bool = _arg(
+        False, "GPU: Triton GEMMs and norms, so output does not depend on the batch (slower)"
     )
     block_size: int = _arg(16, "tokens per KV block")
     kv_cache_memory: int | str | None = _arg(
@@ -383,6 +375,8 @@ class EngineArgs:
             self.device,
             self.seed,
             self.attention_backend,
+            self.enforce_eager,
+            self.batch_invariant,
         )
 
     def cache_config(self) -> CacheConfig:

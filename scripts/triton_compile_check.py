@@ -25,6 +25,7 @@ from triton.compiler import ASTSource
 
 from kvserve.model import triton_attention as ta
 from kvserve.model import triton_kv_write as tw
+from kvserve.model import triton_ops as tops
 
 FP8_MIN_ARCH = 89  # fp8 e4m3/e5m2 conversions need Ada/Hopper
 
@@ -48,8 +49,9 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
                 PACC="fp32")  # fmt: skip
     const = dict(attn, D=128, DP=128, SCALES=0, WINDOW=True, NSPLIT=8)
     out.append(("split-KV q=bf16 d=128", ta._split_kernel, ptrs, const))
-    out.append(("merge d=128", ta._merge_kernel, dict(PM="fp32", PL="fp32", PACC="fp32",
-               Out="bf16"), dict(BM=ta.BLOCK_M, D=128, DP=128, SPL=ta.SPLIT, NSPLIT=8)))  # fmt: skip
+    ptrs = dict(PM="fp32", PL="fp32", PACC="fp32", Out="bf16")
+    const = dict(BM=ta.BLOCK_M, D=128, DP=128, SPL=ta.SPLIT, NSPLIT=8)
+    out.append(("merge d=128", ta._merge_kernel, ptrs, const))
     out.append(("write bf16", tw._write_plain_kernel, dict(X="bf16", C="bf16"),
                dict(D=128, DP=128)))  # fmt: skip
     for code, int8, mbits, emin in (("i8", True, 0, 0), ("fp8e4nv", False, 3, -6),
@@ -58,6 +60,17 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
         const = dict(D=128, DP=128, INT8=int8, NCAND=1 if int8 else 8, SHIFTED=True,
                      MBITS=mbits, EMIN=emin)  # fmt: skip
         out.append((f"write {code}", tw._write_quant_kernel, ptrs, const))
+    for dt in ("bf16", "fp16", "fp32"):  # --batch-invariant's GEMM and element-wise ops
+        ptrs = dict(A=dt, B=dt, C=dt, BIAS=dt)
+        const = dict(BM=tops.GEMM_BM, BN=tops.GEMM_BN, BK=tops.GEMM_BK, HAS_BIAS=True)
+        out.append((f"gemm {dt}", tops._matmul_kernel, ptrs, const))
+        for add in (False, True):
+            ptrs = dict(X=dt, R=dt, W=dt, Y=dt)
+            out.append((f"rms_norm {dt} add={add}", tops._rms_norm_kernel, ptrs,
+                        dict(BH=2048, ADD=add)))  # fmt: skip
+        out.append((f"silu_mul {dt}", tops._silu_mul_kernel, dict(X=dt, Y=dt), dict(BI=1024)))
+        ptrs = dict(X=dt, POS="i64", COS=dt, SIN=dt)
+        out.append((f"rope {dt}", tops._rope_kernel, ptrs, dict(HALF=64)))
     return out
 
 
@@ -70,7 +83,7 @@ def _signature(kernel, ptrs: dict[str, str], const: dict[str, object]) -> dict[s
             sig[name] = "*" + ptrs[name]
         elif name in ("tables", "query_start", "seq_lens", "SLOTS"):
             sig[name] = "*i64"
-        elif name in ("scale", "qmax"):
+        elif name in ("scale", "qmax", "eps"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

@@ -106,6 +106,7 @@ class EngineBuilder:
             self.window,
             self.attention_sinks,
             self._calibration_ids(),
+            self.scheduler_config.max_num_seqs,
         )
         shard: ShardBuilder | None = None
         executor: MultiprocExecutor | None = None
@@ -142,7 +143,7 @@ class EngineBuilder:
         # Then a resumed stream restores every stored block of its prompt; otherwise only
         # all of them when they cover the prompt's end, else exactly the prefix its
         # primary had from its cache (a cached prompt's tail went through other kernels)
-        self.batch_invariant = (
+        self.batch_invariant = self.model_config.batch_invariant or (
             self.device.type == "cpu"
             and not dense
             and self.dtype in (torch.bfloat16, torch.float16)
@@ -177,7 +178,9 @@ class EngineBuilder:
             self.runner: ModelRunner | MultiprocExecutor = executor
         else:
             assert shard is not None and self.model is not None
-            self.runner = ModelRunner(self.model, shard.allocate(num_blocks), self.device, inputs)
+            caches = shard.allocate(num_blocks)
+            graphs = shard.decode_graphs(caches)
+            self.runner = ModelRunner(self.model, caches, self.device, inputs, graphs)
         # bytes a block copies per token: every layer's, or a hybrid layout's group's
         self.cost_model = PreemptionCostModel(self.kv_spec.bytes_per_block // self.kv.block_size)
         self.cost_model.calibrate_copy(self.device)

@@ -35,8 +35,9 @@ import triton.language as tl
 BLOCK_M = 16  # query rows per program (one sequence's); fixed: part of the numerics
 BLOCK_N = 32  # keys per tile
 SPLIT = 512  # key positions per split, fixed by position (a multiple of BLOCK_N)
-# Triton's interpreter multiplies bf16 dot operands wrongly (3.9: as raw bits), so when
-# interpreting, operands are widened to float32 first: exact for bf16 and fp16 values, and
+# Triton's interpreter multiplies bf16 dot operands wrongly (3.9: as raw bits) and converts
+# int8 to bf16 wrongly, so when interpreting, values go through float32 and dot operands
+# are widened to float32: exact for bf16 and fp16 values, and
 # the products and float32 accumulation are the same as a bf16 dot's.
 _WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
 # the running max's start: finite, so a tile a row does not see is an exact no-op for it
@@ -84,20 +85,32 @@ def _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS
         ld = k_ok[:, None] & (d[None, :] < D)
         k = tl.load(K + off, mask=ld, other=0.0)
         v = tl.load(V + off, mask=ld, other=0.0)
+        # 8-bit codes are exact in the query's type; the scales multiply the scores (K)
+        # and the weights (V) in float32, so only the weights are rounded, as for bf16
+        ks = scale
+        vs = 1.0
         if SCALES == 1:  # per (token, head)
-            ks = tl.load(KS + slot * ss_slot + kvh, mask=k_ok, other=0.0).to(tl.float32)
+            ks = scale * tl.load(KS + slot * ss_slot + kvh, mask=k_ok, other=0.0).to(tl.float32)
             vs = tl.load(VS + slot * ss_slot + kvh, mask=k_ok, other=0.0).to(tl.float32)
-            k = k.to(tl.float32) * ks[:, None]
-            v = v.to(tl.float32) * vs[:, None]
         elif SCALES == 2:  # per head
-            k = k.to(tl.float32) * tl.load(KS + kvh)
-            v = v.to(tl.float32) * tl.load(VS + kvh)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        if _WIDEN:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+            ks = scale * tl.load(KS + kvh)
+            vs = tl.load(VS + kvh)
+        if _WIDEN:  # (the interpreter also converts int8 to bf16 wrongly: via float32)
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
         else:
-            s = tl.dot(q, tl.trans(k)) * scale
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if _WIDEN:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        elif q.dtype == tl.float32:  # float32 models: full products, not TF32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if SCALES == 1:  # noqa: SIM108 - a constexpr branch: only one is compiled
+            s = s * ks[None, :]
+        else:
+            s = s * ks
         vis = (kpos[None, :] <= pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if WINDOW:
             vis = vis & ((kpos[None, :] > pos[:, None] - window) | (kpos[None, :] < sinks))
@@ -106,9 +119,15 @@ def _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         den = den * alpha + tl.sum(p, 1)
+        if SCALES == 1:
+            p = p * vs[None, :]
+        elif SCALES == 2:
+            p = p * vs
         p = p.to(v.dtype)
         if _WIDEN:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+        elif v.dtype == tl.float32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p, v)
         m = m_new

@@ -24,9 +24,7 @@ from kvserve.kv.quant import KVFormat, kv_format
 from kvserve.kv.smoothing import key_means
 from kvserve.model.attention import (
     CPU_KERNEL_HEAD_DIMS,
-    AttentionMetadata,
     CpuPagedAttention,
-    PrefillChunk,
     TorchPagedAttention,
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
@@ -38,6 +36,8 @@ from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.spec import ModelSpec
 from kvserve.model.triton_backend import TritonPagedAttention, triton_unusable
 from kvserve.utils import cdiv, format_size
+from kvserve.worker.cuda_graphs import CudaCapture, DecodeGraphs, capture_sizes
+from kvserve.worker.gpu_memory import measure_cuda, plan_kv_memory
 from kvserve.worker.parallel import ShardPlan, TPGroup
 
 logger = logging.getLogger("kvserve")
@@ -60,6 +60,7 @@ class ShardInputs:
     window: int | None
     attention_sinks: int
     calibration_ids: tuple[int, ...] = ()  # K smoothing's calibration text (kv/smoothing.py)
+    max_num_seqs: int = 256  # sizes the CUDA graphs' buckets
 
 
 def select_kernels(
@@ -171,10 +172,24 @@ class ShardBuilder:
             tileable_kv=kv_tiles_apply(inp.dtype, self.kv_format),
             kv_storage=self.kv_format.storage,
         )
+        invariant_gpu = inp.model_config.batch_invariant and not isinstance(
+            self.backend, CpuPagedAttention
+        )  # (the C++ kernels are batch-invariant as they are)
+        if invariant_gpu:
+            if not isinstance(self.backend, TritonPagedAttention):
+                raise EngineError(
+                    "batch_invariant needs the Triton attention backend (--attention-backend "
+                    "triton, on a GPU) or, on a CPU, the C++ kernels"
+                )
+            from kvserve.model import triton_ops  # defined once the backend can run
+
+            ops = triton_ops.TritonOps()
         self.model: LlamaForCausalLM = load_model(
             inp.model_dir, inp.spec, inp.dtype, device, self.backend, ops, inp.max_model_len, tp
         )
-        if inp.model_config.attention_backend != "torch":
+        if invariant_gpu:
+            triton_ops.make_batch_invariant(self.model)
+        elif inp.model_config.attention_backend != "torch":
             prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
             self.model.fused_stack = FusedStack.build(self.model)  # None unless all kernels
         self.kv_spec = rank_kv_spec(
@@ -238,27 +253,51 @@ class ShardBuilder:
             )
         return caches
 
+    def _graph_sizes(self) -> list[int]:
+        """The decode batch sizes to capture, or [] when steps run eagerly: graphs need a
+        CUDA device, the Triton backend, no MoE routing (it reads counts on the host) and
+        a cache the Triton kernels write (not fp8 with per-head scales)."""
+        if (
+            self.device.type != "cuda"
+            or self.inp.model_config.enforce_eager
+            or not isinstance(self.backend, TritonPagedAttention)
+            or self.inp.spec.num_experts > 0
+            or self.kv_format.scale == "head"
+        ):
+            return []
+        return capture_sizes(self.inp.max_num_seqs)
+
+    def decode_graphs(self, kv_caches: list, tp: TPGroup | None = None) -> DecodeGraphs | None:
+        """Capture the decode steps over ``kv_caches`` (None where they run eagerly, and
+        under tensor parallelism for now)."""
+        sizes = self._graph_sizes()
+        if not sizes or tp is not None:
+            return None
+        groups = self.kv_spec.groups
+        return DecodeGraphs(
+            self.model,
+            kv_caches,
+            self.device,
+            sizes,
+            cdiv(self.inp.max_model_len, self.kv_spec.block_size),
+            1 if groups is None else len(groups.windows),
+            self.inp.max_model_len - 1,
+            CudaCapture(self.device),
+        )
+
     def _profile_cuda_memory(self) -> int:
-        """Bytes left for KV after a max-size forward pass, under gpu_memory_utilization."""
-        n = min(self.inp.max_num_batched_tokens, self.inp.max_model_len)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        caches = self.kv_spec.allocate(
-            cdiv(n, self.kv_spec.block_size), self.device, self.kv_format
-        )
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=pos.clone(),
-            max_position=n - 1,
-            prefills=[PrefillChunk(0, n, n, None, None)],
-        )
-        with torch.inference_mode():
-            hidden = self.model(ids, pos, caches, meta)
-            self.model.compute_logits(hidden[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.inp.cache_config.gpu_memory_utilization) - peak
+        """Bytes left for KV after a max-size forward pass, under gpu_memory_utilization
+        (the plan is logged as a table)."""
+        tokens = min(self.inp.max_num_batched_tokens, self.inp.max_model_len)
+        weights = self.weight_bytes
+        util = self.inp.cache_config.gpu_memory_utilization
+        first = measure_cuda(self.model, self.kv_spec, self.kv_format, tokens, self.device,
+                             util, weights, 0)  # fmt: skip
+        sizes = self._graph_sizes()
+        # a graph pool holds the largest bucket's activations (about a token's share of
+        # the profiled peak each) and a few MiB per graph
+        graphs = first.activations * sizes[-1] // tokens + len(sizes) * 2**21 if sizes else 0
+        plan = plan_kv_memory(first.total, util, weights, first.activations, graphs,
+                              first.non_torch)  # fmt: skip
+        logger.info("GPU memory plan:\n%s", plan.table())
+        return plan.kv

@@ -19,6 +19,7 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.sampling import sample, token_logprobs
 from kvserve.sched.scheduler import SchedulerOutput
 from kvserve.store.tiered import TieredStore
+from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.inputs import InputBuilder, StepInputs, WorkerStep
 from kvserve.worker.offload import KVTransfer
 from kvserve.worker.swap import HostSwap
@@ -36,7 +37,8 @@ class StepResult:
 class ModelRunner:
     """Owns the KV tensors (and, through ``host_swap``, their host copies); executes
     ``WorkerStep``s: swaps and KV store loads, then the forward pass and sampling; after
-    the step, ``save_blocks``. ``builder`` (the engine side) is set for in-process use."""
+    the step, ``save_blocks``. ``builder`` (the engine side) is set for in-process use;
+    ``graphs`` runs the decode steps it can replay (``worker.cuda_graphs``)."""
 
     def __init__(
         self,
@@ -44,11 +46,13 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         device: torch.device,
         builder: InputBuilder | None = None,
+        graphs: DecodeGraphs | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.builder = builder
+        self.graphs = graphs  # captured decode steps over kv_caches (CUDA)
         self.is_driver = model.tp is None or model.tp.rank == 0  # samples, returns results
         self.host_swap: HostSwap | None = None  # with a swap space (the builder sets it)
         self.kv_transfer: KVTransfer | None = None  # with a KV store (the builder sets it)
@@ -102,7 +106,10 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> StepResult | None:
         """Forward ``inputs`` and sample (on the driver); does not modify any request."""
         inputs = inputs.to(self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.graphs is not None and self.graphs.eligible(inputs.input_ids, inputs.meta):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = None
         if inputs.logit_rows.numel():
             logits = self.model.compute_logits(hidden[inputs.logit_rows])
