@@ -113,6 +113,18 @@ def filled_quantized_cache(fmt: str, num_slots: int, g: torch.Generator):
     return cache
 
 
+def quantized_blocks(fmt: str, nb: int, bs: int, g: torch.Generator):
+    """A ``filled_quantized_cache`` of ``nb`` blocks seen as blocks: (codes K, codes V,
+    their scales, dequantized float32 K, V), each ``[nb, bs, 2, 64]`` but the scales."""
+    cache = filled_quantized_cache(fmt, nb * bs, g)
+    slots = torch.arange(nb * bs)
+    blocks = (nb, bs, *cache.data.shape[-2:])
+    kq, vq = cache.data[0].view(blocks), cache.data[1].view(blocks)
+    kf = cache.read_slots(0, slots, torch.float32).view(blocks)
+    vf = cache.read_slots(1, slots, torch.float32).view(blocks)
+    return kq, vq, (cache.scale[0], cache.scale[1]), kf, vf
+
+
 def paged_batch(seqs: list[tuple[int, int]], bs: int, g: torch.Generator):
     """A random paged batch for attention tests: ``seqs`` as (context, r) pairs, r wrapped
     into 1..context query rows. Returns (seqs as (context, rows), blocks to allocate,

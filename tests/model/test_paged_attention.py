@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import attention_reference, filled_quantized_cache
+from helpers import attention_reference, quantized_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -136,14 +136,8 @@ def test_quantized_cache_rows_are_invariant_and_match_dequantized(fmt, qdtype, s
     dot products over the codes, its weights rounded to bf16 (to bf16's precision)."""
     assert load_cpu_kernels()
     g = torch.Generator().manual_seed(seed)
-    bs, nb, hq, hkv, d = 16, 12, 6, 2, 64
-    cache = filled_quantized_cache(fmt, nb * bs, g)
-    slots = torch.arange(nb * bs)
-    kq = cache.data[0].view(nb, bs, hkv, d)
-    vq = cache.data[1].view(nb, bs, hkv, d)
-    scales = (cache.scale[0], cache.scale[1])
-    kf = cache.read_slots(0, slots, torch.float32).view(nb, bs, hkv, d)
-    vf = cache.read_slots(1, slots, torch.float32).view(nb, bs, hkv, d)
+    bs, nb, hq, d = 16, 12, 6, 64
+    kq, vq, scales, kf, vf = quantized_blocks(fmt, nb, bs, g)
     tables = torch.randperm(nb, generator=g)[:12].view(2, 6).contiguous()
     lens, starts = torch.tensor([70, 41]), torch.tensor([0, 30, 31])
     q = torch.randn(31, hq, d, generator=g).to(DTYPES[qdtype])
