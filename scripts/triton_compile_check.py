@@ -33,7 +33,8 @@ FP8_MIN_ARCH = 89  # fp8 e4m3/e5m2 conversions need Ada/Hopper
 # (name, kernel, pointer element types, constexprs)
 def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
     out = []
-    attn = dict(GROUP=4, PAGE=16, BM=ta.BLOCK_M, BN=ta.BLOCK_N, SPL=ta.SPLIT)
+    bm, bq, gp = ta.tile_shape(4)
+    attn = dict(GROUP=4, PAGE=16, BM=bm, BQ=bq, GP=gp, BN=ta.BLOCK_N, SPL=ta.SPLIT)
     caches = [("bf16", "bf16", 0), ("fp16", "fp16", 0), ("fp32", "fp32", 0),
               ("bf16", "i8", 1), ("bf16", "fp8e4nv", 1), ("bf16", "fp8e5", 1),
               ("bf16", "fp8e4nv", 2)]  # fmt: skip
@@ -45,12 +46,15 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
             const = dict(attn, D=d, DP=triton.next_power_of_2(d), SCALES=scales, WINDOW=window)
             out.append((f"attention q={q} kv={c} d={d} window={window}",
                         ta._attention_kernel, ptrs, const))  # fmt: skip
+    mqa = dict(attn, GROUP=32, BM=32, BQ=1, GP=32, D=128, DP=128, SCALES=0, WINDOW=False)
+    ptrs = dict(Q="bf16", K="bf16", V="bf16", KS="bf16", VS="bf16", Out="bf16")
+    out.append(("attention q=bf16 MQA (32 heads on 1)", ta._attention_kernel, ptrs, mqa))
     ptrs = dict(Q="bf16", K="bf16", V="bf16", KS="bf16", VS="bf16", PM="fp32", PL="fp32",
                 PACC="fp32")  # fmt: skip
     const = dict(attn, D=128, DP=128, SCALES=0, WINDOW=True, NSPLIT=8)
     out.append(("split-KV q=bf16 d=128", ta._split_kernel, ptrs, const))
     ptrs = dict(PM="fp32", PL="fp32", PACC="fp32", Out="bf16")
-    const = dict(BM=ta.BLOCK_M, D=128, DP=128, SPL=ta.SPLIT, NSPLIT=8)
+    const = dict(GROUP=4, BM=bm, BQ=bq, GP=gp, D=128, DP=128, SPL=ta.SPLIT, NSPLIT=8)
     out.append(("merge d=128", ta._merge_kernel, ptrs, const))
     out.append(("write bf16", tw._write_plain_kernel, dict(X="bf16", C="bf16"),
                dict(D=128, DP=128)))  # fmt: skip

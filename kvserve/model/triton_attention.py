@@ -11,8 +11,9 @@ block id * block_size + offset; 16/32-bit, or int8/fp8 codes with per-token scal
 output depends only on its query, its context's K/V and its position, never on the other
 rows of the step or how its prompt was chunked. So:
 
-- A program takes ``BLOCK_M`` rows of one sequence and one query head (a fixed tile
-  shape, whatever the batch). Rows are independent in every operation; keys a row does
+- A program takes rows of one sequence: a few tokens × the query heads of one KV head
+  (``tile_shape``: fixed by the model's head grouping, whatever the batch), so K/V are
+  read once for the group. Rows are independent in every operation; keys a row does
   not see contribute an exact zero (scores -inf, the running max starts finite).
 - Keys are visited in ``BLOCK_N``-aligned tiles in position order, grouped in splits of
   ``SPLIT`` positions fixed by position. Each split's softmax state is computed from
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # query rows per program (one sequence's); fixed: part of the numerics
+BLOCK_M = 16  # rows per program at least (tokens × a KV head's query heads); fixed
 BLOCK_N = 32  # keys per tile
 SPLIT = 512  # key positions per split, fixed by position (a multiple of BLOCK_N)
 # Triton's interpreter multiplies bf16 dot operands wrongly (3.9: as raw bits) and converts
@@ -163,35 +164,41 @@ def _split_state(q, pos, row_ok, pos_min, pos_max, split, table, K, V, KS, VS, k
 
 
 @triton.jit
-def _tile(query_start, seq_lens, num_seqs, pid, BM: tl.constexpr):
-    """A program's sequence and rows: (seq, rows, their positions, row mask, the
-    first and last row's positions, whether the program has rows at all)."""
-    seq = _find_seq(query_start, num_seqs, pid, BM)
+def _tile(query_start, seq_lens, num_seqs, pid, kvh, BQ: tl.constexpr, GP: tl.constexpr,
+          GROUP: tl.constexpr):  # fmt: skip
+    """A program's sequence and rows: ``BQ`` tokens × the ``GP`` query heads of KV head
+    ``kvh`` (``GROUP`` real ones). Returns (seq, each row's token and head, positions,
+    row mask, the first and last token's positions, whether the program has rows)."""
+    seq = _find_seq(query_start, num_seqs, pid, BQ)
     q0 = tl.load(query_start + seq).to(tl.int32)
     q1 = tl.load(query_start + seq + 1).to(tl.int32)
-    row0 = q0 + (pid - (q0 // BM + seq)) * BM
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < q1
+    tok0 = q0 + (pid - (q0 // BQ + seq)) * BQ
+    r = tl.arange(0, BQ * GP)
+    toks = tok0 + r // GP
+    g = r % GP
+    row_ok = (toks < q1) & (g < GROUP)
     ctx_len = tl.load(seq_lens + seq).to(tl.int32)
-    pos = ctx_len - (q1 - rows)
-    pos_max = ctx_len - (q1 - tl.minimum(row0 + BM, q1)) - 1
-    return seq, rows, pos, row_ok, ctx_len - (q1 - row0), pos_max, row0 < q1
+    pos = ctx_len - (q1 - toks)
+    pos_max = ctx_len - (q1 - tl.minimum(tok0 + BQ, q1)) - 1
+    return seq, toks, kvh * GROUP + g, pos, row_ok, ctx_len - (q1 - tok0), pos_max, tok0 < q1
 
 
 @triton.jit
 def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_seqs,
                       sq_row, sq_head, so_row, so_head, st_row, sk_slot, sk_head, ss_slot,
                       window, sinks, scale, GROUP: tl.constexpr, PAGE: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                      SPL: tl.constexpr, SCALES: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
-    """One program: ``BM`` rows of one sequence, one query head, every split merged."""
-    head = tl.program_id(1)
-    seq, rows, pos, row_ok, pos_min, pos_max, live = _tile(
-        query_start, seq_lens, num_seqs, tl.program_id(0), BM
+                      BM: tl.constexpr, BQ: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
+                      D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr, SCALES: tl.constexpr,
+                      WINDOW: tl.constexpr):  # fmt: skip
+    """One program: ``BQ`` tokens of one sequence × the query heads of one KV head (K/V
+    read once for the group), every split merged."""
+    kvh = tl.program_id(1)
+    seq, toks, heads, pos, row_ok, pos_min, pos_max, live = _tile(
+        query_start, seq_lens, num_seqs, tl.program_id(0), kvh, BQ, GP, GROUP
     )
     if live:
         d = tl.arange(0, DP)
-        q_off = rows[:, None] * sq_row + head * sq_head + d[None, :]
+        q_off = toks[:, None] * sq_row + heads[:, None] * sq_head + d[None, :]
         q_mask = row_ok[:, None] & (d[None, :] < D)
         q = tl.load(Q + q_off, mask=q_mask, other=0.0)
         m_run = tl.full([BM], _NEG, tl.float32)
@@ -199,12 +206,12 @@ def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_s
         acc_run = tl.zeros([BM, DP], tl.float32)
         for split in range(0, pos_max // SPL + 1):
             m, den, acc = _split_state(q, pos, row_ok, pos_min, pos_max, split,
-                                     tables + seq * st_row, K, V, KS, VS, head // GROUP,
+                                     tables + seq * st_row, K, V, KS, VS, kvh,
                                      sk_slot, sk_head, ss_slot, window, sinks, scale, PAGE,
                                      BM, BN, D, DP, SPL, SCALES, WINDOW)  # fmt: skip
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc)
         out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
-        o_off = rows[:, None] * so_row + head * so_head + d[None, :]
+        o_off = toks[:, None] * so_row + heads[:, None] * so_head + d[None, :]
         tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=q_mask)
 
 
@@ -212,25 +219,26 @@ def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_s
 def _split_kernel(Q, K, V, KS, VS, PM, PL, PACC, tables, query_start, seq_lens, num_seqs,
                   sq_row, sq_head, st_row, sk_slot, sk_head, ss_slot, window, sinks, scale,
                   GROUP: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr,
-                  NSPLIT: tl.constexpr, SCALES: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
-    """One split of one tile and head: its state into the partial buffers
-    (``PM``/``PL`` ``[rows, heads, NSPLIT]``, ``PACC`` ``[rows, heads, NSPLIT, DP]``)."""
-    head = tl.program_id(1)
+                  BQ: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr, SPL: tl.constexpr, NSPLIT: tl.constexpr,
+                  SCALES: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """One split of one tile and KV head: its state into the partial buffers
+    (``PM``/``PL`` ``[tokens, heads, NSPLIT]``, ``PACC`` ``[tokens, heads, NSPLIT, DP]``)."""
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq, rows, pos, row_ok, pos_min, pos_max, live = _tile(
-        query_start, seq_lens, num_seqs, tl.program_id(0), BM
+    seq, toks, heads, pos, row_ok, pos_min, pos_max, live = _tile(
+        query_start, seq_lens, num_seqs, tl.program_id(0), kvh, BQ, GP, GROUP
     )
     if live and split * SPL <= pos_max:
         d = tl.arange(0, DP)
         q_mask = row_ok[:, None] & (d[None, :] < D)
-        q = tl.load(Q + rows[:, None] * sq_row + head * sq_head + d[None, :], mask=q_mask)
+        q_off = toks[:, None] * sq_row + heads[:, None] * sq_head + d[None, :]
+        q = tl.load(Q + q_off, mask=q_mask, other=0.0)
         m, den, acc = _split_state(q, pos, row_ok, pos_min, pos_max, split,
-                                 tables + seq * st_row, K, V, KS, VS, head // GROUP,
+                                 tables + seq * st_row, K, V, KS, VS, kvh,
                                  sk_slot, sk_head, ss_slot, window, sinks, scale, PAGE,
                                  BM, BN, D, DP, SPL, SCALES, WINDOW)  # fmt: skip
-        heads = tl.num_programs(1)
-        state = (rows * heads + head) * NSPLIT + split
+        state = (toks * (tl.num_programs(1) * GROUP) + heads) * NSPLIT + split
         tl.store(PM + state, m, mask=row_ok)
         tl.store(PL + state, den, mask=row_ok)
         tl.store(PACC + state[:, None] * DP + d[None, :], acc, mask=row_ok[:, None])
@@ -238,21 +246,21 @@ def _split_kernel(Q, K, V, KS, VS, PM, PL, PACC, tables, query_start, seq_lens, 
 
 @triton.jit
 def _merge_kernel(PM, PL, PACC, Out, seq_lens, query_start, num_seqs, so_row, so_head,
-                  BM: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr,
+                  GROUP: tl.constexpr, BM: tl.constexpr, BQ: tl.constexpr, GP: tl.constexpr,
+                  D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr,
                   NSPLIT: tl.constexpr):  # fmt: skip
     """A tile's splits merged in split order, as ``_attention_kernel`` merges them."""
-    head = tl.program_id(1)
-    _, rows, _, row_ok, _, pos_max, live = _tile(
-        query_start, seq_lens, num_seqs, tl.program_id(0), BM
+    kvh = tl.program_id(1)
+    _, toks, heads, _, row_ok, _, pos_max, live = _tile(
+        query_start, seq_lens, num_seqs, tl.program_id(0), kvh, BQ, GP, GROUP
     )
     if live:
         d = tl.arange(0, DP)
-        heads = tl.num_programs(1)
         m_run = tl.full([BM], _NEG, tl.float32)
         l_run = tl.zeros([BM], tl.float32)
         acc_run = tl.zeros([BM, DP], tl.float32)
         for split in range(0, pos_max // SPL + 1):
-            state = (rows * heads + head) * NSPLIT + split
+            state = (toks * (tl.num_programs(1) * GROUP) + heads) * NSPLIT + split
             m = tl.load(PM + state, mask=row_ok, other=_NEG)
             den = tl.load(PL + state, mask=row_ok, other=0.0)
             acc = tl.load(PACC + state[:, None] * DP + d[None, :], mask=row_ok[:, None],
@@ -260,8 +268,17 @@ def _merge_kernel(PM, PL, PACC, Out, seq_lens, query_start, num_seqs, so_row, so
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc)
         out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
         o_mask = row_ok[:, None] & (d[None, :] < D)
-        o_off = rows[:, None] * so_row + head * so_head + d[None, :]
+        o_off = toks[:, None] * so_row + heads[:, None] * so_head + d[None, :]
         tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=o_mask)
+
+
+def tile_shape(group: int) -> tuple[int, int, int]:
+    """(rows, tokens, padded heads) of a program for ``group`` query heads per KV head:
+    the heads padded to a power of two, tokens filling at least ``BLOCK_M`` rows. Fixed
+    per model, never by the batch."""
+    gp = triton.next_power_of_2(group)
+    bm = max(BLOCK_M, gp)
+    return bm, bm // gp, gp
 
 
 def _scale_kind(k_scale: torch.Tensor | None) -> int:
@@ -310,9 +327,11 @@ def paged_attention(
     nsplit = triton.cdiv(max_context, SPLIT)
     if split_kv is None:
         split_kv = t == seqs and nsplit > 1
-    grid_m = triton.cdiv(t, BLOCK_M) + seqs
+    group = hq // hkv
+    bm, bq, gp = tile_shape(group)
+    grid_m = triton.cdiv(t, bq) + seqs
     common = dict(
-        GROUP=hq // hkv, PAGE=block_size, BM=BLOCK_M, BN=BLOCK_N, D=d, DP=dp, SPL=SPLIT,
+        GROUP=group, PAGE=block_size, BM=bm, BQ=bq, GP=gp, BN=BLOCK_N, D=d, DP=dp, SPL=SPLIT,
         SCALES=kind, WINDOW=window > 0, enable_fp_fusion=False,
     )  # fmt: skip
     geometry = (
@@ -321,7 +340,7 @@ def paged_attention(
     ss_slot = k_scale.stride(0) if k_scale is not None and kind == 1 else 0
     cache = (tables.stride(0), k_cache.stride(0), k_cache.stride(1), ss_slot)
     if not split_kv:
-        _attention_kernel[(grid_m, hq)](
+        _attention_kernel[(grid_m, hkv)](
             q, k_cache, v_cache, ks, vs, out, *geometry[:4], q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), *cache, window, sinks, scale, **common,
         )  # fmt: skip
@@ -329,12 +348,13 @@ def paged_attention(
     pm = torch.empty((t, hq, nsplit), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty((t, hq, nsplit, dp), dtype=torch.float32, device=q.device)
-    _split_kernel[(grid_m, hq, nsplit)](
+    _split_kernel[(grid_m, hkv, nsplit)](
         q, k_cache, v_cache, ks, vs, pm, pl, pacc, *geometry, *cache, window, sinks, scale,
         NSPLIT=nsplit, **common,
     )  # fmt: skip
-    _merge_kernel[(grid_m, hq)](
+    _merge_kernel[(grid_m, hkv)](
         pm, pl, pacc, out, seq_lens, query_start, seqs, out.stride(0), out.stride(1),
-        BM=BLOCK_M, D=d, DP=dp, SPL=SPLIT, NSPLIT=nsplit, enable_fp_fusion=False,
+        GROUP=group, BM=bm, BQ=bq, GP=gp, D=d, DP=dp, SPL=SPLIT, NSPLIT=nsplit,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out
