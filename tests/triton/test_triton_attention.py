@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import attention_reference, quantized_blocks
+from helpers import attention_reference, paged_batch, quantized_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,15 +50,10 @@ def test_rows_are_correct_and_invariant(dtype, bs, heads, d, window, seqs, seed)
     hq, hkv = heads
     win, sinks = window
     g = torch.Generator().manual_seed(seed)
-    seqs = [(ctx, 1 + r % ctx) for ctx, r in seqs]
-    max_blocks = -(-max(c for c, _ in seqs) // bs)
-    nb = max_blocks * len(seqs) + 3
+    seqs, nb, tables, lens, starts = paged_batch(seqs, bs, g)
+    tables[-1, 0] = tables[0, 0]  # a block two sequences share (a prefix-cache hit)
     k = torch.randn(nb, bs, hkv, d, generator=g).to(dt)
     v = torch.randn(nb, bs, hkv, d, generator=g).to(dt)
-    tables = torch.randperm(nb, generator=g)[: max_blocks * len(seqs)].view(len(seqs), -1)
-    tables[-1, 0] = tables[0, 0]  # a block two sequences share (a prefix-cache hit)
-    lens = torch.tensor([c for c, _ in seqs])
-    starts = torch.tensor([0, *torch.tensor([n for _, n in seqs]).cumsum(0).tolist()])
     q = torch.randn(int(starts[-1]), hq, d, generator=g).to(dt)
     scale = d**-0.5
     out = _attend(q, k, v, tables, lens, starts, win, sinks, scale, bs)
