@@ -70,6 +70,17 @@ class AttentionMetadata:
         return self if group == 0 or not self.groups else self.groups[group - 1]
 
 
+def kv_tensors(
+    kv_cache: KVCache,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A layer's K/V storage (``[2, …]``) and its K and V scales (None for a 16/32-bit
+    cache; ``[slots, H]`` float16 per token, ``[slots / 16, H, 16]`` tiled, or ``[H]``
+    float32 per head), as the paged kernels take them."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return kv_cache.data, kv_cache.scale[0], kv_cache.scale[1]
+    return kv_cache, None, None
+
+
 def visible(
     q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0
 ) -> torch.Tensor:
@@ -311,13 +322,7 @@ class CpuPagedAttention(TorchPagedAttention):
         query_start: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        k_scale = v_scale = None
-        if isinstance(kv_cache, QuantizedKVCache):
-            # [slots, H] float16 per token ([slots / 16, H, 16] tiled); fp8: [H] float32 per head
-            k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]
-            data = kv_cache.data
-        else:
-            data = kv_cache
+        data, k_scale, v_scale = kv_tensors(kv_cache)
         blocks = (-1, rows_per_block(self.block_size, data.dim() == 5), *data.shape[2:])
         return torch.ops.kvserve.paged_attention(
             q,

@@ -27,11 +27,11 @@ rows of the step or how its prompt was chunked. So:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kvserve.model.triton_backend import interpreting
 
 BLOCK_M = 16  # rows per program at least (tokens × a KV head's query heads); fixed
 BLOCK_N = 32  # keys per tile
@@ -40,7 +40,7 @@ SPLIT = 512  # key positions per split, fixed by position (a multiple of BLOCK_N
 # int8 to bf16 wrongly, so when interpreting, values go through float32 and dot operands
 # are widened to float32: exact for bf16 and fp16 values, and
 # the products and float32 accumulation are the same as a bf16 dot's.
-_WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
+_WIDEN = tl.constexpr(interpreting())
 # the running max's start: finite, so a tile a row does not see is an exact no-op for it
 _NEG = tl.constexpr(-1.0e30)
 

@@ -12,18 +12,19 @@ interpreter setting when a module defines its kernels).
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
 from kvserve.kv.quant import QuantizedKVCache
-from kvserve.model.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from kvserve.model.attention import AttentionMetadata, KVCache, TorchPagedAttention, kv_tensors
 
 TRITON_MAX_HEAD_DIM = 256
 
 
-def _interpreting() -> bool:
-    import os
-
+def interpreting() -> bool:
+    """Is Triton's interpreter on (``TRITON_INTERPRET``, read as Triton reads it)? The
+    kernel modules read it when they define their kernels."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -34,7 +35,7 @@ def triton_unusable(
     element type ``kv_storage`` on ``device``, or None when it can."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton)"
-    if device.type == "cpu" and not _interpreting():
+    if device.type == "cpu" and not interpreting():
         return "the Triton backend runs on a GPU (on CPU only with TRITON_INTERPRET=1, for tests)"
     if device.type not in ("cpu", "cuda"):
         return f"the Triton backend does not run on {device.type}"
@@ -103,10 +104,7 @@ class TritonPagedAttention(TorchPagedAttention):
         self.write(k, v, kv_cache, meta)
         assert meta.seq_block_tables is not None and meta.seq_lens is not None
         assert meta.query_start is not None
-        k_scale = v_scale = None
-        data = kv_cache
-        if isinstance(kv_cache, QuantizedKVCache):
-            data, k_scale, v_scale = kv_cache.data, kv_cache.scale[0], kv_cache.scale[1]
+        data, k_scale, v_scale = kv_tensors(kv_cache)
         return self._attention(
             q,
             data[0],

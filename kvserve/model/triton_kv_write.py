@@ -94,10 +94,6 @@ def _write_quant_kernel(X, C, S, SLOTS, SHIFT, STEPS, qmax, sx_t, sx_h, sc_slot,
         tl.store(S + slot * ss_slot + h, s)
 
 
-def _heads_grid(x: torch.Tensor) -> tuple[int, int]:
-    return x.shape[0], x.shape[1]
-
-
 def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
     """Copy ``k``/``v`` ``[T, H, D]`` into ``cache`` ``[2, slots, H, D]`` at ``slots``."""
     if k.shape[0] == 0:
@@ -106,7 +102,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache: torch
     dp = triton.next_power_of_2(d)
     for which, x in ((0, k), (1, v)):
         c = cache[which]
-        _write_plain_kernel[_heads_grid(x)](
+        _write_plain_kernel[x.shape[:2]](
             x, c, slots, x.stride(0), x.stride(1), c.stride(0), c.stride(1), D=d, DP=dp
         )
 
@@ -126,7 +122,7 @@ def write_quantized(
     for which, x in ((0, k), (1, v)):
         shift = cache.k_shift if which == 0 else None
         c, s = cache.data[which], cache.scale[which]
-        _write_quant_kernel[_heads_grid(x)](
+        _write_quant_kernel[x.shape[:2]](
             x, c, s, slots, shift if shift is not None else s, steps, cache.qmax,
             x.stride(0), x.stride(1), c.stride(0), c.stride(1), s.stride(0), D=d,
             DP=triton.next_power_of_2(d), INT8=not fp8, NCAND=cache.candidates if fp8 else 1,

@@ -13,17 +13,16 @@ Triton's interpreter on CPU tensors in the tests.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
 from kvserve.model.ops import TorchOps
+from kvserve.model.triton_backend import interpreting
 
 # the interpreter mishandles bf16 in dots and conversions from ints (triton_attention.py)
-_WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
+_WIDEN = tl.constexpr(interpreting())
 GEMM_BM, GEMM_BN, GEMM_BK = 32, 64, 64  # fixed: part of the numerics
 
 

@@ -98,6 +98,13 @@ def profile_forward(
     model.compute_logits(hidden[-1:])
 
 
+def graph_reserve(activations: int, tokens: int, sizes: list[int]) -> int:
+    """Bytes to keep for CUDA graphs of decode batches ``sizes`` (none: 0): their shared
+    pool holds the largest bucket's activations (about a token's share each of the
+    ``activations`` profiled for ``tokens``) and a few MiB per graph."""
+    return activations * max(sizes) // tokens + len(sizes) * 2**21 if sizes else 0
+
+
 def measure_cuda(
     model: LlamaForCausalLM,
     spec: KVCacheSpec,
@@ -106,9 +113,10 @@ def measure_cuda(
     device: torch.device,
     utilization: float,
     weights: int,
-    graphs: int,
+    graph_sizes: list[int],
 ) -> MemoryPlan:
-    """Profile ``tokens`` on a CUDA ``device`` and plan its KV memory."""
+    """Profile ``tokens`` on a CUDA ``device`` and plan its KV memory, keeping room for
+    CUDA graphs of ``graph_sizes`` decode rows."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -118,4 +126,5 @@ def measure_cuda(
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    graphs = graph_reserve(peak, tokens, graph_sizes)
     return plan_kv_memory(total, utilization, weights, peak, graphs, non_torch)

@@ -37,7 +37,7 @@ from kvserve.model.spec import ModelSpec
 from kvserve.model.triton_backend import TritonPagedAttention, triton_unusable
 from kvserve.utils import cdiv, format_size
 from kvserve.worker.cuda_graphs import CudaCapture, DecodeGraphs, capture_sizes
-from kvserve.worker.gpu_memory import measure_cuda, plan_kv_memory
+from kvserve.worker.gpu_memory import measure_cuda
 from kvserve.worker.parallel import ShardPlan, TPGroup
 
 logger = logging.getLogger("kvserve")
@@ -289,15 +289,8 @@ class ShardBuilder:
         """Bytes left for KV after a max-size forward pass, under gpu_memory_utilization
         (the plan is logged as a table)."""
         tokens = min(self.inp.max_num_batched_tokens, self.inp.max_model_len)
-        weights = self.weight_bytes
-        util = self.inp.cache_config.gpu_memory_utilization
-        first = measure_cuda(self.model, self.kv_spec, self.kv_format, tokens, self.device,
-                             util, weights, 0)  # fmt: skip
-        sizes = self._graph_sizes()
-        # a graph pool holds the largest bucket's activations (about a token's share of
-        # the profiled peak each) and a few MiB per graph
-        graphs = first.activations * sizes[-1] // tokens + len(sizes) * 2**21 if sizes else 0
-        plan = plan_kv_memory(first.total, util, weights, first.activations, graphs,
-                              first.non_torch)  # fmt: skip
+        plan = measure_cuda(self.model, self.kv_spec, self.kv_format, tokens, self.device,
+                            self.inp.cache_config.gpu_memory_utilization, self.weight_bytes,
+                            self._graph_sizes())  # fmt: skip
         logger.info("GPU memory plan:\n%s", plan.table())
         return plan.kv
