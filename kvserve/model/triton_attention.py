@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model.triton_backend import interpreting
+from kvserve.model.triton_mode import interpreting
 
 BLOCK_M = 16  # rows per program at least (tokens × a KV head's query heads); fixed
 BLOCK_N = 32  # keys per tile

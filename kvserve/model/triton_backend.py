@@ -12,20 +12,14 @@ interpreter setting when a module defines its kernels).
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from kvserve.kv.quant import QuantizedKVCache
 from kvserve.model.attention import AttentionMetadata, KVCache, TorchPagedAttention, kv_tensors
+from kvserve.model.triton_mode import interpreting
 
 TRITON_MAX_HEAD_DIM = 256
-
-
-def interpreting() -> bool:
-    """Is Triton's interpreter on (``TRITON_INTERPRET``, read as Triton reads it)? The
-    kernel modules read it when they define their kernels."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def triton_unusable(

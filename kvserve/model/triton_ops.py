@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import nn
 
 from kvserve.model.ops import TorchOps
-from kvserve.model.triton_backend import interpreting
+from kvserve.model.triton_mode import interpreting
 
 # the interpreter mishandles bf16 in dots and conversions from ints (triton_attention.py)
 _WIDEN = tl.constexpr(interpreting())
