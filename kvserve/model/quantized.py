@@ -1,0 +1,247 @@
+"""Linear layers and embeddings over GGUF-quantized weights, kept quantized in memory.
+
+A GGUF file's ``Q4_0``, ``Q4_1`` and ``Q8_0`` matrices reach the model as their raw blocks
+(``model/gguf.py`` stores them so in its cache; ``QUANT_MANIFEST`` names them) and are
+repacked once, at load, into the layout of ``csrc/gguf_gemm.cpp``: groups of 16 output rows,
+K in blocks of 32, 4-bit codes two to a byte (Q4_0, Q4_1: kind ``u4``) or 8-bit codes (Q8_0:
+``s8``), fp16 scales (and Q4's offsets; Q8_0's code sums). Nothing is expanded to 16 or 32
+bits; a Q4_1 weight takes 5 bits per element here as in the file, a Q8_0 one 9.
+
+``GGUFLinear`` computes ``x @ W.T`` with activations quantized per 32 values to int8 (as
+llama.cpp does), one kernel call per *part*: a fused projection (Q/K/V, gate/up) whose
+pieces have different types keeps one part per type run. ``GGUFEmbedding`` dequantizes only
+the rows it looks up, with the ``gguf`` package's formulas (bit for bit its values).
+Both keep the engine's batch invariance: a row's output never depends on the other rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+QUANT_MANIFEST = "kvserve_quant.json"  # tensor name -> GGML type name, in a converted dir
+
+# GGML type name -> (elements per block, bytes per block)
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
+_U4, _S8 = 0, 1
+
+
+def kept_quantized(ggml_type: str) -> bool:
+    """True for the GGML types served quantized (``BLOCKS``)."""
+    return ggml_type in BLOCKS
+
+
+def row_bytes(ggml_type: str, k: int) -> int:
+    """Bytes of one row of ``k`` elements; ValueError when ``k`` is not whole blocks."""
+    per, size = BLOCKS[ggml_type]
+    if k % per:
+        raise ValueError(f"{ggml_type}: a row of {k} is not whole blocks of {per}")
+    return k // per * size
+
+
+def dequantize(raw: np.ndarray, ggml_type: str) -> np.ndarray:
+    """Raw rows ``[n, row_bytes]`` → float32 ``[n, k]`` (the ``gguf`` package's values)."""
+    from gguf import GGMLQuantizationType, quants
+
+    return np.asarray(quants.dequantize(raw, GGMLQuantizationType[ggml_type]), np.float32)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One part of a quantized weight in ``gguf_gemm.cpp``'s layout: ``qs`` uint8
+    ``[G, K/32, 256 | 512]``, ``d`` float16 ``[G, K/32, 16]``, ``aux`` (u4: the offsets,
+    float16; s8: the codes' sums, int16) ``[G, K/32, 16]``; ``n`` rows of ``ggml_type``."""
+
+    ggml_type: str
+    n: int
+    k: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    aux: torch.Tensor
+
+    @property
+    def kind(self) -> int:
+        return _S8 if self.ggml_type == "Q8_0" else _U4
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.aux))
+
+
+def _split_blocks(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw rows → codes ``[n, nb, 32]`` (u4: 0..15 as uint8; s8: int8), d and m ``[n, nb]``
+    float16 (m: Q4_1's offset, -8 d for Q4_0, 0 for Q8_0)."""
+    size = BLOCKS[ggml_type][1]
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    if ggml_type == "Q8_0":
+        q = blocks[:, :, 2:].copy().view(np.int8)
+        return q, d, np.zeros_like(d)
+    if ggml_type == "Q4_1":
+        m, nibbles = blocks[:, :, 2:4].copy().view(np.float16)[..., 0], blocks[:, :, 4:]
+    else:  # Q4_0: w = d * (q - 8)
+        m, nibbles = (d * np.float16(-8)).astype(np.float16), blocks[:, :, 2:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # element j, then j + 16
+    return q, d, m
+
+
+def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
+    """Raw GGUF rows ``[n, row_bytes(k)]`` of ``ggml_type`` in the kernel's layout."""
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != row_bytes(ggml_type, k):
+        raise ValueError(f"{ggml_type}: raw rows {raw.shape} do not hold rows of {k}")
+    n, nb = raw.shape[0], k // 32
+    q, d, m = _split_blocks(raw, ggml_type)
+    g = -(-n // 16)
+    pad = g * 16 - n
+
+    def grouped(a: np.ndarray) -> np.ndarray:  # [n, nb, ...] -> [G, nb, 16, ...]
+        a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return np.ascontiguousarray(a.reshape(g, 16, nb, *a.shape[2:]).swapaxes(1, 2))
+
+    qg, dg, mg = grouped(q), grouped(d), grouped(m)
+    if ggml_type == "Q8_0":
+        qs = qg.reshape(g, nb, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 512)
+        aux = torch.from_numpy(qg.astype(np.int16).sum(-1).astype(np.int16))
+        qs = qs.view(np.uint8)
+    else:
+        halves = qg.reshape(g, nb, 16, 4, 2, 4)  # [.., chunk c, low/high, byte j]
+        qs = (halves[..., 0, :] | (halves[..., 1, :] << 4)).astype(np.uint8)
+        qs = qs.transpose(0, 1, 3, 2, 4).reshape(g, nb, 256)
+        aux = torch.from_numpy(mg)
+    return Packed(
+        ggml_type, n, k, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(dg), aux
+    )
+
+
+def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows ``rows`` of ``p`` as stored: codes float32 ``[T, nb, 32]`` (u4: 0..15, s8:
+    -128..127), ``d`` and ``aux`` float32 ``[T, nb, 1]`` (u4: the offset; s8: the sums)."""
+    g, lane = rows // 16, rows % 16
+    nb = p.k // 32
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [G, nb, 16] -> [T, nb, 1]
+        return t[g].gather(2, lane.view(-1, 1, 1).expand(-1, nb, 1)).float()
+
+    chunks = 8 if p.kind == _S8 else 4
+    b = p.qs[g].view(-1, nb, chunks, 16, 4)
+    b = b.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks, 1, 4)).reshape(
+        -1, nb, chunks, 4
+    )
+    if p.kind == _S8:
+        q = b.view(torch.int8).reshape(-1, nb, 32)
+    else:
+        q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
+    return q.float(), per_row(p.d), per_row(p.aux)
+
+
+def unpack_rows(p: Packed, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64 ``[T]``) of the weight, dequantized to float32 ``[T, k]`` with
+    the ``gguf`` package's formulas (Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, Q8_0
+    ``d * q``), so the values are its values bit for bit."""
+    q, d, aux = _codes(p, rows)
+    if p.ggml_type == "Q8_0":
+        w = d * q
+    elif p.ggml_type == "Q4_0":
+        w = d * (q - 8)
+    else:
+        w = d * q + aux
+    return w.reshape(-1, p.k)
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded to float32 (and kept float64 for the next exact step)."""
+    return x.float().double()
+
+
+def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
+    """``gguf_linear``'s float32 result for one part, computed here step by step: the
+    activations quantized as the kernel does, the integer block sums exact, and each of
+    the kernel's operations (products, FMAs, blocks in order) rounded to float32 as it
+    rounds them. Equal to the kernel's bits, up to a double rounding of an FMA emulated in
+    float64 (an exact product plus an addend, rounded twice: rarer than 1 in 2^28)."""
+    m = x.shape[0]
+    blocks = x.float().view(m, -1, 32)
+    amax = blocks.abs().amax(-1)  # [M, nb]
+    # a true division (torch computes ``127 / amax`` as ``127 * (1 / amax)``)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
+    qx = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127)
+    dx, sx = (amax * torch.tensor(1 / 127)).double(), qx.sum(-1).double()
+    q, d, aux = _codes(p, torch.arange(p.n))
+    isum = torch.einsum("mbk,nbk->mnb", qx.double(), q.double())  # exact integers
+    t = _f32(d[:, :, 0].double() * isum)  # [M, n, nb]
+    if p.kind == _U4:
+        t = _f32(aux[:, :, 0].double() * sx.unsqueeze(1) + t)
+    acc = torch.zeros(m, p.n, dtype=torch.float64)
+    for b in range(t.shape[-1]):
+        acc = _f32(t[:, :, b] * dx[:, b : b + 1] + acc)
+    return acc.float()
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` over quantized parts (``Packed``) stacked along the output;
+    ``in_features``/``out_features`` as ``nn.Linear``'s. Needs the CPU kernels."""
+
+    def __init__(self, parts: list[Packed], bias: torch.Tensor | None = None):
+        super().__init__()
+        if not parts or len({p.k for p in parts}) != 1:
+            raise ValueError("GGUFLinear needs parts of one in_features")
+        self.parts = parts
+        self.in_features = parts[0].k
+        self.out_features = sum(p.n for p in parts)
+        self.bias_parts = [None] * len(parts)
+        if bias is not None:
+            pieces = bias.detach().float().split([p.n for p in parts])
+            self.bias_parts = [b.contiguous() for b in pieces]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` (float32, bf16 or fp16) → ``[..., out]`` in ``x``'s dtype."""
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        op = torch.ops.kvserve.gguf_linear
+        outs = [
+            op(rows, p.qs, p.d, p.aux, p.kind, p.n, b)
+            for p, b in zip(self.parts, self.bias_parts, strict=True)
+        ]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """What ``forward`` computes, step by step in torch (``reference_part``): from the
+        codes and scales, not the kernel (tests compare the two)."""
+        rows = x.reshape(-1, self.in_features)
+        outs = []
+        for p, b in zip(self.parts, self.bias_parts, strict=True):
+            y = reference_part(p, rows)
+            outs.append((y if b is None else y + b).to(x.dtype))
+        return torch.cat(outs, dim=-1).view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        types = "+".join(p.ggml_type for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings looked up in a quantized matrix (rows dequantized on lookup, into
+    ``dtype``); ``packed`` also serves a tied LM head (``GGUFLinear([packed])``)."""
+
+    def __init__(self, packed: Packed, dtype: torch.dtype):
+        super().__init__()
+        self.packed = packed
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = packed.n, packed.k
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).long()
+        return unpack_rows(self.packed, flat).to(self.dtype).view(*ids.shape, self.packed.k)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.packed.ggml_type}"
