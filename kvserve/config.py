@@ -13,51 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.kv.quant import KV_CACHE_DTYPES, KV_CACHE_SCALES
+from kvserve.model_config import ATTENTION_BACKENDS, QUANTIZATION_MODES, ModelConfig, check_choice
 from kvserve.parallel_config import ParallelConfig, host_port, torchrun_env
 from kvserve.utils import DTYPE_NAMES, parse_size
 
-__all__ = ["ParallelConfig", "host_port"]  # re-exported: one import for every config
+__all__ = ["ModelConfig", "ParallelConfig", "host_port"]  # re-exported: one import for all
 
 PREFIX_CACHE_ISOLATION = ("none", "tenant")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 PREEMPTION_VICTIMS = ("cost", "latest")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 KV_LAYOUTS = ("auto", "hybrid", "uniform")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    """Raises ValueError naming ``name`` when ``value`` is not one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"{name} {value!r} is not one of {', '.join(choices)}")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which checkpoint to load and how.
-
-    ``dtype`` ``auto`` takes the checkpoint's dtype. ``max_model_len`` ``None`` takes the
-    model's ``max_position_embeddings``. ``attention_backend`` ``auto`` uses the C++ CPU kernels
-    (paged decode attention, fused RMSNorm/RoPE/SiLU) on CPU when they build, the Triton
-    kernels on a GPU, else the portable PyTorch (SDPA) path; ``torch`` forces the latter,
-    ``cpu`` and ``triton`` require theirs. Except with ``torch``, bf16/fp16 linear weights
-    on a CPU are prepacked for oneDNN. ``enforce_eager``: no CUDA graphs (worker/cuda_graphs).
-    ``batch_invariant``: Triton GEMMs and norms too (``model/triton_ops.py``), so on a GPU a
-    row's output does not depend on the batch (the CPU kernels always keep that contract).
-    """
-
-    model: str
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    device: str = "auto"
-    seed: int = 0
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    batch_invariant: bool = False
-
-    def __post_init__(self) -> None:
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -103,8 +68,8 @@ class CacheConfig:
     kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
-        _check_choice("kv_cache_scales", self.kv_cache_scales, KV_CACHE_SCALES)
+        check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
+        check_choice("kv_cache_scales", self.kv_cache_scales, KV_CACHE_SCALES)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -120,7 +85,7 @@ class CacheConfig:
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; "
                 f"choose one of {', '.join(KV_CACHE_DTYPES)}"
             )
-        _check_choice("prefix_cache_isolation", self.prefix_cache_isolation, PREFIX_CACHE_ISOLATION)
+        check_choice("prefix_cache_isolation", self.prefix_cache_isolation, PREFIX_CACHE_ISOLATION)
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.attention_sinks is not None and self.attention_sinks < 0:
@@ -158,8 +123,8 @@ class SchedulerConfig:
             )
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        _check_choice("preemption_victim", self.preemption_victim, PREEMPTION_VICTIMS)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("preemption_victim", self.preemption_victim, PREEMPTION_VICTIMS)
 
 
 @dataclass(frozen=True)
@@ -269,6 +234,11 @@ class EngineArgs:
     batch_invariant: bool = _arg(
         False, "GPU: Triton GEMMs and norms, so output does not depend on the batch (slower)"
     )
+    quantization: str = _arg(
+        "auto",
+        "auto: GGUF Q4_0/Q4_1/Q8_0 weights stay quantized on CPU; none: dequantize to --dtype",
+        QUANTIZATION_MODES,
+    )
     block_size: int = _arg(16, "tokens per KV block")
     kv_cache_memory: int | str | None = _arg(
         None,
@@ -377,6 +347,7 @@ class EngineArgs:
             self.attention_backend,
             self.enforce_eager,
             self.batch_invariant,
+            self.quantization,
         )
 
     def cache_config(self) -> CacheConfig:

@@ -1,13 +1,17 @@
 """GGUF checkpoints (llama.cpp's format) as ordinary HF model directories.
 
 ``--model FILE.gguf`` (or a directory holding one ``.gguf`` and no ``config.json``) is
-converted once into a cache directory — ``config.json``, ``model.safetensors`` (the
-tensors dequantized with the ``gguf`` package, in float32 so no value is rounded),
+converted once into a cache directory — ``config.json``, ``model.safetensors``,
 ``tokenizer.json`` and ``tokenizer_config.json`` (vocabulary, merges, special tokens and
 chat template from the file's metadata) — and every other part of kvserve loads that
-directory as it loads any checkpoint. The cache key hashes the file's size and its
-metadata and tensor index, so a replaced file is converted again; conversion runs under a
-lock and publishes the directory atomically (two processes starting at once convert once).
+directory as it loads any checkpoint. In ``model.safetensors``, the projections and
+embeddings stored as ``Q4_0``, ``Q4_1`` or ``Q8_0`` keep their raw blocks (uint8
+``[rows, row_bytes]``, rows in HF's order; ``kvserve_quant.json`` names each one's type:
+``model/quantized.py`` serves them quantized or dequantizes them at load); every other
+tensor is dequantized with the ``gguf`` package, in float32 so no value is rounded. The
+cache key hashes the file's size and its metadata and tensor index, so a replaced file is
+converted again; conversion runs under a lock and publishes the directory atomically (two
+processes starting at once convert once).
 
 Supported: ``general.architecture`` ``llama`` (Llama, Mistral, SmolLM …), ``qwen2``,
 ``qwen3``, ``qwen3moe``, ``qwen2moe``, ``phi3`` and ``gemma3`` (``model/gguf_arch.py``
@@ -24,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,12 +38,13 @@ import numpy as np
 
 from kvserve.model.gguf_arch import architecture, hf_config, hf_tensors
 from kvserve.model.gguf_tokenizer import GGUFError, write_tokenizer
+from kvserve.model.quantized import QUANT_MANIFEST, kept_quantized, row_bytes
 
 __all__ = ["GGUFError", "convert", "find_gguf", "resolve_model"]
 
 logger = logging.getLogger(__name__)
 
-_CONVERTER_VERSION = "2"  # bump when the produced directory changes
+_CONVERTER_VERSION = "3"  # bump when the produced directory changes
 
 
 def find_gguf(model: str | Path) -> Path | None:
@@ -115,12 +121,44 @@ def convert(path: Path) -> Path:
     return out
 
 
-def _tensors(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, np.ndarray]:
+# HF tensors kept in their GGUF blocks when stored so: dense projections and embeddings
+_RAW_NAMES = re.compile(
+    r"(model\.layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
+    r"|model\.embed_tokens|lm_head)\.weight"
+)
+
+
+def _raw_tensors(
+    t: Any, arch: str, config: dict[str, Any], manifest: dict[str, str]
+) -> list[tuple[str, np.ndarray]] | None:
+    """Tensor ``t``'s HF tensors as raw blocks (recorded in ``manifest``), or None when it
+    is not one kept so (another type, not a dense projection or embedding)."""
+    kind = t.tensor_type.name
+    if not kept_quantized(kind) or len(t.shape) != 2:
+        return None
+    raw = np.asarray(t.data, dtype=np.uint8)
+    rows, k = int(t.shape[1]), int(t.shape[0])
+    if raw.size != rows * row_bytes(kind, k):
+        raise GGUFError(f"tensor {t.name!r} is truncated")
+    pairs = hf_tensors(arch, t.name, raw.reshape(rows, -1), config)  # row moves only
+    if not all(_RAW_NAMES.fullmatch(hf) for hf, _ in pairs):
+        return None
+    manifest.update({hf: kind for hf, _ in pairs})
+    return [(hf, np.ascontiguousarray(v)) for hf, v in pairs]
+
+
+def _tensors(
+    reader: Any, arch: str, config: dict[str, Any], manifest: dict[str, str]
+) -> dict[str, np.ndarray]:
     from gguf import quants
 
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = t.name
+        raw = _raw_tensors(t, arch, config, manifest)
+        if raw is not None:
+            out.update(raw)
+            continue
         try:
             data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except Exception as e:
@@ -139,8 +177,10 @@ def _write_checkpoint(path: Path, reader: Any, out: Path) -> None:
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     try:  # the helpers' messages say what is wrong; this names the file
         config = hf_config(reader, has_output)
-        tensors = _tensors(reader, architecture(reader), config)
+        manifest: dict[str, str] = {}
+        tensors = _tensors(reader, architecture(reader), config, manifest)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / QUANT_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         (out / "config.json").write_text(json.dumps(config, indent=1))
         write_tokenizer(reader, out, path)
     except GGUFError as e:

@@ -228,7 +228,8 @@ def prepack_linears(model: nn.Module) -> int:
             else:
                 setattr(parent, name, _layer_class(child.in_features, own)(child))
             count += 1
-    if hasattr(model, "lm_head_packed") and getattr(model, "lm_head", None) is None:
+    tied = getattr(model, "lm_head", None) is None
+    if tied and getattr(model, "lm_head_packed", False) is None:  # None: not set yet
         emb = model.embed_tokens.weight
         model.lm_head_packed = _layer_class(emb.shape[1], own).from_weight(emb)
     if own:

@@ -16,6 +16,8 @@ from kvserve.model.attention import AttentionBackend
 from kvserve.model.gemma import GemmaForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import TorchOps
+from kvserve.model.quant_load import QuantLoad, dequantized, read_manifest
+from kvserve.model.quantized import row_bytes
 from kvserve.model.spec import ModelConfigError, ModelSpec
 from kvserve.utils import parse_dtype
 from kvserve.worker.parallel import TPGroup
@@ -97,9 +99,14 @@ def load_model(
     ops: TorchOps,
     max_positions: int,
     tp: TPGroup | None = None,
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint (with
     ``tp``, only this rank's shard, reading just its slices of each tensor).
+
+    Tensors the checkpoint stores as raw GGUF blocks (``model/quant_load.py``) stay
+    quantized with ``quantization`` ``auto`` on a CPU with the C++ kernels and no tensor
+    parallelism; otherwise (``none`` included) they are dequantized into ``dtype``.
 
     Raises ``WeightLoadError`` naming the file and tensor when a tensor is missing, has the
     wrong shape, or is not part of the architecture.
@@ -107,6 +114,8 @@ def load_model(
     model_dir = Path(model_dir)
     with torch.device("meta"), _no_param_init():
         model = model_class(spec)(spec, backend, ops, tp)
+        keep = _keeps_quantized(quantization, device, tp)
+        quant = QuantLoad(model, read_manifest(model_dir), keep)
     model = model.to_empty(device=device).to(dtype)
     expected = model.expected_weights()
     files = checkpoint_files(model_dir)
@@ -128,8 +137,9 @@ def load_model(
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in names:
                     tensor = f.get_slice(name)
-                    _load_one(model, expected, path, ours[name], tensor, dtype)  # type: ignore[arg-type]
+                    _load_one(model, expected, path, ours[name], tensor, dtype, quant)  # type: ignore[arg-type]
                     bar.update(1)
+    quant.finish(dtype)
     model.init_rope(device, max_positions)
     model.eval()
     return model
@@ -188,8 +198,32 @@ def load_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, 
     return scales
 
 
-def _load_one(model, expected, path: Path, name: str, tslice, dtype: torch.dtype) -> None:
+def _keeps_quantized(quantization: str, device: torch.device, tp: TPGroup | None) -> bool:
+    """Whether raw GGUF blocks are served quantized: ``auto``, a CPU whose C++ kernels
+    load, no tensor parallelism (quantized shards are not split yet)."""
+    if quantization != "auto" or device.type != "cpu" or tp is not None:
+        return False
+    from kvserve.model.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels()
+
+
+def _load_one(
+    model, expected, path: Path, name: str, tslice, dtype: torch.dtype, quant: QuantLoad
+) -> None:
     shape = tuple(tslice.get_shape())
+    ggml_type = quant.manifest.get(name)
+    if ggml_type is not None and name in expected:  # raw blocks: [rows, row bytes]
+        rows, k = expected[name]
+        if shape != (rows, row_bytes(ggml_type, k)):
+            raise WeightLoadError(
+                f"{path}: raw {ggml_type} tensor {name!r} has shape {list(shape)}, config "
+                f"implies {rows} rows of {k}"
+            )
+        if quant.take(name, tslice[:]):
+            return
+        tslice = dequantized(tslice[:], ggml_type)
+        shape = tuple(tslice.shape)
     if name in expected and shape != expected[name]:
         raise WeightLoadError(
             f"{path}: tensor {name!r} has shape {list(shape)}, config implies "

@@ -185,8 +185,9 @@ class ShardBuilder:
 
             ops = triton_ops.TritonOps()
         self.model: LlamaForCausalLM = load_model(
-            inp.model_dir, inp.spec, inp.dtype, device, self.backend, ops, inp.max_model_len, tp
-        )
+            inp.model_dir, inp.spec, inp.dtype, device, self.backend, ops, inp.max_model_len, tp,
+            inp.model_config.quantization,
+        )  # fmt: skip
         if invariant_gpu:
             triton_ops.make_batch_invariant(self.model)
         elif inp.model_config.attention_backend != "torch":

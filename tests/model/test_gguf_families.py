@@ -109,8 +109,9 @@ def test_greedy_output_equals_transformers_gguf_loading(case, hf_from_gguf):
     converted = convert(path)
     assert load_model_spec(converted).architecture == HF_ARCHITECTURES[arch]
     engine = make_engine(
-        converted, dtype="float32", max_num_batched_tokens=24, kv_cache_memory="64MiB"
-    )
+        converted, dtype="float32", max_num_batched_tokens=24, kv_cache_memory="64MiB",
+        quantization="none",  # as transformers reads it: dequantized
+    )  # fmt: skip
     prompts = random_prompts([5, 30, 41], seed=9)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(12))

@@ -1,0 +1,171 @@
+"""Loading a checkpoint whose tensors ``kvserve_quant.json`` names as raw GGUF blocks.
+
+``QuantLoad.plan`` decides, before the model's memory is allocated, which modules are
+served quantized (``model/quantized.py``): a projection (fused Q/K/V or gate/up included)
+whose every piece the checkpoint stores quantized, the token embeddings and the LM head.
+They are replaced by placeholders that hold no dense weight, so loading never allocates the
+16/32-bit matrix. ``QuantLoad.take`` receives their raw pieces, ``QuantLoad.finish`` packs
+them into ``GGUFLinear`` / ``GGUFEmbedding``. Every other raw tensor (a piece of a module
+kept dense, or all of them with ``keep=False``: ``--quantization none``, tensor parallelism,
+a GPU, no CPU kernels) is dequantized (``dequantized``) and loaded as any float tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvserve.model.mlp import our_mlp_name
+from kvserve.model.quantized import (
+    BLOCKS,
+    QUANT_MANIFEST,
+    GGUFEmbedding,
+    GGUFLinear,
+    Packed,
+    dequantize,
+    pack,
+)
+
+logger = logging.getLogger(__name__)
+
+# HF projection -> (our fused module beside it, its piece); as LlamaForCausalLM fuses them
+_FUSED = {
+    "q_proj": ("qkv_proj", 0, 3),
+    "k_proj": ("qkv_proj", 1, 3),
+    "v_proj": ("qkv_proj", 2, 3),
+    "gate_proj": ("gate_up_proj", 0, 2),
+    "up_proj": ("gate_up_proj", 1, 2),
+}
+
+
+def read_manifest(model_dir: str | Path) -> dict[str, str]:
+    """Checkpoint tensor name -> GGML type of the tensors stored as raw blocks ({} if none)."""
+    path = Path(model_dir) / QUANT_MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def dequantized(raw: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """Raw rows (uint8 ``[n, row_bytes]``) as float32 ``[n, k]``."""
+    return torch.from_numpy(dequantize(raw.numpy(), ggml_type))
+
+
+class _Pending(nn.Module):
+    """A placeholder for a quantized module while its pieces load (no dense weight)."""
+
+    def __init__(self, pieces: int, bias: nn.Parameter | None):
+        super().__init__()
+        self.raw: list[tuple[np.ndarray, str] | None] = [None] * pieces
+        self.bias = bias
+
+
+def _target(name: str) -> tuple[str, int, int]:
+    """Checkpoint name -> (our module's path, piece index, pieces)."""
+    module = our_mlp_name(name).removeprefix("model.").rpartition(".")[0]
+    parent, _, proj = module.rpartition(".")
+    if proj in _FUSED:
+        ours, piece, pieces = _FUSED[proj]
+        return f"{parent}.{ours}", piece, pieces
+    return module, 0, 1
+
+
+class QuantLoad:
+    """The quantized modules of one model being loaded (``plan``, ``take``, ``finish``)."""
+
+    def __init__(self, model: nn.Module, manifest: dict[str, str], keep: bool):
+        self.model = model
+        self.manifest = manifest
+        self.pending: dict[str, _Pending] = {}
+        if keep:
+            self._plan()
+
+    def _plan(self) -> None:
+        by_module: dict[str, list[int]] = {}
+        sizes: dict[str, int] = {}
+        for name in self.manifest:
+            if name == "lm_head.weight" and getattr(self.model, "lm_head", None) is None:
+                continue  # a tied checkpoint's copy
+            module, piece, pieces = _target(name)
+            by_module.setdefault(module, []).append(piece)
+            sizes[module] = pieces
+        for module, pieces in by_module.items():
+            if sorted(pieces) != list(range(sizes[module])):
+                continue  # a fused module with a dense piece stays dense
+            parent_name, _, leaf = module.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            old = getattr(parent, leaf, None)
+            if not isinstance(old, (nn.Linear, nn.Embedding)):
+                continue
+            bias = old.bias if isinstance(old, nn.Linear) else None
+            setattr(parent, leaf, _Pending(sizes[module], bias))
+            self.pending[module] = getattr(parent, leaf)
+
+    def take(self, name: str, raw: torch.Tensor) -> bool:
+        """Keep raw piece ``name`` for its quantized module; False when that module is
+        dense (the caller loads ``dequantized(raw)`` instead)."""
+        module, piece, _ = _target(name)
+        pending = self.pending.get(module)
+        if pending is None or (name == "lm_head.weight" and module != "lm_head"):
+            return False
+        pending.raw[piece] = (raw.numpy(), self.manifest[name])
+        return True
+
+    def finish(self, dtype: torch.dtype) -> int:
+        """Pack every placeholder into its quantized module; returns their weights' bytes.
+        A tied LM head reads the quantized embeddings (``lm_head_packed``)."""
+        total = 0
+        for module, pending in self.pending.items():
+            parent_name, _, leaf = module.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            parts = []
+            for entry in pending.raw:
+                assert entry is not None, f"{module}: a piece was never loaded"
+                raw, ggml_type = entry
+                per, size = BLOCKS[ggml_type]
+                k = raw.shape[1] // size * per
+                parts.append(pack(raw, ggml_type, k))
+            if leaf == "embed_tokens":
+                new: nn.Module = GGUFEmbedding(parts[0], dtype)
+                if getattr(self.model, "lm_head", True) is None:
+                    self.model.lm_head_packed = GGUFLinear(parts)
+            else:
+                new = GGUFLinear(_merged(parts), pending.bias)
+            setattr(parent, leaf, new)
+            total += sum(p.nbytes for p in parts)
+        if self.pending:
+            _release_freed_memory()  # the raw pieces and packing's temporaries
+            types = sorted(set(self.manifest.values()))
+            logger.info("%d modules kept quantized (%s): %.1f MiB",
+                        len(self.pending), "/".join(types), total / 2**20)  # fmt: skip
+        return total
+
+
+def _release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere): packing frees ~the model's size in small temporaries, which glibc would
+    otherwise keep in the process's resident memory."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _merged(parts: list[Packed]) -> list[Packed]:
+    """Runs of parts of one type whose earlier parts fill whole groups of 16 rows, each
+    as one part (one kernel call for a fused Q/K/V of one type)."""
+    out: list[Packed] = []
+    for p in parts:
+        last = out[-1] if out else None
+        if last is None or last.ggml_type != p.ggml_type or last.n % 16:
+            out.append(p)
+            continue
+        out[-1] = Packed(
+            p.ggml_type, last.n + p.n, p.k,
+            *(torch.cat([a, b]) for a, b in ((last.qs, p.qs), (last.d, p.d), (last.aux, p.aux))),
+        )  # fmt: skip
+    return out
