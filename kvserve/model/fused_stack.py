@@ -4,9 +4,10 @@
 the order ``llama.DecoderLayer`` calls them, so its result equals the Python loop's bit for
 bit; it saves the Python between the kernels (~70 µs a layer: a tenth of a 32-sequence
 decode step of SmolLM2 on 2 cores). ``FusedStack.build`` takes a loaded, prepacked model
-and returns None when any part is not one the C++ loop runs: kvserve's bf16 GEMM in every
-linear (with SiLU in the gate/up one), the fused element-wise ops, ``CpuPagedAttention``,
-no q/k norms and no tensor parallelism. At call time a cache it cannot write in C++ (head
+and returns None when any part is not one the C++ loop runs: in every linear kvserve's
+bf16 GEMM (with SiLU in the gate/up one) or a GGUF-quantized weight of one part
+(``GGUFLinear``), the fused element-wise ops, ``CpuPagedAttention``, no q/k norms and no
+tensor parallelism. At call time a cache it cannot write in C++ (head
 scales, calibration pending) sends that step back to the Python loop.
 """
 
@@ -21,6 +22,7 @@ from kvserve.kv.quant import QuantizedKVCache
 from kvserve.model.attention import AttentionMetadata, CpuPagedAttention
 from kvserve.model.linear import KernelGateUpSilu, KernelLinear
 from kvserve.model.ops import CpuKernelOps
+from kvserve.model.quantized import GGUFLinear
 
 _PLAIN = -1  # decoder_stack's kv_kind for a 16-bit cache written by copy
 
@@ -36,6 +38,30 @@ class _CacheArgs:
     candidates: int
 
 
+def _runs(linear: nn.Module) -> bool:
+    """A linear the C++ loop calls: kvserve's bf16 GEMM, or one quantized part."""
+    return isinstance(linear, KernelLinear) or (
+        isinstance(linear, GGUFLinear) and len(linear.parts) == 1
+    )
+
+
+def _runs_gate_up(mlp: nn.Module) -> bool:
+    """The gate/up projection with SiLU fused (bf16), or one quantized part before it."""
+    if isinstance(mlp.gate_up_proj, KernelGateUpSilu):
+        return bool(mlp.gate_up_applies_silu)
+    return _runs(mlp.gate_up_proj) and not mlp.gate_up_applies_silu
+
+
+def _weight(linear: nn.Module) -> torch.Tensor:
+    return linear.parts[0].qs if isinstance(linear, GGUFLinear) else linear.packed_weight
+
+
+def _inter(gate_up: nn.Module) -> int:
+    """The MLP's intermediate size (a fused SiLU layer's out_features already is)."""
+    n = gate_up.out_features
+    return n if isinstance(gate_up, KernelGateUpSilu) else n // 2
+
+
 class FusedStack:
     """The weights of every layer, in ``decoder_stack``'s order, and the constants of the
     call. Build it with ``FusedStack.build``; it holds references, not copies."""
@@ -43,25 +69,29 @@ class FusedStack:
     def __init__(self, layers: nn.ModuleList, backend: CpuPagedAttention, dtype: torch.dtype):
         self.weights: list[torch.Tensor] = []
         self.biases: list[torch.Tensor | None] = []
+        self.qscales: list[torch.Tensor | None] = []  # (d, aux) of each quantized linear
+        self.kinds: list[int] = []  # per linear: -1 (bf16 GEMM) or gguf_linear's kind
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            w = [_weight(lin) for lin in linears]
             self.weights += [
-                layer.input_layernorm.weight,
-                a.qkv_proj.packed_weight,
-                a.o_proj.packed_weight,
-                layer.post_attention_layernorm.weight,
-                m.gate_up_proj.packed_weight,
-                m.down_proj.packed_weight,
-            ]
-            self.biases += [lin.bias for lin in linears]
+                layer.input_layernorm.weight, w[0], w[1],
+                layer.post_attention_layernorm.weight, w[2], w[3],
+            ]  # fmt: skip
+            for lin in linears:
+                quantized = isinstance(lin, GGUFLinear)
+                self.biases.append(lin.bias_parts[0] if quantized else lin.bias)
+                part = lin.parts[0] if quantized else None
+                self.qscales += [part.d, part.aux] if part else [None, None]
+                self.kinds.append(part.kind if part else -1)
         a0 = layers[0].self_attn
         self.dims = [
             a0.num_heads,
             a0.num_kv_heads,
             a0.head_dim,
             a0.o_proj.out_features,
-            layers[0].mlp.gate_up_proj.out_features,
+            _inter(layers[0].mlp.gate_up_proj),
             backend.block_size,
         ]
         self.eps = float(layers[0].input_layernorm.eps)
@@ -88,9 +118,8 @@ class FusedStack:
                 or not isinstance(a.ops, CpuKernelOps)
                 or not isinstance(layer.input_layernorm.ops, CpuKernelOps)
                 or a.q_norm is not None
-                or not all(isinstance(x, KernelLinear) for x in (a.qkv_proj, a.o_proj))
-                or not isinstance(m.down_proj, KernelLinear)
-                or not (isinstance(m.gate_up_proj, KernelGateUpSilu) and m.gate_up_applies_silu)
+                or not all(_runs(x) for x in (a.qkv_proj, a.o_proj, m.down_proj))
+                or not _runs_gate_up(m)
                 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
             ):
                 return None
@@ -156,4 +185,6 @@ class FusedStack:
             self.sinks,
             args.kind,
             args.candidates,
+            self.qscales,
+            self.kinds,
         )

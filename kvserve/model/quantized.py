@@ -26,7 +26,7 @@ QUANT_MANIFEST = "kvserve_quant.json"  # tensor name -> GGML type name, in a con
 
 # GGML type name -> (elements per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
-_U4, _S8 = 0, 1
+_U4, _S8, _Z4 = 0, 1, 2  # csrc/gguf_gemm.cpp's kinds: Q4_1, Q8_0, Q4_0
 
 
 def kept_quantized(ggml_type: str) -> bool:
@@ -52,8 +52,9 @@ def dequantize(raw: np.ndarray, ggml_type: str) -> np.ndarray:
 @dataclass(frozen=True)
 class Packed:
     """One part of a quantized weight in ``gguf_gemm.cpp``'s layout: ``qs`` uint8
-    ``[G, K/32, 256 | 512]``, ``d`` float16 ``[G, K/32, 16]``, ``aux`` (u4: the offsets,
-    float16; s8: the codes' sums, int16) ``[G, K/32, 16]``; ``n`` rows of ``ggml_type``."""
+    ``[G, K/32, 256 | 512]``, ``d`` float16 ``[G, K/32, 16]``, ``aux`` (Q4_1: the offsets,
+    float16; Q8_0: the codes' sums, int16) ``[G, K/32, 16]``, empty for Q4_0; ``n`` rows of
+    ``ggml_type``."""
 
     ggml_type: str
     n: int
@@ -64,7 +65,7 @@ class Packed:
 
     @property
     def kind(self) -> int:
-        return _S8 if self.ggml_type == "Q8_0" else _U4
+        return {"Q8_0": _S8, "Q4_0": _Z4}.get(self.ggml_type, _U4)
 
     @property
     def nbytes(self) -> int:
@@ -111,15 +112,17 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
         halves = qg.reshape(g, nb, 16, 4, 2, 4)  # [.., chunk c, low/high, byte j]
         qs = (halves[..., 0, :] | (halves[..., 1, :] << 4)).astype(np.uint8)
         qs = qs.transpose(0, 1, 3, 2, 4).reshape(g, nb, 256)
-        aux = torch.from_numpy(mg)
+        # Q4_0's offset is -8 d: the kernel takes it from d
+        aux = torch.from_numpy(mg) if ggml_type == "Q4_1" else torch.empty(0, dtype=torch.float16)
     return Packed(
         ggml_type, n, k, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(dg), aux
     )
 
 
 def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Rows ``rows`` of ``p`` as stored: codes float32 ``[T, nb, 32]`` (u4: 0..15, s8:
-    -128..127), ``d`` and ``aux`` float32 ``[T, nb, 1]`` (u4: the offset; s8: the sums)."""
+    """Rows ``rows`` of ``p`` as stored: codes float32 ``[T, nb, 32]`` (Q4: 0..15, Q8_0:
+    -128..127), ``d`` and ``aux`` float32 ``[T, nb, 1]`` (Q4_1: the offset; Q8_0: the
+    sums; Q4_0: zeros)."""
     g, lane = rows // 16, rows % 16
     nb = p.k // 32
 
@@ -135,7 +138,7 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q = b.view(torch.int8).reshape(-1, nb, 32)
     else:
         q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
-    return q.float(), per_row(p.d), per_row(p.aux)
+    return q.float(), per_row(p.d), per_row(p.aux) if p.aux.numel() else per_row(p.d) * 0
 
 
 def unpack_rows(p: Packed, rows: torch.Tensor) -> torch.Tensor:
@@ -175,6 +178,8 @@ def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
     t = _f32(d[:, :, 0].double() * isum)  # [M, n, nb]
     if p.kind == _U4:
         t = _f32(aux[:, :, 0].double() * sx.unsqueeze(1) + t)
+    elif p.kind == _Z4:  # d * (isum - 8 sx): the difference is exact
+        t = _f32(d[:, :, 0].double() * (isum - 8 * sx.unsqueeze(1)))
     acc = torch.zeros(m, p.n, dtype=torch.float64)
     for b in range(t.shape[-1]):
         acc = _f32(t[:, :, b] * dx[:, b : b + 1] + acc)

@@ -1,16 +1,19 @@
 """The decoder stack in one C++ call (``model.fused_stack``) equals the Python layer loop bit
 for bit, on every step an engine runs (prefill chunks, decodes, prefix-cache hits), for
-plain, int8 and fp8 caches, with QKV bias and a sliding window; models and caches it cannot
-run take the Python loop."""
+plain, int8 and fp8 caches, with QKV bias and a sliding window, and with GGUF weights kept
+quantized; models and caches it cannot run take the Python loop."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
+from gguf_writer import write_gguf
 from helpers import greedy, make_engine, random_prompts, run_to_end
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
+from kvserve.model.gguf import convert
 from kvserve.model.linear import kernel_gemm_preferred
 
 BF16 = torch.bfloat16
@@ -68,6 +71,23 @@ def test_fused_stack_equals_the_python_loop_on_every_step(model_dirs, kind, kv):
     assert len(steps) > 10 and max(steps) == 16 and min(steps) < 16
 
 
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gguf_weights_kept_quantized_run_in_the_stack(model_dirs, tmp_path, ggml_type, dtype):
+    """Qwen2 (QKV biases, tied embeddings) from a GGUF file: every linear a GGUFLinear,
+    the gate/up one followed by SiLU-and-mul; the stack equals the loop on every step."""
+    qt = gguf.GGMLQuantizationType[ggml_type]
+    path = write_gguf(model_dirs["qwen2"], tmp_path / f"qwen2-{ggml_type}.gguf", "qwen2", qt)
+    engine = make_engine(convert(path), dtype=dtype, max_num_batched_tokens=16)
+    model = engine.runner.model
+    assert model.fused_stack is not None and min(model.fused_stack.kinds) >= 0
+    steps = _check_every_forward(model)
+    for i, p in enumerate(random_prompts([5, 30, 17], seed=4)):
+        engine.add_request(f"q{i}", p, greedy(6))
+    assert all(len(v) == 6 for v in run_to_end(engine).values())
+    assert len(steps) > 8
+
+
 def test_models_and_caches_it_cannot_run_take_the_python_loop(model_dirs):
     assert load_cpu_kernels()
     qwen3 = make_engine(model_dirs["qwen3"], dtype="bfloat16")  # q/k norms
@@ -93,15 +113,19 @@ def test_bad_arguments_are_refused_with_a_clear_error():
     idx = torch.zeros(2, dtype=torch.long)
     args = [x, idx, x, x, [x] * 5, [None] * 4, [cache], [None], [None], idx]
     rest = [torch.zeros(1, 1, dtype=torch.long), idx[:1], torch.tensor([0, 2])]
+    dims = [4, 2, 16, 64, 96, 16]
+    plain = ([None] * 8, [-1] * 4)  # every linear bf16
     with pytest.raises(RuntimeError, match="decoder_stack: 1 caches need 6 weights"):
-        torch.ops.kvserve.decoder_stack(
-            *args, *rest, [4, 2, 16, 64, 96, 16], 1e-5, 0.25, 0, 0, -1, 1
-        )
+        torch.ops.kvserve.decoder_stack(*args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain)
     args[4] = [x] * 6
     with pytest.raises(RuntimeError, match="decoder_stack: dims must be"):
-        torch.ops.kvserve.decoder_stack(*args, *rest, [4, 2, 16], 1e-5, 0.25, 0, 0, -1, 1)
+        torch.ops.kvserve.decoder_stack(*args, *rest, [4, 2, 16], 1e-5, 0.25, 0, 0, -1, 1, *plain)
     with pytest.raises(RuntimeError, match="kv_kind"):
+        torch.ops.kvserve.decoder_stack(*args, *rest, dims, 1e-5, 0.25, 0, 0, 5, 1, *plain)
+    with pytest.raises(RuntimeError, match="4 linear kinds and 8 quantization scales"):
+        torch.ops.kvserve.decoder_stack(*args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [], [-1])
+    with pytest.raises(RuntimeError, match="a quantized linear needs its scales"):
         torch.ops.kvserve.decoder_stack(
-            *args, *rest, [4, 2, 16, 64, 96, 16], 1e-5, 0.25, 0, 0, 5, 1
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [None] * 8, [0, -1, -1, -1]
         )
     assert FusedStack.build(torch.nn.Linear(2, 2)) is None

@@ -5,9 +5,12 @@
 // layer ~10 op calls from Python, their views and the nn.Module calls (~70 µs a layer).
 //
 // Per layer l: h = add_rms_norm(x, residual, in_norm) (layer 0: residual = x,
-// h = rms_norm(x)); qkv = bf16_linear(h); rope on q, k; K/V written to the cache (copied,
+// h = rms_norm(x)); qkv = linear(h); rope on q, k; K/V written to the cache (copied,
 // or quantized with per-token scales and K's shift); o = paged_attention;
-// h = add_rms_norm(bf16_linear(o), residual, post_norm); x = down(gate_up_silu(h)).
+// h = add_rms_norm(linear(o), residual, post_norm); x = down(gate_up_silu(h)).
+// A linear is bf16_linear (kinds[i] = -1; gate/up: bf16_linear_silu_mul) or, for GGUF
+// weights kept quantized (model/quantized.py), gguf_linear of kind kinds[i] with its
+// scales in qscales[2i], qscales[2i + 1] (gate/up: then silu_and_mul).
 // Returns (x, residual); the stack's output is norm(x + residual), left to the caller.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -59,6 +62,24 @@ void write_layer(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slo
                        candidates, std::nullopt, 1);
 }
 
+// Linear i of the stack (4 per layer: qkv, o, gate_up, down) on x, n outputs.
+struct Linears {
+  const c10::List<std::optional<at::Tensor>>& qscales;
+  c10::IntArrayRef kinds;
+
+  at::Tensor operator()(int64_t i, const at::Tensor& x, const at::Tensor& w,
+                        const std::optional<at::Tensor>& bias, int64_t n) const {
+    if (kinds[i] < 0) return kvserve::bf16_linear(x, w, bias, n);
+    return kvserve::gguf_linear(x, w, *qscales.get(2 * i), *qscales.get(2 * i + 1), kinds[i], n,
+                                bias);
+  }
+  at::Tensor gate_up_silu(int64_t i, const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& bias, int64_t inter) const {
+    if (kinds[i] < 0) return kvserve::bf16_linear_silu_mul(x, w, bias, inter);
+    return kvserve::silu_and_mul((*this)(i, x, w, bias, 2 * inter));
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, at::TensorList weights,
@@ -67,7 +88,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const c10::List<std::optional<at::Tensor>>& k_shifts, const at::Tensor& slots,
     const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& query_start,
     c10::IntArrayRef dims, double eps, double scale, int64_t window, int64_t sinks,
-    int64_t kv_kind, int64_t candidates) {
+    int64_t kv_kind, int64_t candidates, const c10::List<std::optional<at::Tensor>>& qscales,
+    c10::IntArrayRef kinds) {
   const Dims dm = read_dims(dims);
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers > 0, "decoder_stack: no layers");
@@ -78,6 +100,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
               "decoder_stack: ", layers, " caches need ", kWeightsPerLayer * layers,
               " weights, ", kBiasesPerLayer * layers, " biases and ", layers,
               " scales and shifts");
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers &&
+                  static_cast<int64_t>(qscales.size()) == 8 * layers,
+              "decoder_stack: 4 linear kinds and 8 quantization scales per layer");
+  for (int64_t i = 0; i < 4 * layers; ++i)
+    TORCH_CHECK(kinds[i] < 0 || (qscales.get(2 * i).has_value() && qscales.get(2 * i + 1).has_value()),
+                "decoder_stack: a quantized linear needs its scales");
+  const Linears linear{qscales, kinds};
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == dm.hidden && x_in.is_contiguous(),
               "decoder_stack: x must be contiguous [tokens, hidden]");
   TORCH_CHECK(kv_kind >= -1 && kv_kind <= 2, "decoder_stack: kv_kind must be -1, 0, 1 or 2");
@@ -93,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       h = kvserve::add_rms_norm(x, residual, w[0], eps);
     }
-    at::Tensor qkv = kvserve::bf16_linear(h, w[1], biases.get(b), nqkv);
+    at::Tensor qkv = linear(b, h, w[1], biases.get(b), nqkv);
     at::Tensor q = qkv.narrow(1, 0, qs).view({t, dm.heads, dm.head_dim});
     at::Tensor k = qkv.narrow(1, qs, kvs).view({t, dm.kv_heads, dm.head_dim});
     at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({t, dm.kv_heads, dm.head_dim});
@@ -116,10 +145,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const auto vblocks = cache.select(0, 1).view(shape);
     at::Tensor o = kvserve::paged_attention(q, blocks, vblocks, tables, lens, query_start, scale,
                                             window, sinks, ks, vs);
-    o = kvserve::bf16_linear(o.view({t, qs}), w[2], biases.get(b + 1), dm.hidden);
+    o = linear(b + 1, o.view({t, qs}), w[2], biases.get(b + 1), dm.hidden);
     h = kvserve::add_rms_norm(o, residual, w[3], eps);
-    at::Tensor g = kvserve::bf16_linear_silu_mul(h, w[4], biases.get(b + 2), dm.inter);
-    x = kvserve::bf16_linear(g, w[5], biases.get(b + 3), dm.hidden);
+    at::Tensor g = linear.gate_up_silu(b + 2, h, w[4], biases.get(b + 2), dm.inter);
+    x = linear(b + 3, g, w[5], biases.get(b + 3), dm.hidden);
   }
   return {x, residual};
 }
@@ -130,6 +159,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("decoder_stack(Tensor(c!) x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor?[] biases, Tensor(a!)[] caches, Tensor(b!)?[] scales, Tensor?[] k_shifts, "
         "Tensor slots, Tensor tables, Tensor lens, Tensor query_start, int[] dims, float eps, "
-        "float scale, int window, int sinks, int kv_kind, int candidates) -> (Tensor, Tensor)");
+        "float scale, int window, int sinks, int kv_kind, int candidates, Tensor?[] qscales, "
+        "int[] kinds) -> (Tensor, Tensor)");
   m.impl("decoder_stack", c10::DispatchKey::CPU, TORCH_FN(decoder_stack));
 }

@@ -330,6 +330,7 @@ void rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::Ten
           const at::Tensor& sin) {
   ::rope(positions, std::move(q), std::move(k), cos, sin);
 }
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return ::silu_and_mul(gate_up); }
 }  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {

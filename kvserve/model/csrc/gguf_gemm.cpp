@@ -1,19 +1,22 @@
 // GEMM over GGUF-quantized weights kept quantized: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 //
 // Weights (model/quantized.py repacks GGUF's Q4_0, Q4_1 and Q8_0 blocks once, at load) come
-// in groups of 16 output rows, K in blocks of 32, in two kinds:
-//   u4 (Q4_0, Q4_1): w = d * q + m, q in 0..15. qs [G][K/32][4 chunks][16 rows][4 bytes]:
-//      chunk c, byte j of a row holds q[8c + j] (low nibble) and q[8c + 4 + j] (high);
-//      d, m [G][K/32][16] fp16 (Q4_0: m = -8 d).
+// in groups of 16 output rows, K in blocks of 32, in three kinds:
+//   u4 (Q4_1): w = d * q + m, q in 0..15. qs [G][K/32][4 chunks][16 rows][4 bytes]: chunk
+//      c, byte j of a row holds q[8c + j] (low nibble) and q[8c + 4 + j] (high nibble);
+//      d, m [G][K/32][16] fp16.
+//   z4 (Q4_0): w = d * (q - 8), qs as u4; d [G][K/32][16] fp16, no m.
 //   s8 (Q8_0): w = d * q, q int8. qs [G][K/32][8 chunks][16 rows][4 bytes] (chunk c holds
 //      q[4c .. 4c + 3]); d [G][K/32][16] fp16; wsum [G][K/32][16] int16 = the block's sum of q.
 // So one 64-byte load is 4 (or 8) consecutive K of 16 rows: the operand of vpdpbusd, with 4
 // activation bytes broadcast to every lane; the 16 lanes are the 16 outputs of the group.
 //
 // Activations are quantized per row and block of 32 as llama.cpp's Q8_0 does: dx = amax *
-// float(1/127), qx = round-to-nearest-even(x * (127 / amax)), and sx = the block's sum of qx. Per block b:
-//   u4: isum = sum(q * qx) (u8 x s8);            t = dw * isum + mw * sx
-//   s8: isum = sum((qx + 128) * q) - 128 * wsum; t = dw * isum
+// float(1/127), qx = round-to-nearest-even(x * (127 / amax)), and sx = the block's sum of qx.
+// Per block b, with isum = sum(q * qx) computed exactly in integers (u4/z4: low and high
+// nibbles in two vpdpbusd chains, the high one against q * 16, shifted back; s8: against
+// qx + 128, less 128 * wsum):
+//   u4: t = fma(mw, sx, dw * isum)      z4: t = dw * (isum - 8 sx)      s8: t = dw * isum
 //   acc = fma(t, dx, acc)
 // Contract (batch invariance): each output is one float accumulator that starts at zero and
 // takes the blocks in order 0 .. K/32 - 1 with exactly these operations (explicit FMAs),
@@ -28,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "float_convert.h"
 
@@ -45,7 +49,7 @@ using kvserve_cpu::to_f;
 
 constexpr int64_t kQB = 32;        // K per block
 constexpr int64_t kRowChunk = 32;  // rows of x per work item
-constexpr int kU4 = 0, kS8 = 1;
+constexpr int kU4 = 0, kS8 = 1, kZ4 = 2;
 
 std::atomic<bool> g_use_vnni{true};
 
@@ -62,7 +66,7 @@ bool gguf_gemm_use_vnni(bool enable) { return g_use_vnni.exchange(enable); }
 
 // The activations of one product, quantized (quantize_rows).
 struct QAct {
-  const int8_t* q;  // [M, K]
+  const int8_t* q;  // [M, K]; for s8 weights, the codes + 128 (as bytes: q ^ 0x80)
   const float* d;   // [M, K/32]
   const float* s;   // [M, K/32]
   int64_t k, nb;
@@ -71,7 +75,7 @@ struct QAct {
 struct QWeight {
   const uint8_t* qs;   // [G][nb][qbytes]
   const uint16_t* d;   // [G][nb][16] fp16 bits
-  const void* aux;     // u4: m fp16 [G][nb][16]; s8: wsum int16 [G][nb][16]
+  const void* aux;     // u4: m fp16 [G][nb][16]; s8: wsum int16 [G][nb][16]; z4: unused
   int64_t n, qbytes;
 };
 
@@ -128,23 +132,27 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
         const float dw = half_to_f(dg[b * 16 + j]);
         int32_t isum = 0;
         float t;
-        if constexpr (KIND == kU4) {
+        if constexpr (KIND == kS8) {
+          const auto* q = reinterpret_cast<const int8_t*>(blk);
+          for (int c = 0; c < 8; ++c)
+            for (int i = 0; i < 4; ++i)  // xq holds qx + 128 as bytes
+              isum += static_cast<uint8_t>(xq[b * kQB + 4 * c + i]) * q[c * 64 + j * 4 + i];
+          const auto* ws = static_cast<const int16_t*>(w.aux) + g * nb * 16;
+          t = dw * static_cast<float>(isum - 128 * ws[b * 16 + j]);
+        } else {
           for (int c = 0; c < 4; ++c)
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = blk[c * 64 + j * 4 + i];
               isum += (byte & 15) * xq[b * kQB + 8 * c + i];
               isum += (byte >> 4) * xq[b * kQB + 8 * c + 4 + i];
             }
-          const auto* m = static_cast<const uint16_t*>(w.aux) + g * nb * 16;
-          t = dw * static_cast<float>(isum);
-          t = std::fma(half_to_f(m[b * 16 + j]), sx[b], t);
-        } else {
-          const auto* q = reinterpret_cast<const int8_t*>(blk);
-          for (int c = 0; c < 8; ++c)
-            for (int i = 0; i < 4; ++i)
-              isum += (xq[b * kQB + 4 * c + i] + 128) * q[c * 64 + j * 4 + i];
-          const auto* ws = static_cast<const int16_t*>(w.aux) + g * nb * 16;
-          t = dw * static_cast<float>(isum - 128 * ws[b * 16 + j]);
+          if constexpr (KIND == kU4) {
+            const auto* m = static_cast<const uint16_t*>(w.aux) + g * nb * 16;
+            t = dw * static_cast<float>(isum);
+            t = std::fma(half_to_f(m[b * 16 + j]), sx[b], t);
+          } else {
+            t = dw * (static_cast<float>(isum) - 8.f * sx[b]);  // exact difference
+          }
         }
         sum = std::fma(t, dx[b], sum);
       }
@@ -168,42 +176,55 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
   const uint16_t* dg = w.d + g * nb * 16;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi32(int32_t(0x80808080u));
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(int8_t(0xF0));
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = qs + b * w.qbytes;
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    if constexpr (KIND == kU4) {
-      __m512i wv[8];
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(blk + c * 64);
-        wv[2 * c] = _mm512_and_si512(v, low4);
-        wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
-      const auto* m = static_cast<const uint16_t*>(w.aux) + g * nb * 16;
-      const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * 16)));
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
-        __m512i isum = _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c) {
-          isum = _mm512_dpbusd_epi32(isum, wv[2 * c], bcast4(xq + 8 * c));
-          isum = _mm512_dpbusd_epi32(isum, wv[2 * c + 1], bcast4(xq + 8 * c + 4));
-        }
-        __m512 t = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum));
-        t = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[(r0 + r) * nb + b]), t);
-        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
-      }
-    } else {
+    if constexpr (KIND == kS8) {
       __m512i wv[8];
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(blk + c * 64);
       const auto* ws = static_cast<const int16_t*>(w.aux) + g * nb * 16;
       const __m512i corr = _mm512_slli_epi32(
           _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + b * 16))), 7);
       for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;  // qx + 128
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, bcast4(xq + 4 * c), wv[c]);
+          s1 = _mm512_dpbusd_epi32(s1, bcast4(xq + 4 * c + 4), wv[c + 1]);
+        }
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
+        const __m512 t = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum));
+        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
+      }
+    } else {
+      __m512i lo[4], hi[4];  // hi: the high nibbles in place, i.e. 16 q
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + c * 64);
+        lo[c] = _mm512_and_si512(v, low4);
+        hi[c] = _mm512_and_si512(v, high4);
+      }
+      __m512 mw = _mm512_setzero_ps();
+      if constexpr (KIND == kU4) {
+        const auto* m = static_cast<const uint16_t*>(w.aux) + g * nb * 16;
+        mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * 16)));
+      }
+      for (int r = 0; r < MR; ++r) {
         const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
-        __m512i isum = _mm512_setzero_si512();
-        for (int c = 0; c < 8; ++c)
-          isum = _mm512_dpbusd_epi32(isum, _mm512_xor_si512(bcast4(xq + 4 * c), flip), wv[c]);
-        const __m512 t = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(_mm512_sub_epi32(isum, corr)));
+        __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          sl = _mm512_dpbusd_epi32(sl, lo[c], bcast4(xq + 8 * c));
+          sh = _mm512_dpbusd_epi32(sh, hi[c], bcast4(xq + 8 * c + 4));
+        }
+        const __m512i isum = _mm512_add_epi32(sl, _mm512_srai_epi32(sh, 4));  // sh = 16 x its sum
+        const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * nb + b]);
+        __m512 t;
+        if constexpr (KIND == kU4) {
+          t = _mm512_fmadd_ps(mw, sx, _mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum)));
+        } else {
+          const __m512 diff = _mm512_sub_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(8.f), sx));
+          t = _mm512_mul_ps(dw, diff);
+        }
         acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
       }
     }
@@ -248,42 +269,47 @@ void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) 
   });
 }
 
-// x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32. Returns the
-// quantized activations: codes int8 [M, K], scales and block sums float32 [M, K/32].
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kQB == 0,
-              "gguf_quantize_rows: x must be [M, K] with contiguous rows, K % 32 == 0");
+// Quantizes x [M, K] into q [M, K], d and s [M, K/32] (flip: codes + 128, as bytes, for s8
+// weights). Rows in parallel from 8 rows on: a decode step's call costs no thread wake-up.
+void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s, bool flip) {
   const int64_t m = x.size(0), k = x.size(1), nb = k / kQB;
-  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
-  auto d = at::empty({m, nb}, x.options().dtype(at::kFloat));
-  auto s = at::empty({m, nb}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_q", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        quantize_row(xp + r * x.stride(0), nb, q.data_ptr<int8_t>() + r * k,
-                     d.data_ptr<float>() + r * nb, s.data_ptr<float>() + r * nb);
-    });
+    auto rows = [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        quantize_row(xp + r * x.stride(0), nb, q + r * k, d + r * nb, s + r * nb);
+        if (flip)
+          for (int64_t i = 0; i < k; ++i) q[r * k + i] = static_cast<int8_t>(q[r * k + i] ^ 0x80);
+      }
+    };
+    if (m < 8) rows(0, m);
+    else at::parallel_for(0, m, 8, rows);
   });
-  return {q, d, s};
 }
 
-// x [M, K] as gguf_quantize_rows takes it; qs, d, aux a repacked weight of `kind` (0: u4,
-// 1: s8) with n outputs; bias [n] float32 or None. Returns [M, n] in x's dtype.
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kQB == 0, name,
+              ": x must be [M, K] with contiguous rows, K % 32 == 0");
+}
+
+// x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a repacked weight of `kind` (0: u4,
+// 1: s8, 2: z4, whose aux is not read) with n outputs; bias [n] float32 or None. Returns
+// [M, n] in x's dtype.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const at::Tensor& aux, int64_t kind, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kind == kU4 || kind == kS8, "gguf_linear: kind must be 0 (u4) or 1 (s8)");
-  const int64_t qbytes = kind == kU4 ? 256 : 512;
-  auto [q, dx, sx] = gguf_quantize_rows(x);
+  TORCH_CHECK(kind == kU4 || kind == kS8 || kind == kZ4,
+              "gguf_linear: kind must be 0 (u4), 1 (s8) or 2 (z4)");
+  const int64_t qbytes = kind == kS8 ? 512 : 256;
+  check_rows(x, "gguf_linear");
   const int64_t m = x.size(0), nb = x.size(1) / kQB, groups = (n + 15) / 16;
   TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.dim() == 3 &&
                   qs.size(0) == groups && qs.size(1) == nb && qs.size(2) == qbytes,
               "gguf_linear: qs does not match x, n and kind");
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == groups * nb * 16,
               "gguf_linear: d must be [G, K/32, 16] float16");
-  TORCH_CHECK(aux.is_contiguous() && aux.numel() == groups * nb * 16 &&
-                  aux.scalar_type() == (kind == kU4 ? at::kHalf : at::kShort),
+  TORCH_CHECK(kind == kZ4 || (aux.is_contiguous() && aux.numel() == groups * nb * 16 &&
+                               aux.scalar_type() == (kind == kU4 ? at::kHalf : at::kShort)),
               "gguf_linear: aux must be [G, K/32, 16] (float16 m for u4, int16 sums for s8)");
   const float* bp = nullptr;
   if (bias.has_value()) {
@@ -293,11 +319,19 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   }
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const QAct a{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), x.size(1), nb};
+  // the activations' codes in this thread's buffers (no tensor allocations per call)
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> dx, sx;
+  q.resize(m * x.size(1));
+  dx.resize(m * nb);
+  sx.resize(m * nb);
+  quantize_rows(x, q.data(), dx.data(), sx.data(), kind == kS8);
+  const QAct a{q.data(), dx.data(), sx.data(), x.size(1), nb};
   const QWeight w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   aux.data_ptr(), n, qbytes};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_linear", [&] {
     if (kind == kU4) run<kU4, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
+    else if (kind == kZ4) run<kZ4, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else run<kS8, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
   });
   return out;
@@ -305,15 +339,21 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 
 }  // namespace
 
+namespace kvserve {  // entry point for C++ callers (ops.h)
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const at::Tensor& aux, int64_t kind, int64_t n,
+                       const std::optional<at::Tensor>& bias) {
+  return ::gguf_linear(x, qs, d, aux, kind, n, bias);
+}
+}  // namespace kvserve
+
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_gemm_vnni() -> bool", &vnni_built);
   m.def("gguf_gemm_use_vnni(bool enable) -> bool", &gguf_gemm_use_vnni);
-  m.def("gguf_quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor aux, int kind, int n, Tensor? bias) "
         "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
-  m.impl("gguf_quantize_rows", gguf_quantize_rows);
   m.impl("gguf_linear", gguf_linear);
 }

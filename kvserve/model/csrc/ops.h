@@ -26,6 +26,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
                        const std::optional<at::Tensor>& bias, int64_t n);
 at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& wp,
                                 const std::optional<at::Tensor>& bias, int64_t inter);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const at::Tensor& aux, int64_t kind, int64_t n,
+                       const std::optional<at::Tensor>& bias);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& tables,
                            const at::Tensor& lens, const at::Tensor& query_start, double scale,
