@@ -4,7 +4,7 @@ A GGUF file's ``Q4_0``, ``Q4_1`` and ``Q8_0`` matrices reach the model as their 
 (``model/gguf.py`` stores them so in its cache; ``QUANT_MANIFEST`` names them) and are
 repacked once, at load, into the layout of ``csrc/gguf_gemm.cpp``: groups of 16 output rows,
 K in blocks of 32, 4-bit codes two to a byte (Q4_0, Q4_1: kind ``u4``) or 8-bit codes (Q8_0:
-``s8``), fp16 scales (and Q4's offsets; Q8_0's code sums). Nothing is expanded to 16 or 32
+``s8``, stored as q + 128), fp16 scales (and Q4_1's offsets). Nothing is expanded to 16 or 32
 bits; a Q4_1 weight takes 5 bits per element here as in the file, a Q8_0 one 9.
 
 ``GGUFLinear`` computes ``x @ W.T`` with activations quantized per 32 values to int8 (as
@@ -52,9 +52,8 @@ def dequantize(raw: np.ndarray, ggml_type: str) -> np.ndarray:
 @dataclass(frozen=True)
 class Packed:
     """One part of a quantized weight in ``gguf_gemm.cpp``'s layout: ``qs`` uint8
-    ``[G, K/32, 256 | 512]``, ``d`` float16 ``[G, K/32, 16]``, ``aux`` (Q4_1: the offsets,
-    float16; Q8_0: the codes' sums, int16) ``[G, K/32, 16]``, empty for Q4_0; ``n`` rows of
-    ``ggml_type``."""
+    ``[G, K/32, 256 | 512]``, ``d`` float16 ``[G, K/32, 16]``, ``aux`` Q4_1's offsets,
+    float16 ``[G, K/32, 16]`` (empty for Q4_0 and Q8_0); ``n`` rows of ``ggml_type``."""
 
     ggml_type: str
     n: int
@@ -104,10 +103,10 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
         return np.ascontiguousarray(a.reshape(g, 16, nb, *a.shape[2:]).swapaxes(1, 2))
 
     qg, dg, mg = grouped(q), grouped(d), grouped(m)
-    if ggml_type == "Q8_0":
+    if ggml_type == "Q8_0":  # stored as q + 128: the kernel's unsigned operand
         qs = qg.reshape(g, nb, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 512)
-        aux = torch.from_numpy(qg.astype(np.int16).sum(-1).astype(np.int16))
-        qs = qs.view(np.uint8)
+        qs = qs.view(np.uint8) ^ np.uint8(0x80)
+        aux = torch.empty(0, dtype=torch.float16)
     else:
         halves = qg.reshape(g, nb, 16, 4, 2, 4)  # [.., chunk c, low/high, byte j]
         qs = (halves[..., 0, :] | (halves[..., 1, :] << 4)).astype(np.uint8)
@@ -121,8 +120,7 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
 
 def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Rows ``rows`` of ``p`` as stored: codes float32 ``[T, nb, 32]`` (Q4: 0..15, Q8_0:
-    -128..127), ``d`` and ``aux`` float32 ``[T, nb, 1]`` (Q4_1: the offset; Q8_0: the
-    sums; Q4_0: zeros)."""
+    -128..127), ``d`` and ``aux`` float32 ``[T, nb, 1]`` (Q4_1: the offset; else zeros)."""
     g, lane = rows // 16, rows % 16
     nb = p.k // 32
 
@@ -135,7 +133,7 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         -1, nb, chunks, 4
     )
     if p.kind == _S8:
-        q = b.view(torch.int8).reshape(-1, nb, 32)
+        q = (b.int() - 128).reshape(-1, nb, 32)  # stored as q + 128
     else:
         q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
     return q.float(), per_row(p.d), per_row(p.aux) if p.aux.numel() else per_row(p.d) * 0

@@ -6,17 +6,19 @@
 //      c, byte j of a row holds q[8c + j] (low nibble) and q[8c + 4 + j] (high nibble);
 //      d, m [G][K/32][16] fp16.
 //   z4 (Q4_0): w = d * (q - 8), qs as u4; d [G][K/32][16] fp16, no m.
-//   s8 (Q8_0): w = d * q, q int8. qs [G][K/32][8 chunks][16 rows][4 bytes] (chunk c holds
-//      q[4c .. 4c + 3]); d [G][K/32][16] fp16; wsum [G][K/32][16] int16 = the block's sum of q.
+//   s8 (Q8_0): w = d * q, q int8, stored as q + 128 (unsigned bytes). qs [G][K/32][8
+//      chunks][16 rows][4 bytes] (chunk c holds q[4c .. 4c + 3]); d [G][K/32][16] fp16.
 // So one 64-byte load is 4 (or 8) consecutive K of 16 rows: the operand of vpdpbusd, with 4
 // activation bytes broadcast to every lane; the 16 lanes are the 16 outputs of the group.
 //
 // Activations are quantized per row and block of 32 as llama.cpp's Q8_0 does: dx = amax *
 // float(1/127), qx = round-to-nearest-even(x * (127 / amax)), and sx = the block's sum of qx.
 // Per block b, with isum = sum(q * qx) computed exactly in integers (u4/z4: low and high
-// nibbles in two vpdpbusd chains, the high one against q * 16, shifted back; s8: against
-// qx + 128, less 128 * wsum):
+// nibbles in two vpdpbusd chains, the high one against q * 16, shifted back; s8: the
+// stored q + 128 against qx, less 128 sx, an exact float difference):
 //   u4: t = fma(mw, sx, dw * isum)      z4: t = dw * (isum - 8 sx)      s8: t = dw * isum
+// The activations are always vpdpbusd's signed operand, so their 4 bytes are broadcast
+// from memory within the instruction.
 //   acc = fma(t, dx, acc)
 // Contract (batch invariance): each output is one float accumulator that starts at zero and
 // takes the blocks in order 0 .. K/32 - 1 with exactly these operations (explicit FMAs),
@@ -49,6 +51,7 @@ using kvserve_cpu::to_f;
 
 constexpr int64_t kQB = 32;        // K per block
 constexpr int64_t kRowChunk = 32;  // rows of x per work item
+constexpr int64_t kRowTile = 8;    // rows sharing one pass over a group's weights
 constexpr int kU4 = 0, kS8 = 1, kZ4 = 2;
 
 std::atomic<bool> g_use_vnni{true};
@@ -66,7 +69,7 @@ bool gguf_gemm_use_vnni(bool enable) { return g_use_vnni.exchange(enable); }
 
 // The activations of one product, quantized (quantize_rows).
 struct QAct {
-  const int8_t* q;  // [M, K]; for s8 weights, the codes + 128 (as bytes: q ^ 0x80)
+  const int8_t* q;  // [M, K]
   const float* d;   // [M, K/32]
   const float* s;   // [M, K/32]
   int64_t k, nb;
@@ -75,7 +78,7 @@ struct QAct {
 struct QWeight {
   const uint8_t* qs;   // [G][nb][qbytes]
   const uint16_t* d;   // [G][nb][16] fp16 bits
-  const void* aux;     // u4: m fp16 [G][nb][16]; s8: wsum int16 [G][nb][16]; z4: unused
+  const void* aux;     // u4: m fp16 [G][nb][16]; s8, z4: unused
   int64_t n, qbytes;
 };
 
@@ -133,12 +136,10 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
         int32_t isum = 0;
         float t;
         if constexpr (KIND == kS8) {
-          const auto* q = reinterpret_cast<const int8_t*>(blk);
           for (int c = 0; c < 8; ++c)
-            for (int i = 0; i < 4; ++i)  // xq holds qx + 128 as bytes
-              isum += static_cast<uint8_t>(xq[b * kQB + 4 * c + i]) * q[c * 64 + j * 4 + i];
-          const auto* ws = static_cast<const int16_t*>(w.aux) + g * nb * 16;
-          t = dw * static_cast<float>(isum - 128 * ws[b * 16 + j]);
+            for (int i = 0; i < 4; ++i)  // blk holds q + 128
+              isum += blk[c * 64 + j * 4 + i] * xq[b * kQB + 4 * c + i];
+          t = dw * (static_cast<float>(isum) - 128.f * sx[b]);  // exact difference
         } else {
           for (int c = 0; c < 4; ++c)
             for (int i = 0; i < 4; ++i) {
@@ -181,20 +182,19 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
     const uint8_t* blk = qs + b * w.qbytes;
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
     if constexpr (KIND == kS8) {
-      __m512i wv[8];
+      __m512i wv[8];  // q + 128
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(blk + c * 64);
-      const auto* ws = static_cast<const int16_t*>(w.aux) + g * nb * 16;
-      const __m512i corr = _mm512_slli_epi32(
-          _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + b * 16))), 7);
       for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;  // qx + 128
+        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
         for (int c = 0; c < 8; c += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, bcast4(xq + 4 * c), wv[c]);
-          s1 = _mm512_dpbusd_epi32(s1, bcast4(xq + 4 * c + 4), wv[c + 1]);
+          s0 = _mm512_dpbusd_epi32(s0, wv[c], bcast4(xq + 4 * c));
+          s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], bcast4(xq + 4 * c + 4));
         }
-        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
-        const __m512 t = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum));
+        const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * nb + b]);
+        const __m512 isum = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                          _mm512_mul_ps(_mm512_set1_ps(128.f), sx));
+        const __m512 t = _mm512_mul_ps(dw, isum);
         acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
       }
     } else {
@@ -236,6 +236,10 @@ template <int KIND>
 void tile_vnni_rows(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_t g,
                     float (*acc)[16]) {
   switch (rows) {
+    case 8: tile_vnni<KIND, 8>(a, r0, w, g, acc); break;
+    case 7: tile_vnni<KIND, 7>(a, r0, w, g, acc); break;
+    case 6: tile_vnni<KIND, 6>(a, r0, w, g, acc); break;
+    case 5: tile_vnni<KIND, 5>(a, r0, w, g, acc); break;
     case 4: tile_vnni<KIND, 4>(a, r0, w, g, acc); break;
     case 3: tile_vnni<KIND, 3>(a, r0, w, g, acc); break;
     case 2: tile_vnni<KIND, 2>(a, r0, w, g, acc); break;
@@ -250,12 +254,12 @@ void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) 
   const bool vnni = vnni_built() && g_use_vnni.load();
   // items: group-major within a chunk of rows, so a thread's run of items shares rows of x
   at::parallel_for(0, chunks * groups, 1, [&](int64_t begin, int64_t end) {
-    float acc[4][16];
+    float acc[kRowTile][16];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item / groups, g = item % groups;
       const int64_t rend = std::min(m, (c + 1) * kRowChunk);
-      for (int64_t r0 = c * kRowChunk; r0 < rend; r0 += 4) {
-        const int rows = static_cast<int>(std::min<int64_t>(4, rend - r0));
+      for (int64_t r0 = c * kRowChunk; r0 < rend; r0 += kRowTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, rend - r0));
 #ifdef KVSERVE_GGUF_VNNI
         if (vnni) tile_vnni_rows<KIND>(a, r0, rows, w, g, acc);
         else tile_portable<KIND>(a, r0, rows, w, g, acc);
@@ -269,18 +273,15 @@ void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) 
   });
 }
 
-// Quantizes x [M, K] into q [M, K], d and s [M, K/32] (flip: codes + 128, as bytes, for s8
-// weights). Rows in parallel from 8 rows on: a decode step's call costs no thread wake-up.
-void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s, bool flip) {
+// Quantizes x [M, K] into q [M, K], d and s [M, K/32]. Rows in parallel from 8 rows on: a
+// decode step's call costs no thread wake-up.
+void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s) {
   const int64_t m = x.size(0), k = x.size(1), nb = k / kQB;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_q", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
     auto rows = [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
+      for (int64_t r = b; r < e; ++r)
         quantize_row(xp + r * x.stride(0), nb, q + r * k, d + r * nb, s + r * nb);
-        if (flip)
-          for (int64_t i = 0; i < k; ++i) q[r * k + i] = static_cast<int8_t>(q[r * k + i] ^ 0x80);
-      }
     };
     if (m < 8) rows(0, m);
     else at::parallel_for(0, m, 8, rows);
@@ -293,7 +294,7 @@ void check_rows(const at::Tensor& x, const char* name) {
 }
 
 // x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a repacked weight of `kind` (0: u4,
-// 1: s8, 2: z4, whose aux is not read) with n outputs; bias [n] float32 or None. Returns
+// 1: s8, 2: z4; only u4 reads aux) with n outputs; bias [n] float32 or None. Returns
 // [M, n] in x's dtype.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const at::Tensor& aux, int64_t kind, int64_t n,
@@ -308,9 +309,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
               "gguf_linear: qs does not match x, n and kind");
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == groups * nb * 16,
               "gguf_linear: d must be [G, K/32, 16] float16");
-  TORCH_CHECK(kind == kZ4 || (aux.is_contiguous() && aux.numel() == groups * nb * 16 &&
-                               aux.scalar_type() == (kind == kU4 ? at::kHalf : at::kShort)),
-              "gguf_linear: aux must be [G, K/32, 16] (float16 m for u4, int16 sums for s8)");
+  TORCH_CHECK(kind != kU4 || (aux.is_contiguous() && aux.numel() == groups * nb * 16 &&
+                              aux.scalar_type() == at::kHalf),
+              "gguf_linear: aux must be [G, K/32, 16] float16 (u4's offsets)");
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
@@ -325,7 +326,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   q.resize(m * x.size(1));
   dx.resize(m * nb);
   sx.resize(m * nb);
-  quantize_rows(x, q.data(), dx.data(), sx.data(), kind == kS8);
+  quantize_rows(x, q.data(), dx.data(), sx.data());
   const QAct a{q.data(), dx.data(), sx.data(), x.size(1), nb};
   const QWeight w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   aux.data_ptr(), n, qbytes};
