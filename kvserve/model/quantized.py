@@ -5,7 +5,7 @@ A GGUF file's ``Q4_0``, ``Q4_1`` and ``Q8_0`` matrices reach the model as their 
 repacked once, at load, into the layout of ``csrc/gguf_gemm.cpp``: groups of 16 output rows,
 K in blocks of 32, 4-bit codes two to a byte (Q4_0, Q4_1: kind ``u4``) or 8-bit codes (Q8_0:
 ``s8``, stored as q + 128), fp16 scales (and Q4_1's offsets). Nothing is expanded to 16 or 32
-bits; a Q4_1 weight takes 5 bits per element here as in the file, a Q8_0 one 9.
+bits: a weight takes the file's bits here (Q4_0 4.5, Q4_1 5, Q8_0 8.5).
 
 ``GGUFLinear`` computes ``x @ W.T`` with activations quantized per 32 values to int8 (as
 llama.cpp does), one kernel call per *part*: a fused projection (Q/K/V, gate/up) whose
