@@ -137,7 +137,7 @@ class DecoderLayer(nn.Module):
 
 
 # HF projection → (our fused projection beside it, its piece among the fused ones)
-_FUSED = {
+FUSED_PIECES = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -312,8 +312,8 @@ class LlamaForCausalLM(nn.Module):
         params = self._params
         module, _, leaf = name.rpartition(".")  # leaf: weight or bias
         parent, _, proj = module.rpartition(".")
-        if proj in _FUSED:
-            ours, shard = _FUSED[proj]
+        if proj in FUSED_PIECES:
+            ours, shard = FUSED_PIECES[proj]
             target = params.get(f"{parent}.{ours}.{leaf}")
             if target is None:
                 return False

@@ -220,9 +220,10 @@ def _load_one(
                 f"{path}: raw {ggml_type} tensor {name!r} has shape {list(shape)}, config "
                 f"implies {rows} rows of {k}"
             )
-        if quant.take(name, tslice[:]):
+        raw = tslice[:]
+        if quant.take(name, raw, k):
             return
-        tslice = dequantized(tslice[:], ggml_type)
+        tslice = dequantized(raw, ggml_type)
         shape = tuple(tslice.shape)
     if name in expected and shape != expected[name]:
         raise WeightLoadError(

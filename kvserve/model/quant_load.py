@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvserve.model.llama import FUSED_PIECES
 from kvserve.model.mlp import our_mlp_name
 from kvserve.model.quantized import (
-    BLOCKS,
     QUANT_MANIFEST,
     GGUFEmbedding,
     GGUFLinear,
@@ -34,14 +34,9 @@ from kvserve.model.quantized import (
 
 logger = logging.getLogger(__name__)
 
-# HF projection -> (our fused module beside it, its piece); as LlamaForCausalLM fuses them
-_FUSED = {
-    "q_proj": ("qkv_proj", 0, 3),
-    "k_proj": ("qkv_proj", 1, 3),
-    "v_proj": ("qkv_proj", 2, 3),
-    "gate_proj": ("gate_up_proj", 0, 2),
-    "up_proj": ("gate_up_proj", 1, 2),
-}
+# our fused module -> how many checkpoint pieces it holds
+_PIECES = {ours: max(i for o, i in FUSED_PIECES.values() if o == ours) + 1
+           for ours, _ in FUSED_PIECES.values()}  # fmt: skip
 
 
 def read_manifest(model_dir: str | Path) -> dict[str, str]:
@@ -60,7 +55,7 @@ class _Pending(nn.Module):
 
     def __init__(self, pieces: int, bias: nn.Parameter | None):
         super().__init__()
-        self.raw: list[tuple[np.ndarray, str] | None] = [None] * pieces
+        self.raw: list[tuple[np.ndarray, str, int] | None] = [None] * pieces
         self.bias = bias
 
 
@@ -68,9 +63,9 @@ def _target(name: str) -> tuple[str, int, int]:
     """Checkpoint name -> (our module's path, piece index, pieces)."""
     module = our_mlp_name(name).removeprefix("model.").rpartition(".")[0]
     parent, _, proj = module.rpartition(".")
-    if proj in _FUSED:
-        ours, piece, pieces = _FUSED[proj]
-        return f"{parent}.{ours}", piece, pieces
+    if proj in FUSED_PIECES:
+        ours, piece = FUSED_PIECES[proj]
+        return f"{parent}.{ours}", piece, _PIECES[ours]
     return module, 0, 1
 
 
@@ -105,14 +100,14 @@ class QuantLoad:
             setattr(parent, leaf, _Pending(sizes[module], bias))
             self.pending[module] = getattr(parent, leaf)
 
-    def take(self, name: str, raw: torch.Tensor) -> bool:
-        """Keep raw piece ``name`` for its quantized module; False when that module is
-        dense (the caller loads ``dequantized(raw)`` instead)."""
+    def take(self, name: str, raw: torch.Tensor, k: int) -> bool:
+        """Keep raw piece ``name`` (rows of ``k`` elements) for its quantized module; False
+        when that module is dense (the caller loads ``dequantized(raw)`` instead)."""
         module, piece, _ = _target(name)
         pending = self.pending.get(module)
         if pending is None or (name == "lm_head.weight" and module != "lm_head"):
             return False
-        pending.raw[piece] = (raw.numpy(), self.manifest[name])
+        pending.raw[piece] = (raw.numpy(), self.manifest[name], k)
         return True
 
     def finish(self, dtype: torch.dtype) -> int:
@@ -122,13 +117,8 @@ class QuantLoad:
         for module, pending in self.pending.items():
             parent_name, _, leaf = module.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
-            parts = []
-            for entry in pending.raw:
-                assert entry is not None, f"{module}: a piece was never loaded"
-                raw, ggml_type = entry
-                per, size = BLOCKS[ggml_type]
-                k = raw.shape[1] // size * per
-                parts.append(pack(raw, ggml_type, k))
+            assert all(pending.raw), f"{module}: a piece was never loaded"
+            parts = [pack(*entry) for entry in pending.raw]  # type: ignore[misc]
             if leaf == "embed_tokens":
                 new: nn.Module = GGUFEmbedding(parts[0], dtype)
                 if getattr(self.model, "lm_head", True) is None:

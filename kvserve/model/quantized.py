@@ -71,22 +71,19 @@ class Packed:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.aux))
 
 
-def _split_blocks(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw rows → codes ``[n, nb, 32]`` (u4: 0..15 as uint8; s8: int8), d and m ``[n, nb]``
-    float16 (m: Q4_1's offset, -8 d for Q4_0, 0 for Q8_0)."""
+def _split_blocks(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, ...]:
+    """Raw rows → codes ``[n, nb, 32]`` (Q4: 0..15 as uint8; Q8_0: int8), d ``[n, nb]``
+    float16, and for Q4_1 its offsets m ``[n, nb]`` float16."""
     size = BLOCKS[ggml_type][1]
-    n = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
     if ggml_type == "Q8_0":
-        q = blocks[:, :, 2:].copy().view(np.int8)
-        return q, d, np.zeros_like(d)
-    if ggml_type == "Q4_1":
-        m, nibbles = blocks[:, :, 2:4].copy().view(np.float16)[..., 0], blocks[:, :, 4:]
-    else:  # Q4_0: w = d * (q - 8)
-        m, nibbles = (d * np.float16(-8)).astype(np.float16), blocks[:, :, 2:]
+        return blocks[:, :, 2:].copy().view(np.int8), d
+    nibbles = blocks[:, :, 4:] if ggml_type == "Q4_1" else blocks[:, :, 2:]
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # element j, then j + 16
-    return q, d, m
+    if ggml_type == "Q4_0":  # w = d * (q - 8): the kernel takes the offset from d
+        return q, d
+    return q, d, blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
 
 
 def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
@@ -94,7 +91,7 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
     if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != row_bytes(ggml_type, k):
         raise ValueError(f"{ggml_type}: raw rows {raw.shape} do not hold rows of {k}")
     n, nb = raw.shape[0], k // 32
-    q, d, m = _split_blocks(raw, ggml_type)
+    q, d, *m = _split_blocks(raw, ggml_type)
     g = -(-n // 16)
     pad = g * 16 - n
 
@@ -102,25 +99,23 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
         a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
         return np.ascontiguousarray(a.reshape(g, 16, nb, *a.shape[2:]).swapaxes(1, 2))
 
-    qg, dg, mg = grouped(q), grouped(d), grouped(m)
+    qg, dg = grouped(q), grouped(d)
+    aux = torch.from_numpy(grouped(m[0])) if m else torch.empty(0, dtype=torch.float16)
     if ggml_type == "Q8_0":  # stored as q + 128: the kernel's unsigned operand
         qs = qg.reshape(g, nb, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 512)
         qs = qs.view(np.uint8) ^ np.uint8(0x80)
-        aux = torch.empty(0, dtype=torch.float16)
     else:
         halves = qg.reshape(g, nb, 16, 4, 2, 4)  # [.., chunk c, low/high, byte j]
         qs = (halves[..., 0, :] | (halves[..., 1, :] << 4)).astype(np.uint8)
         qs = qs.transpose(0, 1, 3, 2, 4).reshape(g, nb, 256)
-        # Q4_0's offset is -8 d: the kernel takes it from d
-        aux = torch.from_numpy(mg) if ggml_type == "Q4_1" else torch.empty(0, dtype=torch.float16)
     return Packed(
         ggml_type, n, k, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(dg), aux
     )
 
 
-def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rows ``rows`` of ``p`` as stored: codes float32 ``[T, nb, 32]`` (Q4: 0..15, Q8_0:
-    -128..127), ``d`` and ``aux`` float32 ``[T, nb, 1]`` (Q4_1: the offset; else zeros)."""
+    -128..127), ``d`` float32 ``[T, nb, 1]``, and Q4_1's offsets so (else None)."""
     g, lane = rows // 16, rows % 16
     nb = p.k // 32
 
@@ -136,7 +131,7 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q = (b.int() - 128).reshape(-1, nb, 32)  # stored as q + 128
     else:
         q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
-    return q.float(), per_row(p.d), per_row(p.aux) if p.aux.numel() else per_row(p.d) * 0
+    return q.float(), per_row(p.d), per_row(p.aux) if p.aux.numel() else None
 
 
 def unpack_rows(p: Packed, rows: torch.Tensor) -> torch.Tensor:
@@ -149,6 +144,7 @@ def unpack_rows(p: Packed, rows: torch.Tensor) -> torch.Tensor:
     elif p.ggml_type == "Q4_0":
         w = d * (q - 8)
     else:
+        assert aux is not None
         w = d * q + aux
     return w.reshape(-1, p.k)
 
@@ -174,7 +170,7 @@ def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
     q, d, aux = _codes(p, torch.arange(p.n))
     isum = torch.einsum("mbk,nbk->mnb", qx.double(), q.double())  # exact integers
     t = _f32(d[:, :, 0].double() * isum)  # [M, n, nb]
-    if p.kind == _U4:
+    if aux is not None:  # Q4_1
         t = _f32(aux[:, :, 0].double() * sx.unsqueeze(1) + t)
     elif p.kind == _Z4:  # d * (isum - 8 sx): the difference is exact
         t = _f32(d[:, :, 0].double() * (isum - 8 * sx.unsqueeze(1)))
@@ -222,10 +218,6 @@ class GGUFLinear(nn.Module):
             y = reference_part(p, rows)
             outs.append((y if b is None else y + b).to(x.dtype))
         return torch.cat(outs, dim=-1).view(*x.shape[:-1], self.out_features)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
 
     def extra_repr(self) -> str:
         types = "+".join(p.ggml_type for p in self.parts)

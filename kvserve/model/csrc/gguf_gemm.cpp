@@ -288,11 +288,6 @@ void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s) {
   });
 }
 
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kQB == 0, name,
-              ": x must be [M, K] with contiguous rows, K % 32 == 0");
-}
-
 // x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a repacked weight of `kind` (0: u4,
 // 1: s8, 2: z4; only u4 reads aux) with n outputs; bias [n] float32 or None. Returns
 // [M, n] in x's dtype.
@@ -302,7 +297,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(kind == kU4 || kind == kS8 || kind == kZ4,
               "gguf_linear: kind must be 0 (u4), 1 (s8) or 2 (z4)");
   const int64_t qbytes = kind == kS8 ? 512 : 256;
-  check_rows(x, "gguf_linear");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kQB == 0,
+              "gguf_linear: x must be [M, K] with contiguous rows, K % 32 == 0");
   const int64_t m = x.size(0), nb = x.size(1) / kQB, groups = (n + 15) / 16;
   TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.dim() == 3 &&
                   qs.size(0) == groups && qs.size(1) == nb && qs.size(2) == qbytes,
