@@ -291,38 +291,20 @@ def test_queue_full_429_and_graceful_drain(llama_dir, tmp_path):
         proc.stop(signal.SIGKILL)
 
 
-def test_bench_serve_against_the_server(server, tmp_path):
+def _bench_serve(server, out, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--url", server.url, *flags,
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("client", ["http", "openai"])
+def test_bench_serve_against_the_server(server, tmp_path, client):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvserve.cli",
-            "bench",
-            "serve",
-            "--url",
-            server.url,
-            "--api-key",
-            KEY,
-            "--num-prompts",
-            "12",
-            "--concurrency",
-            "4",
-            "--input-len",
-            "16",
-            "--output-len",
-            "8",
-            "--vocab",
-            "512",
-            "--out",
-            str(out),
-            "--plot",
-            str(png),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    flags = ["--client", client, "--api-key", KEY, "--num-prompts", "12", "--concurrency", "4"]
+    flags += ["--input-len", "16", "--output-len", "8", "--vocab", "512", "--plot", str(png)]
+    proc = _bench_serve(server, out, *flags)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     s = result["summary"]
@@ -332,3 +314,16 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert all(1 <= len(r["itl"]) <= 7 for r in result["requests"])  # one per text chunk
     assert png.stat().st_size > 1000
     assert "HTTP Request:" not in proc.stderr + proc.stdout  # no log line per request
+    assert result["summary"]["client"] == client
+
+
+@pytest.mark.parametrize("client", ["http", "openai"])
+def test_bench_serve_counts_refused_requests_as_failed(server, tmp_path, client):
+    """A server that refuses (a wrong key) is a failed request each, and exit status 1."""
+    out = tmp_path / "bench.json"
+    flags = ["--client", client, "--api-key", "wrong", "--model", "m", "--num-prompts", "3"]
+    proc = _bench_serve(server, out, *flags, "--vocab", "512", "--output-len", "4")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    records = json.loads(out.read_text())["requests"]
+    assert [r["ok"] for r in records] == [False] * 3
+    assert all("401" in r["error"] for r in records), records[0]["error"]
