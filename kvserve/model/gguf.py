@@ -5,7 +5,7 @@ converted once into a cache directory — ``config.json``, ``model.safetensors``
 ``tokenizer.json`` and ``tokenizer_config.json`` (vocabulary, merges, special tokens and
 chat template from the file's metadata) — and every other part of kvserve loads that
 directory as it loads any checkpoint. In ``model.safetensors``, the projections and
-embeddings stored as ``Q4_0``, ``Q4_1`` or ``Q8_0`` keep their raw blocks (uint8
+embeddings stored as ``Q4_0``, ``Q4_1``, ``Q4_K`` or ``Q8_0`` keep their raw blocks (uint8
 ``[rows, row_bytes]``, rows in HF's order; ``kvserve_quant.json`` names each one's type:
 ``model/quantized.py`` serves them quantized or dequantizes them at load); every other
 tensor is dequantized with the ``gguf`` package, in float32 so no value is rounded. The
@@ -44,7 +44,7 @@ __all__ = ["GGUFError", "convert", "find_gguf", "resolve_model"]
 
 logger = logging.getLogger(__name__)
 
-_CONVERTER_VERSION = "3"  # bump when the produced directory changes
+_CONVERTER_VERSION = "4"  # bump when the produced directory changes
 
 
 def find_gguf(model: str | Path) -> Path | None:

@@ -12,7 +12,6 @@ a GPU, no CPU kernels) is dequantized (``dequantized``) and loaded as any float 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
@@ -31,6 +30,7 @@ from kvserve.model.quantized import (
     dequantize,
     pack,
 )
+from kvserve.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class QuantLoad:
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             assert all(pending.raw), f"{module}: a piece was never loaded"
             parts = [pack(*entry) for entry in pending.raw]  # type: ignore[misc]
+            pending.raw = [None] * len(pending.raw)  # the raw pieces go before the trim
             if leaf == "embed_tokens":
                 new: nn.Module = GGUFEmbedding(parts[0], dtype)
                 if getattr(self.model, "lm_head", True) is None:
@@ -128,21 +129,11 @@ class QuantLoad:
             setattr(parent, leaf, new)
             total += sum(p.nbytes for p in parts)
         if self.pending:
-            _release_freed_memory()  # the raw pieces and packing's temporaries
+            release_freed_memory()  # the raw pieces and packing's temporaries
             types = sorted(set(self.manifest.values()))
             logger.info("%d modules kept quantized (%s): %.1f MiB",
                         len(self.pending), "/".join(types), total / 2**20)  # fmt: skip
         return total
-
-
-def _release_freed_memory() -> None:
-    """Give the heap's free pages back to the system (glibc's ``malloc_trim``; nothing
-    elsewhere): packing frees ~the model's size in small temporaries, which glibc would
-    otherwise keep in the process's resident memory."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _merged(parts: list[Packed]) -> list[Packed]:

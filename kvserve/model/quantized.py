@@ -1,11 +1,13 @@
 """Linear layers and embeddings over GGUF-quantized weights, kept quantized in memory.
 
-A GGUF file's ``Q4_0``, ``Q4_1`` and ``Q8_0`` matrices reach the model as their raw blocks
-(``model/gguf.py`` stores them so in its cache; ``QUANT_MANIFEST`` names them) and are
+A GGUF file's ``Q4_0``, ``Q4_1``, ``Q4_K`` and ``Q8_0`` matrices reach the model as their raw
+blocks (``model/gguf.py`` stores them so in its cache; ``QUANT_MANIFEST`` names them) and are
 repacked once, at load, into the layout of ``csrc/gguf_gemm.cpp``: groups of 16 output rows,
-K in blocks of 32, 4-bit codes two to a byte (Q4_0, Q4_1: kind ``u4``) or 8-bit codes (Q8_0:
-``s8``, stored as q + 128), fp16 scales (and Q4_1's offsets). Nothing is expanded to 16 or 32
-bits: a weight takes the file's bits here (Q4_0 4.5, Q4_1 5, Q8_0 8.5).
+K in blocks of 32, 4-bit codes two to a byte (Q4_0, Q4_1: kinds ``z4``, ``u4``; Q4_K: ``k4``)
+or 8-bit codes (Q8_0: ``s8``, stored as q + 128), fp16 scales (and Q4_1's offsets; Q4_K
+keeps its two levels: 6-bit scales and mins per 32 as bytes, fp16 ``d`` and ``dmin`` per
+256). Nothing is expanded to 16 or 32 bits: a weight takes about the file's bits here
+(Q4_0 4.5, Q4_1 5, Q4_K 4.625 against the file's 4.5, Q8_0 8.5).
 
 ``GGUFLinear`` computes ``x @ W.T`` with activations quantized per 32 values to int8 (as
 llama.cpp does), one kernel call per *part*: a fused projection (Q/K/V, gate/up) whose
@@ -25,8 +27,16 @@ from torch import nn
 QUANT_MANIFEST = "kvserve_quant.json"  # tensor name -> GGML type name, in a converted dir
 
 # GGML type name -> (elements per block, bytes per block)
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
-_U4, _S8, _Z4 = 0, 1, 2  # csrc/gguf_gemm.cpp's kinds: Q4_1, Q8_0, Q4_0
+BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+}
+# csrc/gguf_gemm.cpp's kinds: Q4_1, Q8_0, Q4_0, Q4_K, Q6_K
+_U4, _S8, _Z4, _K4, _K6 = 0, 1, 2, 3, 4
+_KINDS = {"Q4_1": _U4, "Q8_0": _S8, "Q4_0": _Z4, "Q4_K": _K4, "Q6_K": _K6}
 
 
 def kept_quantized(ggml_type: str) -> bool:
@@ -53,7 +63,12 @@ def dequantize(raw: np.ndarray, ggml_type: str) -> np.ndarray:
 class Packed:
     """One part of a quantized weight in ``gguf_gemm.cpp``'s layout: ``qs`` uint8
     ``[G, K/32, 256 | 512]``, ``d`` float16 ``[G, K/32, 16]``, ``aux`` Q4_1's offsets,
-    float16 ``[G, K/32, 16]`` (empty for Q4_0 and Q8_0); ``n`` rows of ``ggml_type``."""
+    float16 ``[G, K/32, 16]`` (empty for Q4_0 and Q8_0); ``n`` rows of ``ggml_type``.
+    Q4_K: ``d`` float16 ``[G, K/256, 32]`` (lanes 0–15 the rows' ``d``, 16–31 their
+    ``dmin``), ``aux`` uint8 ``[G, K/32, 32]`` (lanes 0–15 the 6-bit scales, 16–31 the
+    mins). Q6_K: ``qs`` as Q8_0's (codes q - 32, stored + 128), ``d`` float16
+    ``[G, K/256, 16]``, ``aux`` int8 ``[G, K/32, 32]`` (lanes 0–15 the scales of a block's
+    first 16 values, 16–31 of its last 16)."""
 
     ggml_type: str
     n: int
@@ -64,18 +79,54 @@ class Packed:
 
     @property
     def kind(self) -> int:
-        return {"Q8_0": _S8, "Q4_0": _Z4}.get(self.ggml_type, _U4)
+        return _KINDS[self.ggml_type]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.aux))
 
 
+def _split_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K super-blocks ``[n, K/256, 144]`` → codes ``[n, K/32, 32]``, fp16 ``d`` and
+    ``dmin`` ``[n, K/256]``, and the 6-bit scales and mins ``[n, K/32]`` (uint8), unpacked
+    by the ``gguf`` package's own ``get_scale_min``."""
+    from gguf.quants import Q4_K
+
+    n, nsb = blocks.shape[:2]
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    dmin = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
+    sc, mins = Q4_K.get_scale_min(blocks[:, :, 4:16].reshape(-1, 12))
+    qs = blocks[:, :, 16:].reshape(n, nsb, 4, 1, 32)  # 64 values per 32 bytes: low, high
+    q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nsb * 8, 32)
+    return q, d, dmin, sc.reshape(n, nsb * 8), mins.reshape(n, nsb * 8)
+
+
+def _split_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q6_K super-blocks ``[n, K/256, 210]`` → codes q - 32 ``[n, K/32, 32]`` (int8), fp16
+    ``d`` ``[n, K/256]`` and the int8 scales ``[n, K/32, 2]`` (one per 16 values), in the
+    ``gguf`` package's order of values."""
+    n, nsb = blocks.shape[:2]
+    ql = blocks[:, :, :128].reshape(n, nsb, 2, 1, 64)  # per half: low, then high nibbles
+    lo = np.concatenate([ql & 15, ql >> 4], axis=3).reshape(n, nsb, 256)
+    qh = (
+        blocks[:, :, 128:192].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    )
+    hi = (qh & 3).reshape(n, nsb, 256)
+    q = ((lo | (hi << 4)).astype(np.int8) - np.int8(32)).reshape(n, nsb * 8, 32)
+    sc = blocks[:, :, 192:208].copy().view(np.int8).reshape(n, nsb * 8, 2)
+    d = blocks[:, :, 208:210].copy().view(np.float16)[..., 0]
+    return q, d, sc
+
+
 def _split_blocks(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, ...]:
     """Raw rows → codes ``[n, nb, 32]`` (Q4: 0..15 as uint8; Q8_0: int8), d ``[n, nb]``
-    float16, and for Q4_1 its offsets m ``[n, nb]`` float16."""
+    float16, and for Q4_1 its offsets m ``[n, nb]`` float16 (Q4_K: ``_split_q4_k``)."""
     size = BLOCKS[ggml_type][1]
     blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)
+    if ggml_type == "Q4_K":
+        return _split_q4_k(blocks)
+    if ggml_type == "Q6_K":
+        return _split_q6_k(blocks)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
     if ggml_type == "Q8_0":
         return blocks[:, :, 2:].copy().view(np.int8), d
@@ -95,13 +146,23 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
     g = -(-n // 16)
     pad = g * 16 - n
 
-    def grouped(a: np.ndarray) -> np.ndarray:  # [n, nb, ...] -> [G, nb, 16, ...]
+    def grouped(a: np.ndarray) -> np.ndarray:  # [n, blocks, ...] -> [G, blocks, 16, ...]
         a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
-        return np.ascontiguousarray(a.reshape(g, 16, nb, *a.shape[2:]).swapaxes(1, 2))
+        return np.ascontiguousarray(a.reshape(g, 16, *a.shape[1:]).swapaxes(1, 2))
 
     qg, dg = grouped(q), grouped(d)
-    aux = torch.from_numpy(grouped(m[0])) if m else torch.empty(0, dtype=torch.float16)
-    if ggml_type == "Q8_0":  # stored as q + 128: the kernel's unsigned operand
+    if ggml_type == "Q4_K":  # [d | dmin] per super-block, [scale | min] per block
+        dg = np.concatenate([dg, grouped(m[0])], axis=-1)
+        aux = torch.from_numpy(np.concatenate([grouped(m[1]), grouped(m[2])], axis=-1))
+    elif ggml_type == "Q6_K":  # [G, nb, 16, 2] -> [G, nb, 2 x 16]
+        aux = torch.from_numpy(
+            np.ascontiguousarray(grouped(m[0]).swapaxes(2, 3)).reshape(g, nb, 32)
+        )
+    elif m:
+        aux = torch.from_numpy(grouped(m[0]))
+    else:
+        aux = torch.empty(0, dtype=torch.float16)
+    if ggml_type in ("Q8_0", "Q6_K"):  # stored as q + 128: the kernel's unsigned operand
         qs = qg.reshape(g, nb, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 512)
         qs = qs.view(np.uint8) ^ np.uint8(0x80)
     else:
@@ -115,32 +176,46 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
 
 def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rows ``rows`` of ``p`` as stored: codes float32 ``[T, nb, 32]`` (Q4: 0..15, Q8_0:
-    -128..127), ``d`` float32 ``[T, nb, 1]``, and Q4_1's offsets so (else None)."""
+    -128..127), ``d`` float32 ``[T, nb, 1]``, and Q4_1's offsets so (else None). Q4_K's
+    two levels give ``d = d * scale`` and offsets ``-(dmin * min)`` per block of 32 (both
+    exact in float32, as the ``gguf`` package and the kernel compute them)."""
     g, lane = rows // 16, rows % 16
     nb = p.k // 32
 
-    def per_row(t: torch.Tensor) -> torch.Tensor:  # [G, nb, 16] -> [T, nb, 1]
-        return t[g].gather(2, lane.view(-1, 1, 1).expand(-1, nb, 1)).float()
+    def per_row(t: torch.Tensor, at: torch.Tensor = lane) -> torch.Tensor:
+        # [G, blocks, lanes] -> [T, blocks, 1]
+        return t[g].gather(2, at.view(-1, 1, 1).expand(-1, t.shape[1], 1)).float()
 
-    chunks = 8 if p.kind == _S8 else 4
+    chunks = 8 if p.kind in (_S8, _K6) else 4
     b = p.qs[g].view(-1, nb, chunks, 16, 4)
     b = b.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks, 1, 4)).reshape(
         -1, nb, chunks, 4
     )
-    if p.kind == _S8:
+    if p.kind in (_S8, _K6):
         q = (b.int() - 128).reshape(-1, nb, 32)  # stored as q + 128
     else:
         q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
+    if p.kind == _K4:
+        d, dmin = (per_row(p.d, at).repeat_interleave(8, dim=1) for at in (lane, lane + 16))
+        scale, mins = per_row(p.aux), per_row(p.aux, lane + 16)
+        return q.float(), d * scale, -(dmin * mins)
+    if p.kind == _K6:  # d per super-block; the two scales of each block as aux [T, nb, 2]
+        halves = torch.cat([per_row(p.aux), per_row(p.aux, lane + 16)], dim=2)
+        return q.float(), per_row(p.d).repeat_interleave(8, dim=1), halves
     return q.float(), per_row(p.d), per_row(p.aux) if p.aux.numel() else None
 
 
 def unpack_rows(p: Packed, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` (int64 ``[T]``) of the weight, dequantized to float32 ``[T, k]`` with
-    the ``gguf`` package's formulas (Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, Q8_0
-    ``d * q``), so the values are its values bit for bit."""
+    the ``gguf`` package's formulas (Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, Q4_K
+    ``(d * scale) * q - dmin * min``, Q6_K ``(d * scale) * (q - 32)``, Q8_0 ``d * q``),
+    so the values are its values bit for bit."""
     q, d, aux = _codes(p, rows)
     if p.ggml_type == "Q8_0":
         w = d * q
+    elif p.ggml_type == "Q6_K":  # (d * scale) per 16 values, times the code
+        assert aux is not None
+        w = (d * aux).repeat_interleave(16, dim=2) * q
     elif p.ggml_type == "Q4_0":
         w = d * (q - 8)
     else:
@@ -168,12 +243,20 @@ def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
     qx = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127)
     dx, sx = (amax * torch.tensor(1 / 127)).double(), qx.sum(-1).double()
     q, d, aux = _codes(p, torch.arange(p.n))
-    isum = torch.einsum("mbk,nbk->mnb", qx.double(), q.double())  # exact integers
-    t = _f32(d[:, :, 0].double() * isum)  # [M, n, nb]
-    if aux is not None:  # Q4_1
-        t = _f32(aux[:, :, 0].double() * sx.unsqueeze(1) + t)
-    elif p.kind == _Z4:  # d * (isum - 8 sx): the difference is exact
-        t = _f32(d[:, :, 0].double() * (isum - 8 * sx.unsqueeze(1)))
+    if p.kind == _K6:  # per half block: exact integer sums, combined by their scales
+        assert aux is not None
+        halves = torch.einsum(
+            "mbhk,nbhk->mnbh", qx.double().view(m, -1, 2, 16), q.double().view(p.n, -1, 2, 16)
+        )
+        comb = (halves * aux.double().unsqueeze(0)).sum(-1)  # exact (below 2^24)
+        t = _f32(d[:, :, 0].double() * comb)
+    else:
+        isum = torch.einsum("mbk,nbk->mnb", qx.double(), q.double())  # exact integers
+        t = _f32(d[:, :, 0].double() * isum)  # [M, n, nb]
+        if aux is not None:  # Q4_1, Q4_K
+            t = _f32(aux[:, :, 0].double() * sx.unsqueeze(1) + t)
+        elif p.kind == _Z4:  # d * (isum - 8 sx): the difference is exact
+            t = _f32(d[:, :, 0].double() * (isum - 8 * sx.unsqueeze(1)))
     acc = torch.zeros(m, p.n, dtype=torch.float64)
     for b in range(t.shape[-1]):
         acc = _f32(t[:, :, b] * dx[:, b : b + 1] + acc)

@@ -13,12 +13,20 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.model.quantized import GGUFEmbedding, GGUFLinear, dequantize, pack, unpack_rows
+from kvserve.model.kquants import quantize_q4_k, quantize_q6_k
+from kvserve.model.quantized import (
+    BLOCKS,
+    GGUFEmbedding,
+    GGUFLinear,
+    dequantize,
+    pack,
+    unpack_rows,
+)
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"]
 # plain dequantize-then-matmul vs the kernel: the int8 activations' rounding (at most half
 # a step of amax/127 per value) gives an RMS error of 0.53 % of the output's RMS on these
-# random data (measured, each type); the bound is 1.2 %
+# random data (measured, each type; Q4_K 0.56 %); the bound is 1.2 %
 RMS_TOLERANCE = 0.012
 
 
@@ -27,10 +35,22 @@ def _kernels():
     assert load_cpu_kernels()
 
 
+def whole(ggml_type: str, k: int) -> int:
+    """``k`` rounded up to whole blocks of ``ggml_type`` (Q4_K's are 256 long)."""
+    per = BLOCKS[ggml_type][0]
+    return -(-k // per) * per
+
+
 def quantized(ggml_type: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(raw GGUF rows, their dequantized float32 values) of a random [n, k] matrix."""
+    """(raw GGUF rows, their dequantized float32 values) of a random [n, k] matrix (the
+    ``gguf`` package writes no K-quant: kvserve's quantizers write them)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    raw = quants.quantize(w, GGMLQuantizationType[ggml_type])
+    if ggml_type == "Q4_K":
+        raw = quantize_q4_k(w)
+    elif ggml_type == "Q6_K":
+        raw = quantize_q6_k(w)
+    else:
+        raw = quants.quantize(w, GGMLQuantizationType[ggml_type])
     return raw, dequantize(raw, ggml_type)
 
 
@@ -45,6 +65,7 @@ def layer(ggml_type: str, n: int, k: int, bias: bool = False, seed: int = 0) -> 
     ("m", "n", "k"), [(1, 40, 96), (5, 16, 32), (64, 200, 256), (2048, 48, 256)]
 )
 def test_kernel_equals_its_torch_reference_bit_for_bit(ggml_type, m, n, k):
+    k = whole(ggml_type, k)
     lin = layer(ggml_type, n, k, bias=True, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)) * 3
     for dtype in (torch.float32, torch.bfloat16):
@@ -67,21 +88,23 @@ def test_kernel_is_close_to_dequantize_then_matmul(ggml_type):
 @pytest.mark.parametrize("ggml_type", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_row_never_depends_on_the_other_rows(ggml_type, dtype):
-    lin = layer(ggml_type, 72, 160, bias=True)
+    k = whole(ggml_type, 160)
+    lin = layer(ggml_type, 72, k, bias=True)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(67, 160, generator=g).to(dtype)
+    x = torch.randn(67, k, generator=g).to(dtype)
     full = lin(x)
     assert full.dtype == dtype
     for rows in ([0], [66], list(range(3, 8)), list(range(10, 43)), [5, 60, 61]):
         assert torch.equal(lin(x[rows]), full[rows]), rows
-    batch = torch.cat([x[9:10], torch.randn(12, 160, generator=g).to(dtype)])
+    batch = torch.cat([x[9:10], torch.randn(12, k, generator=g).to(dtype)])
     assert torch.equal(lin(batch)[:1], full[9:10])  # the same row among other rows
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_the_portable_loop_gives_the_vnni_kernels_bits(ggml_type):
-    lin = layer(ggml_type, 56, 128, bias=True)
-    x = torch.randn(37, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    k = whole(ggml_type, 128)
+    lin = layer(ggml_type, 56, k, bias=True)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(2)).bfloat16()
     fast = lin(x)
     before = torch.ops.kvserve.gguf_gemm_use_vnni(False)
     try:
@@ -92,19 +115,21 @@ def test_the_portable_loop_gives_the_vnni_kernels_bits(ggml_type):
 
 
 def test_fused_parts_of_different_types_stack_along_the_output():
-    parts = [pack(quantized(t, n, 64, i)[0], t, 64) for i, (t, n) in
-             enumerate([("Q4_1", 32), ("Q8_0", 16), ("Q4_0", 24)])]  # fmt: skip
+    parts = [pack(quantized(t, n, 256, i)[0], t, 256) for i, (t, n) in
+             enumerate([("Q4_1", 32), ("Q8_0", 16), ("Q4_0", 24), ("Q4_K", 8),
+                        ("Q6_K", 40)])]  # fmt: skip
     lin = GGUFLinear(parts)
-    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
     alone = [GGUFLinear([p])(x) for p in parts]
-    assert lin.out_features == 72
+    assert lin.out_features == 120
     assert torch.equal(lin(x), torch.cat(alone, dim=-1))
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_embedding_rows_are_ggufs_values_exactly(ggml_type):
-    raw, w = quantized(ggml_type, 83, 96)
-    p = pack(raw, ggml_type, 96)
+    k = whole(ggml_type, 96)
+    raw, w = quantized(ggml_type, 83, k)
+    p = pack(raw, ggml_type, k)
     ids = torch.tensor([0, 15, 16, 17, 82, 40, 40])
     assert torch.equal(unpack_rows(p, ids), torch.from_numpy(w)[ids])
     emb = GGUFEmbedding(p, torch.bfloat16)
@@ -117,3 +142,6 @@ def test_rows_that_are_not_whole_blocks_are_refused():
         pack(raw, "Q8_0", 96)
     with pytest.raises(ValueError, match="not whole blocks"):
         pack(raw, "Q8_0", 48)
+    for quantize in (quantize_q4_k, quantize_q6_k):
+        with pytest.raises(ValueError, match="not whole blocks of 256"):
+            quantize(np.zeros((2, 96), np.float32))

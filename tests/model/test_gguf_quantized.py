@@ -1,4 +1,4 @@
-"""GGUF files served with their Q4_0 / Q4_1 / Q8_0 weights kept quantized: random HF
+"""GGUF files served with their Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 weights kept quantized: random HF
 models written by the ``gguf`` writer (``tests/gguf_writer.py``) give, through the whole
 engine, the greedy output of the same computation written in torch from the dequantized
 codes (``GGUFLinear.reference``: the same activation rounding, the same float32 steps);
@@ -29,9 +29,9 @@ from kvserve.model.gguf import convert
 from kvserve.model.linear import KernelLinear
 from kvserve.model.quantized import GGUFEmbedding, GGUFLinear
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
-COMMON = dict(
-    vocab_size=VOCAB, hidden_size=128, intermediate_size=160, num_attention_heads=4,
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"]
+COMMON = dict(  # widths of whole Q4_K blocks (256)
+    vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
     bos_token_id=0, eos_token_id=1, num_hidden_layers=2,
 )  # fmt: skip
@@ -130,6 +130,7 @@ def rss():
 def engine(model):
     return LLMEngine(EngineArgs(model=model, kv_cache_memory="16MiB", max_model_len=256))
 load_cpu_kernels()
+import gguf.quants  # the K-quants' unpacking imports it: ~3 MiB of code, whatever the size
 first = engine(sys.argv[2])  # a tiny model first: what every engine imports is loaded
 before = rss()
 second = engine(sys.argv[1])
@@ -137,14 +138,16 @@ print(rss() - before)
 """
 
 
-def test_memory_after_load_is_the_files(tmp_path, model_dirs):
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_K"])
+def test_memory_after_load_is_the_files(tmp_path, model_dirs, ggml_type):
     """RSS grows by at most 1.25x the file plus the KV cache (bf16 weights: 3.5x)."""
     cfg = dict(COMMON, hidden_size=512, intermediate_size=1536, num_hidden_layers=12)
     cfg.update(num_attention_heads=8, vocab_size=VOCAB)
     import transformers as t
 
     model_dir = build_hf_model(t.LlamaConfig(**cfg, tie_word_embeddings=False), tmp_path / "hf")
-    path = write_gguf(model_dir, tmp_path / "m-q4_0.gguf", "llama", gguf.GGMLQuantizationType.Q4_0)
+    quant = gguf.GGMLQuantizationType[ggml_type]
+    path = write_gguf(model_dir, tmp_path / f"m-{ggml_type}.gguf", "llama", quant)
     converted = convert(path)  # the conversion's memory is not the serving process's
     out = subprocess.run(
         [sys.executable, "-c", _RSS_SCRIPT, str(converted), str(model_dirs["llama"])],

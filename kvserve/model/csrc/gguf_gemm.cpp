@@ -8,6 +8,13 @@
 //   z4 (Q4_0): w = d * (q - 8), qs as u4; d [G][K/32][16] fp16, no m.
 //   s8 (Q8_0): w = d * q, q int8, stored as q + 128 (unsigned bytes). qs [G][K/32][8
 //      chunks][16 rows][4 bytes] (chunk c holds q[4c .. 4c + 3]); d [G][K/32][16] fp16.
+//   k4 (Q4_K): w = (D * sc) * q - Dmin * mn, q in 0..15, qs as u4; per block of 32 a 6-bit
+//      scale sc and min mn, aux [G][K/32][32] uint8 (lanes 0-15 sc, 16-31 mn); per 256 the
+//      fp16 D and Dmin, d [G][K/256][32] (lanes 0-15 D, 16-31 Dmin). The block's dw = D * sc
+//      and mw = -(Dmin * mn) are exact float products, then it runs as u4.
+//   k6 (Q6_K): w = D * sc * (q - 32), q in 0..63, (q - 32) stored + 128 as s8's qs; per 16
+//      values an int8 scale, aux [G][K/32][32] int8 (lanes 0-15 the block's first 16
+//      values' scale, 16-31 its last 16's); per 256 the fp16 D, d [G][K/256][16].
 // So one 64-byte load is 4 (or 8) consecutive K of 16 rows: the operand of vpdpbusd, with 4
 // activation bytes broadcast to every lane; the 16 lanes are the 16 outputs of the group.
 //
@@ -16,7 +23,9 @@
 // Per block b, with isum = sum(q * qx) computed exactly in integers (u4/z4: low and high
 // nibbles in two vpdpbusd chains, the high one against q * 16, shifted back; s8: the
 // stored q + 128 against qx, less 128 sx, an exact float difference):
-//   u4: t = fma(mw, sx, dw * isum)      z4: t = dw * (isum - 8 sx)      s8: t = dw * isum
+//   u4, k4: t = fma(mw, sx, dw * isum)  z4: t = dw * (isum - 8 sx)      s8: t = dw * isum
+//   k6: with ia, ib the integer sums of the block's two halves (hx = qx's first-half sum),
+//      t = D * fma(sca, ia, scb * ib), every step before the product by D exact
 // The activations are always vpdpbusd's signed operand, so their 4 bytes are broadcast
 // from memory within the instruction.
 //   acc = fma(t, dx, acc)
@@ -52,7 +61,7 @@ using kvserve_cpu::to_f;
 constexpr int64_t kQB = 32;        // K per block
 constexpr int64_t kRowChunk = 32;  // rows of x per work item
 constexpr int64_t kRowTile = 8;    // rows sharing one pass over a group's weights
-constexpr int kU4 = 0, kS8 = 1, kZ4 = 2;
+constexpr int kU4 = 0, kS8 = 1, kZ4 = 2, kK4 = 3, kK6 = 4;
 
 std::atomic<bool> g_use_vnni{true};
 
@@ -72,21 +81,31 @@ struct QAct {
   const int8_t* q;  // [M, K]
   const float* d;   // [M, K/32]
   const float* s;   // [M, K/32]
+  const float* h;   // [M, K/32]: the sums of each block's first 16 codes
   int64_t k, nb;
 };
 
 struct QWeight {
   const uint8_t* qs;   // [G][nb][qbytes]
-  const uint16_t* d;   // [G][nb][16] fp16 bits
-  const void* aux;     // u4: m fp16 [G][nb][16]; s8, z4: unused
+  const uint16_t* d;   // [G][nb][16] fp16 bits (k4: [G][nb/8][32], D and Dmin)
+  const void* aux;     // u4: m fp16 [G][nb][16]; k4: sc, mn uint8 [G][nb][32]; s8, z4: unused
   int64_t n, qbytes;
 };
 
 float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+// k4: lane j's (dw, mw) of block b of group g.
+inline void k4_scales(const QWeight& w, int64_t nb, int64_t g, int64_t b, int j, float& dw,
+                      float& mw) {
+  const uint16_t* sup = w.d + (g * (nb / 8) + b / 8) * 32;
+  const uint8_t* sm = static_cast<const uint8_t*>(w.aux) + (g * nb + b) * 32;
+  dw = half_to_f(sup[j]) * static_cast<float>(sm[j]);
+  mw = -(half_to_f(sup[16 + j]) * static_cast<float>(sm[16 + j]));
+}
+
 // One row: codes, scales and sums of its K/32 blocks.
 template <typename T>
-void quantize_row(const T* x, int64_t nb, int8_t* q, float* d, float* s) {
+void quantize_row(const T* x, int64_t nb, int8_t* q, float* d, float* s, float* h) {
   for (int64_t b = 0; b < nb; ++b) {
     float v[kQB], amax = 0.f;
     for (int i = 0; i < kQB; ++i) {
@@ -94,14 +113,16 @@ void quantize_row(const T* x, int64_t nb, int8_t* q, float* d, float* s) {
       amax = std::max(amax, std::fabs(v[i]));
     }
     const float id = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
+    int sum = 0, half = 0;
     for (int i = 0; i < kQB; ++i) {
       const int c = std::clamp(static_cast<int>(std::nearbyint(v[i] * id)), -127, 127);
       q[b * kQB + i] = static_cast<int8_t>(c);
       sum += c;
+      if (i == kQB / 2 - 1) half = sum;
     }
     d[b] = amax * (1.f / 127.f);
     s[b] = static_cast<float>(sum);
+    h[b] = static_cast<float>(half);
   }
 }
 
@@ -132,10 +153,23 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
       float sum = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = qs + b * w.qbytes;
-        const float dw = half_to_f(dg[b * 16 + j]);
+        float dw, mw = 0.f;
+        if constexpr (KIND == kK4) k4_scales(w, nb, g, b, j, dw, mw);
+        else if constexpr (KIND == kK6) dw = half_to_f(w.d[(g * (nb / 8) + b / 8) * 16 + j]);
+        else dw = half_to_f(dg[b * 16 + j]);
         int32_t isum = 0;
         float t;
-        if constexpr (KIND == kS8) {
+        if constexpr (KIND == kK6) {
+          int32_t ia = 0, ib = 0;  // blk holds (q - 32) + 128
+          for (int c = 0; c < 8; ++c)
+            for (int i = 0; i < 4; ++i)
+              (c < 4 ? ia : ib) += blk[c * 64 + j * 4 + i] * xq[b * kQB + 4 * c + i];
+          const auto* sc = static_cast<const int8_t*>(w.aux) + (g * nb + b) * 32;
+          const float hx = a.h[(r0 + r) * nb + b];
+          const float fa = static_cast<float>(ia) - 128.f * hx;  // exact differences
+          const float fb = static_cast<float>(ib) - 128.f * (sx[b] - hx);
+          t = dw * std::fma(static_cast<float>(sc[j]), fa, static_cast<float>(sc[16 + j]) * fb);
+        } else if constexpr (KIND == kS8) {
           for (int c = 0; c < 8; ++c)
             for (int i = 0; i < 4; ++i)  // blk holds q + 128
               isum += blk[c * 64 + j * 4 + i] * xq[b * kQB + 4 * c + i];
@@ -147,10 +181,11 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
               isum += (byte & 15) * xq[b * kQB + 8 * c + i];
               isum += (byte >> 4) * xq[b * kQB + 8 * c + 4 + i];
             }
-          if constexpr (KIND == kU4) {
-            const auto* m = static_cast<const uint16_t*>(w.aux) + g * nb * 16;
+          if constexpr (KIND == kU4 || KIND == kK4) {
+            if constexpr (KIND == kU4)
+              mw = half_to_f(static_cast<const uint16_t*>(w.aux)[(g * nb + b) * 16 + j]);
             t = dw * static_cast<float>(isum);
-            t = std::fma(half_to_f(m[b * 16 + j]), sx[b], t);
+            t = std::fma(mw, sx[b], t);
           } else {
             t = dw * (static_cast<float>(isum) - 8.f * sx[b]);  // exact difference
           }
@@ -180,8 +215,60 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
   const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(int8_t(0xF0));
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = qs + b * w.qbytes;
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    if constexpr (KIND == kS8) {
+    __m512 dw, mw = _mm512_setzero_ps();
+    if constexpr (KIND == kK4) {  // D * sc and -(Dmin * mn): exact products
+      const uint16_t* sup = w.d + (g * (nb / 8) + b / 8) * 32;
+      const uint8_t* sm = static_cast<const uint8_t*>(w.aux) + (g * nb + b) * 32;
+      auto half16 = [](const uint16_t* p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      };
+      auto byte16 = [](const uint8_t* p) {
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      };
+      dw = _mm512_mul_ps(half16(sup), byte16(sm));
+      const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));  // negation
+      mw = _mm512_castsi512_ps(_mm512_xor_si512(
+          _mm512_castps_si512(_mm512_mul_ps(half16(sup + 16), byte16(sm + 16))), sign));
+    } else if constexpr (KIND == kK6) {
+      dw = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w.d + (g * (nb / 8) + b / 8) * 16)));
+    } else {
+      dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    }
+    if constexpr (KIND == kK6) {
+      const auto* scp = static_cast<const int8_t*>(w.aux) + (g * nb + b) * 32;
+      auto int8x16 = [](const int8_t* p) {
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      };
+      const __m512 sca = int8x16(scp), scb = int8x16(scp + 16);
+      __m512i wv[8];  // (q - 32) + 128
+      for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(blk + c * 64);
+      const __m512 k128 = _mm512_set1_ps(128.f);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+        __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+        a0 = _mm512_dpbusd_epi32(a0, wv[0], bcast4(xq));
+        a1 = _mm512_dpbusd_epi32(a1, wv[1], bcast4(xq + 4));
+        b0 = _mm512_dpbusd_epi32(b0, wv[4], bcast4(xq + 16));
+        b1 = _mm512_dpbusd_epi32(b1, wv[5], bcast4(xq + 20));
+        a0 = _mm512_dpbusd_epi32(a0, wv[2], bcast4(xq + 8));
+        a1 = _mm512_dpbusd_epi32(a1, wv[3], bcast4(xq + 12));
+        b0 = _mm512_dpbusd_epi32(b0, wv[6], bcast4(xq + 24));
+        b1 = _mm512_dpbusd_epi32(b1, wv[7], bcast4(xq + 28));
+        const float hxs = a.h[(r0 + r) * nb + b];
+        const __m512 hx = _mm512_set1_ps(hxs);
+        const __m512 rest = _mm512_set1_ps(a.s[(r0 + r) * nb + b] - hxs);  // exact
+        const __m512 fa = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)),
+                                        _mm512_mul_ps(k128, hx));
+        const __m512 fb = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)),
+                                        _mm512_mul_ps(k128, rest));
+        const __m512 t = _mm512_mul_ps(dw, _mm512_fmadd_ps(sca, fa, _mm512_mul_ps(scb, fb)));
+        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
+      }
+    } else if constexpr (KIND == kS8) {
       __m512i wv[8];  // q + 128
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(blk + c * 64);
       for (int r = 0; r < MR; ++r) {
@@ -204,7 +291,6 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
         lo[c] = _mm512_and_si512(v, low4);
         hi[c] = _mm512_and_si512(v, high4);
       }
-      __m512 mw = _mm512_setzero_ps();
       if constexpr (KIND == kU4) {
         const auto* m = static_cast<const uint16_t*>(w.aux) + g * nb * 16;
         mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * 16)));
@@ -219,7 +305,7 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
         const __m512i isum = _mm512_add_epi32(sl, _mm512_srai_epi32(sh, 4));  // sh = 16 x its sum
         const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * nb + b]);
         __m512 t;
-        if constexpr (KIND == kU4) {
+        if constexpr (KIND == kU4 || KIND == kK4) {
           t = _mm512_fmadd_ps(mw, sx, _mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum)));
         } else {
           const __m512 diff = _mm512_sub_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(8.f), sx));
@@ -275,36 +361,53 @@ void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) 
 
 // Quantizes x [M, K] into q [M, K], d and s [M, K/32]. Rows in parallel from 8 rows on: a
 // decode step's call costs no thread wake-up.
-void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s) {
+void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s, float* h) {
   const int64_t m = x.size(0), k = x.size(1), nb = k / kQB;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_q", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
     auto rows = [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r)
-        quantize_row(xp + r * x.stride(0), nb, q + r * k, d + r * nb, s + r * nb);
+        quantize_row(xp + r * x.stride(0), nb, q + r * k, d + r * nb, s + r * nb, h + r * nb);
     };
     if (m < 8) rows(0, m);
     else at::parallel_for(0, m, 8, rows);
   });
 }
 
-// x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a repacked weight of `kind` (0: u4,
-// 1: s8, 2: z4; only u4 reads aux) with n outputs; bias [n] float32 or None. Returns
+// x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a
+// repacked weight of `kind` (0: u4, 1: s8, 2: z4, 3: k4, 4: k6; u4, k4 and k6 read aux)
+// with n outputs; bias [n] float32 or None. Returns
 // [M, n] in x's dtype.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const at::Tensor& aux, int64_t kind, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kind == kU4 || kind == kS8 || kind == kZ4,
-              "gguf_linear: kind must be 0 (u4), 1 (s8) or 2 (z4)");
-  const int64_t qbytes = kind == kS8 ? 512 : 256;
+  TORCH_CHECK(kind >= kU4 && kind <= kK6,
+              "gguf_linear: kind must be 0 (u4), 1 (s8), 2 (z4), 3 (k4) or 4 (k6)");
+  const int64_t qbytes = kind == kS8 || kind == kK6 ? 512 : 256;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kQB == 0,
               "gguf_linear: x must be [M, K] with contiguous rows, K % 32 == 0");
   const int64_t m = x.size(0), nb = x.size(1) / kQB, groups = (n + 15) / 16;
   TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.dim() == 3 &&
                   qs.size(0) == groups && qs.size(1) == nb && qs.size(2) == qbytes,
               "gguf_linear: qs does not match x, n and kind");
-  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == groups * nb * 16,
-              "gguf_linear: d must be [G, K/32, 16] float16");
+  if (kind == kK4) {
+    TORCH_CHECK(nb % 8 == 0 && d.is_contiguous() && d.scalar_type() == at::kHalf &&
+                    d.numel() == groups * (nb / 8) * 32,
+                "gguf_linear: k4's d must be [G, K/256, 32] float16 (K % 256 == 0)");
+    TORCH_CHECK(aux.is_contiguous() && aux.scalar_type() == at::kByte &&
+                    aux.numel() == groups * nb * 32,
+                "gguf_linear: k4's aux must be [G, K/32, 32] uint8 (scales, mins)");
+  } else if (kind == kK6) {
+    TORCH_CHECK(nb % 8 == 0 && d.is_contiguous() && d.scalar_type() == at::kHalf &&
+                    d.numel() == groups * (nb / 8) * 16,
+                "gguf_linear: k6's d must be [G, K/256, 16] float16 (K % 256 == 0)");
+    TORCH_CHECK(aux.is_contiguous() && aux.scalar_type() == at::kChar &&
+                    aux.numel() == groups * nb * 32,
+                "gguf_linear: k6's aux must be [G, K/32, 32] int8 (scales)");
+  } else {
+    TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == groups * nb * 16,
+                "gguf_linear: d must be [G, K/32, 16] float16");
+  }
   TORCH_CHECK(kind != kU4 || (aux.is_contiguous() && aux.numel() == groups * nb * 16 &&
                               aux.scalar_type() == at::kHalf),
               "gguf_linear: aux must be [G, K/32, 16] float16 (u4's offsets)");
@@ -318,17 +421,20 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   if (m == 0) return out;
   // the activations' codes in this thread's buffers (no tensor allocations per call)
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> dx, sx;
+  thread_local std::vector<float> dx, sx, hx;
   q.resize(m * x.size(1));
   dx.resize(m * nb);
   sx.resize(m * nb);
-  quantize_rows(x, q.data(), dx.data(), sx.data());
-  const QAct a{q.data(), dx.data(), sx.data(), x.size(1), nb};
+  hx.resize(m * nb);
+  quantize_rows(x, q.data(), dx.data(), sx.data(), hx.data());
+  const QAct a{q.data(), dx.data(), sx.data(), hx.data(), x.size(1), nb};
   const QWeight w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   aux.data_ptr(), n, qbytes};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_linear", [&] {
     if (kind == kU4) run<kU4, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else if (kind == kZ4) run<kZ4, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
+    else if (kind == kK4) run<kK4, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
+    else if (kind == kK6) run<kK6, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else run<kS8, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
   });
   return out;
