@@ -136,22 +136,26 @@ def write_gguf(
     arch: str,
     quant: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     pre: str = "default",
+    overrides: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
     """``model_dir`` (an HF checkpoint of ``arch``'s family) as GGUF file ``path``; weight
-    matrices whose rows suit ``quant`` stored in it, the rest float32."""
+    matrices whose rows suit ``quant`` stored in it, the rest float32. ``overrides``: a
+    type per tensor kind (``attn_v``, ``ffn_down``, ``token_embd`` …) instead of
+    ``quant``, as llama.cpp's mixes (Q4_K_M) do."""
     cfg = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, arch, cfg)
     _tokenizer(w, model_dir, cfg, pre)
-    block = gguf.GGML_QUANT_SIZES[quant][0]
     for name, value in _tensors(arch, cfg, model_dir).items():
         value = np.ascontiguousarray(value, dtype=np.float32)
+        kind = name.split(".")[-2]
+        qt = (overrides or {}).get(kind, quant)
         if (
-            quant != gguf.GGMLQuantizationType.F32
+            qt != gguf.GGMLQuantizationType.F32
             and value.ndim >= 2
-            and value.shape[-1] % block == 0
+            and value.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0] == 0
         ):
-            w.add_tensor(name, _quantize(value, quant), raw_dtype=quant)
+            w.add_tensor(name, _quantize(value, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, value)
     w.write_header_to_file()

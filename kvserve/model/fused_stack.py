@@ -5,10 +5,11 @@ the order ``llama.DecoderLayer`` calls them, so its result equals the Python loo
 bit; it saves the Python between the kernels (~70 µs a layer: a tenth of a 32-sequence
 decode step of SmolLM2 on 2 cores). ``FusedStack.build`` takes a loaded, prepacked model
 and returns None when any part is not one the C++ loop runs: in every linear kvserve's
-bf16 GEMM (with SiLU in the gate/up one) or a GGUF-quantized weight of one part
-(``GGUFLinear``), the fused element-wise ops, ``CpuPagedAttention``, no q/k norms and no
-tensor parallelism. At call time a cache it cannot write in C++ (head
-scales, calibration pending) sends that step back to the Python loop.
+bf16 GEMM (with SiLU in the gate/up one) or a GGUF-quantized weight of one or two parts
+(``GGUFLinear``: a Q4_K_M file's Q/K/V is Q4_K then Q6_K), the fused element-wise ops,
+``CpuPagedAttention``, no q/k norms and no tensor parallelism. At call time a cache it
+cannot write in C++ (head scales, calibration pending) sends that step back to the Python
+loop.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class _CacheArgs:
 
 
 def _runs(linear: nn.Module) -> bool:
-    """A linear the C++ loop calls: kvserve's bf16 GEMM, or one quantized part."""
+    """A linear the C++ loop calls: kvserve's bf16 GEMM, or one or two quantized parts."""
     return isinstance(linear, KernelLinear) or (
-        isinstance(linear, GGUFLinear) and len(linear.parts) == 1
+        isinstance(linear, GGUFLinear) and len(linear.parts) <= 2
     )
 
 
@@ -54,6 +55,14 @@ def _runs_gate_up(mlp: nn.Module) -> bool:
 
 def _weight(linear: nn.Module) -> torch.Tensor:
     return linear.parts[0].qs if isinstance(linear, GGUFLinear) else linear.packed_weight
+
+
+def _bias(linear: GGUFLinear) -> torch.Tensor | None:
+    """A quantized linear's bias, whole (the C++ loop splits it between two parts)."""
+    parts = linear.bias_parts
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _inter(gate_up: nn.Module) -> int:
@@ -71,6 +80,10 @@ class FusedStack:
         self.biases: list[torch.Tensor | None] = []
         self.qscales: list[torch.Tensor | None] = []  # (d, aux) of each quantized linear
         self.kinds: list[int] = []  # per linear: -1 (bf16 GEMM) or gguf_linear's kind
+        # a quantized linear's second part: (qs, d, aux), its kind (-1: none) and rows
+        self.tails: list[torch.Tensor | None] = []
+        self.tail_kinds: list[int] = []
+        self.tail_rows: list[int] = []
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
@@ -81,10 +94,14 @@ class FusedStack:
             ]  # fmt: skip
             for lin in linears:
                 quantized = isinstance(lin, GGUFLinear)
-                self.biases.append(lin.bias_parts[0] if quantized else lin.bias)
+                self.biases.append(_bias(lin) if quantized else lin.bias)
                 part = lin.parts[0] if quantized else None
                 self.qscales += [part.d, part.aux] if part else [None, None]
                 self.kinds.append(part.kind if part else -1)
+                tail = lin.parts[1] if quantized and len(lin.parts) == 2 else None
+                self.tails += [tail.qs, tail.d, tail.aux] if tail else [None] * 3
+                self.tail_kinds.append(tail.kind if tail else -1)
+                self.tail_rows.append(tail.n if tail else 0)
         a0 = layers[0].self_attn
         self.dims = [
             a0.num_heads,
@@ -187,4 +204,7 @@ class FusedStack:
             args.candidates,
             self.qscales,
             self.kinds,
+            self.tails,
+            self.tail_kinds,
+            self.tail_rows,
         )

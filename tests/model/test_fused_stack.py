@@ -8,6 +8,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
+from conftest import build_hf_model
 from gguf_writer import write_gguf
 from helpers import greedy, make_engine, random_prompts, run_to_end
 
@@ -88,6 +89,33 @@ def test_gguf_weights_kept_quantized_run_in_the_stack(model_dirs, tmp_path, ggml
     assert len(steps) > 8
 
 
+def test_a_quantized_linear_of_two_types_runs_in_the_stack(tmp_path):
+    """A Q4_K_M-like file (Q/K and the rest Q4_K, V and down Q6_K): the fused Q/K/V has
+    two parts, the second a tail of the C++ loop's linear; the stack equals the loop."""
+    import transformers as t
+
+    cfg = t.Qwen2Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512,
+        initializer_range=0.1, bos_token_id=0, eos_token_id=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    model_dir = build_hf_model(cfg, tmp_path / "hf")
+    q = gguf.GGMLQuantizationType
+    six = {"attn_v": q.Q6_K, "ffn_down": q.Q6_K}
+    path = write_gguf(model_dir, tmp_path / "q4_k_m.gguf", "qwen2", q.Q4_K, overrides=six)
+    engine = make_engine(convert(path), dtype="bfloat16", max_num_batched_tokens=16)
+    model = engine.runner.model
+    stack = model.fused_stack
+    assert stack is not None
+    assert stack.kinds[:4] == [3, 3, 3, 4] and stack.tail_kinds[:4] == [4, -1, -1, -1]
+    assert stack.tail_rows[0] == 128  # V: 2 KV heads of 64
+    steps = _check_every_forward(model)
+    for i, p in enumerate(random_prompts([5, 30, 17], seed=5)):
+        engine.add_request(f"k{i}", p, greedy(6))
+    assert all(len(v) == 6 for v in run_to_end(engine).values())
+    assert len(steps) > 8
+
+
 def test_models_and_caches_it_cannot_run_take_the_python_loop(model_dirs):
     assert load_cpu_kernels()
     qwen3 = make_engine(model_dirs["qwen3"], dtype="bfloat16")  # q/k norms
@@ -114,7 +142,8 @@ def test_bad_arguments_are_refused_with_a_clear_error():
     args = [x, idx, x, x, [x] * 5, [None] * 4, [cache], [None], [None], idx]
     rest = [torch.zeros(1, 1, dtype=torch.long), idx[:1], torch.tensor([0, 2])]
     dims = [4, 2, 16, 64, 96, 16]
-    plain = ([None] * 8, [-1] * 4)  # every linear bf16
+    tails = ([None] * 12, [-1] * 4, [0] * 4)  # no linear has a second part
+    plain = ([None] * 8, [-1] * 4, *tails)  # every linear bf16
     with pytest.raises(RuntimeError, match="decoder_stack: 1 caches need 6 weights"):
         torch.ops.kvserve.decoder_stack(*args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain)
     args[4] = [x] * 6
@@ -123,9 +152,20 @@ def test_bad_arguments_are_refused_with_a_clear_error():
     with pytest.raises(RuntimeError, match="kv_kind"):
         torch.ops.kvserve.decoder_stack(*args, *rest, dims, 1e-5, 0.25, 0, 0, 5, 1, *plain)
     with pytest.raises(RuntimeError, match="4 linear kinds and 8 quantization scales"):
-        torch.ops.kvserve.decoder_stack(*args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [], [-1])
+        torch.ops.kvserve.decoder_stack(
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [], [-1], *tails
+        )
     with pytest.raises(RuntimeError, match="a quantized linear needs its scales"):
         torch.ops.kvserve.decoder_stack(
-            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [None] * 8, [0, -1, -1, -1]
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [None] * 8, [0, -1, -1, -1], *tails
         )
+    with pytest.raises(RuntimeError, match="4 tail kinds and rows and 12 tail tensors"):
+        torch.ops.kvserve.decoder_stack(
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain[:2], [None] * 3, [-1] * 4, [0] * 4
+        )
+    with pytest.raises(RuntimeError, match="a tail needs a quantized linear"):
+        torch.ops.kvserve.decoder_stack(
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain[:2], [None] * 12,
+            [1, -1, -1, -1], [8, 0, 0, 0],
+        )  # fmt: skip
     assert FusedStack.build(torch.nn.Linear(2, 2)) is None

@@ -10,9 +10,13 @@
 // h = add_rms_norm(linear(o), residual, post_norm); x = down(gate_up_silu(h)).
 // A linear is bf16_linear (kinds[i] = -1; gate/up: bf16_linear_silu_mul) or, for GGUF
 // weights kept quantized (model/quantized.py), gguf_linear of kind kinds[i] with its
-// scales in qscales[2i], qscales[2i + 1] (gate/up: then silu_and_mul).
+// scales in qscales[2i], qscales[2i + 1] (gate/up: then silu_and_mul). A quantized linear
+// may have a tail: its last tail_rows[i] outputs in a part of another type (tail_kinds[i]
+// >= 0; tails[3i .. 3i + 2] its qs, d, aux), computed as a second gguf_linear whose output
+// is concatenated, as GGUFLinear does with its parts (a Q4_K_M file's Q/K in Q4_K, V in Q6_K).
 // Returns (x, residual); the stack's output is norm(x + residual), left to the caller.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -66,12 +70,26 @@ void write_layer(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slo
 struct Linears {
   const c10::List<std::optional<at::Tensor>>& qscales;
   c10::IntArrayRef kinds;
+  const c10::List<std::optional<at::Tensor>>& tails;
+  c10::IntArrayRef tail_kinds, tail_rows;
 
   at::Tensor operator()(int64_t i, const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias, int64_t n) const {
     if (kinds[i] < 0) return kvserve::bf16_linear(x, w, bias, n);
-    return kvserve::gguf_linear(x, w, *qscales.get(2 * i), *qscales.get(2 * i + 1), kinds[i], n,
-                                bias);
+    if (tail_kinds[i] < 0)
+      return kvserve::gguf_linear(x, w, *qscales.get(2 * i), *qscales.get(2 * i + 1), kinds[i],
+                                  n, bias);
+    const int64_t nt = tail_rows[i], nh = n - nt;
+    std::optional<at::Tensor> bh, bt;
+    if (bias.has_value()) {
+      bh = bias->narrow(0, 0, nh);
+      bt = bias->narrow(0, nh, nt);
+    }
+    at::Tensor head = kvserve::gguf_linear(x, w, *qscales.get(2 * i), *qscales.get(2 * i + 1),
+                                           kinds[i], nh, bh);
+    at::Tensor tail = kvserve::gguf_linear(x, *tails.get(3 * i), *tails.get(3 * i + 1),
+                                           *tails.get(3 * i + 2), tail_kinds[i], nt, bt);
+    return at::cat({head, tail}, 1);
   }
   at::Tensor gate_up_silu(int64_t i, const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& bias, int64_t inter) const {
@@ -89,7 +107,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& query_start,
     c10::IntArrayRef dims, double eps, double scale, int64_t window, int64_t sinks,
     int64_t kv_kind, int64_t candidates, const c10::List<std::optional<at::Tensor>>& qscales,
-    c10::IntArrayRef kinds) {
+    c10::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& tails,
+    c10::IntArrayRef tail_kinds, c10::IntArrayRef tail_rows) {
   const Dims dm = read_dims(dims);
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers > 0, "decoder_stack: no layers");
@@ -103,10 +122,20 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   static_cast<int64_t>(qscales.size()) == 8 * layers,
               "decoder_stack: 4 linear kinds and 8 quantization scales per layer");
-  for (int64_t i = 0; i < 4 * layers; ++i)
+  TORCH_CHECK(static_cast<int64_t>(tail_kinds.size()) == 4 * layers &&
+                  static_cast<int64_t>(tail_rows.size()) == 4 * layers &&
+                  static_cast<int64_t>(tails.size()) == 12 * layers,
+              "decoder_stack: 4 tail kinds and rows and 12 tail tensors per layer");
+  for (int64_t i = 0; i < 4 * layers; ++i) {
     TORCH_CHECK(kinds[i] < 0 || (qscales.get(2 * i).has_value() && qscales.get(2 * i + 1).has_value()),
                 "decoder_stack: a quantized linear needs its scales");
-  const Linears linear{qscales, kinds};
+    TORCH_CHECK(tail_kinds[i] < 0 || (kinds[i] >= 0 && tail_rows[i] > 0 &&
+                                      tails.get(3 * i).has_value() &&
+                                      tails.get(3 * i + 1).has_value() &&
+                                      tails.get(3 * i + 2).has_value()),
+                "decoder_stack: a tail needs a quantized linear, its rows and its tensors");
+  }
+  const Linears linear{qscales, kinds, tails, tail_kinds, tail_rows};
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == dm.hidden && x_in.is_contiguous(),
               "decoder_stack: x must be contiguous [tokens, hidden]");
   TORCH_CHECK(kv_kind >= -1 && kv_kind <= 2, "decoder_stack: kv_kind must be -1, 0, 1 or 2");
@@ -160,6 +189,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor?[] biases, Tensor(a!)[] caches, Tensor(b!)?[] scales, Tensor?[] k_shifts, "
         "Tensor slots, Tensor tables, Tensor lens, Tensor query_start, int[] dims, float eps, "
         "float scale, int window, int sinks, int kv_kind, int candidates, Tensor?[] qscales, "
-        "int[] kinds) -> (Tensor, Tensor)");
+        "int[] kinds, Tensor?[] tails, int[] tail_kinds, int[] tail_rows) -> (Tensor, Tensor)");
   m.impl("decoder_stack", c10::DispatchKey::CPU, TORCH_FN(decoder_stack));
 }
