@@ -66,9 +66,10 @@ class Packed:
     float16 ``[G, K/32, 16]`` (empty for Q4_0 and Q8_0); ``n`` rows of ``ggml_type``.
     Q4_K: ``d`` float16 ``[G, K/256, 32]`` (lanes 0–15 the rows' ``d``, 16–31 their
     ``dmin``), ``aux`` uint8 ``[G, K/32, 32]`` (lanes 0–15 the 6-bit scales, 16–31 the
-    mins). Q6_K: ``qs`` as Q8_0's (codes q - 32, stored + 128), ``d`` float16
-    ``[G, K/256, 16]``, ``aux`` int8 ``[G, K/32, 32]`` (lanes 0–15 the scales of a block's
-    first 16 values, 16–31 of its last 16)."""
+    mins). Q6_K: ``qs`` ``[G, K/32, 384]``, the codes' low 4 bits as Q4's 256 bytes, then
+    their high 2 bits (``_high_bits``); ``d`` float16 ``[G, K/256, 16]``; ``aux`` int8
+    ``[G, K/32, 32]`` (lanes 0–15 the scales of a block's first 16 values, 16–31 of its
+    last 16)."""
 
     ggml_type: str
     n: int
@@ -162,16 +163,29 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
         aux = torch.from_numpy(grouped(m[0]))
     else:
         aux = torch.empty(0, dtype=torch.float16)
-    if ggml_type in ("Q8_0", "Q6_K"):  # stored as q + 128: the kernel's unsigned operand
+    if ggml_type == "Q8_0":  # stored as q + 128: the kernel's unsigned operand
         qs = qg.reshape(g, nb, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 512)
         qs = qs.view(np.uint8) ^ np.uint8(0x80)
     else:
-        halves = qg.reshape(g, nb, 16, 4, 2, 4)  # [.., chunk c, low/high, byte j]
+        codes = (qg.view(np.uint8) + np.uint8(32)) if ggml_type == "Q6_K" else qg  # 0..63
+        halves = (codes & 15).reshape(g, nb, 16, 4, 2, 4)  # [.., chunk c, low/high, byte j]
         qs = (halves[..., 0, :] | (halves[..., 1, :] << 4)).astype(np.uint8)
         qs = qs.transpose(0, 1, 3, 2, 4).reshape(g, nb, 256)
+        if ggml_type == "Q6_K":
+            qs = np.concatenate([qs, _high_bits(codes >> 4)], axis=-1)
     return Packed(
         ggml_type, n, k, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(dg), aux
     )
+
+
+def _high_bits(hi: np.ndarray) -> np.ndarray:
+    """Q6_K codes' high 2 bits ``[G, nb, 16 rows, 32]`` → ``[G, nb, 128]``: per half p of a
+    block, 64 bytes [row][j] holding values 16p + j, 16p + 4 + j, 16p + 8 + j and
+    16p + 12 + j from bit 0 up (the lanes of the 4-bit chunks 2p and 2p + 1)."""
+    g, nb = hi.shape[:2]
+    four = hi.reshape(g, nb, 16, 2, 4, 4).astype(np.uint8)  # [.., row, p, k, j]
+    packed = four[..., 0, :] | four[..., 1, :] << 2 | four[..., 2, :] << 4 | four[..., 3, :] << 6
+    return packed.transpose(0, 1, 3, 2, 4).reshape(g, nb, 128)  # [.., p, row, j]
 
 
 def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -186,12 +200,12 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
         # [G, blocks, lanes] -> [T, blocks, 1]
         return t[g].gather(2, at.view(-1, 1, 1).expand(-1, t.shape[1], 1)).float()
 
-    chunks = 8 if p.kind in (_S8, _K6) else 4
-    b = p.qs[g].view(-1, nb, chunks, 16, 4)
+    chunks = 8 if p.kind == _S8 else 4
+    b = p.qs[g][:, :, : chunks * 64].reshape(-1, nb, chunks, 16, 4)
     b = b.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks, 1, 4)).reshape(
         -1, nb, chunks, 4
     )
-    if p.kind in (_S8, _K6):
+    if p.kind == _S8:
         q = (b.int() - 128).reshape(-1, nb, 32)  # stored as q + 128
     else:
         q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
@@ -199,7 +213,12 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
         d, dmin = (per_row(p.d, at).repeat_interleave(8, dim=1) for at in (lane, lane + 16))
         scale, mins = per_row(p.aux), per_row(p.aux, lane + 16)
         return q.float(), d * scale, -(dmin * mins)
-    if p.kind == _K6:  # d per super-block; the two scales of each block as aux [T, nb, 2]
+    if p.kind == _K6:  # 6-bit codes less 32; d per super-block; each block's two scales
+        h = p.qs[g][:, :, 256:].reshape(-1, nb, 2, 16, 4)
+        h = h.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, nb, 2, 1, 4)).reshape(-1, nb, 2, 1, 4)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+        high = ((h >> shifts) & 3).reshape(-1, nb, 32)  # [p][k][j]: value 16p + 4k + j
+        q = (q | (high << 4)).int() - 32
         halves = torch.cat([per_row(p.aux), per_row(p.aux, lane + 16)], dim=2)
         return q.float(), per_row(p.d).repeat_interleave(8, dim=1), halves
     return q.float(), per_row(p.d), per_row(p.aux) if p.aux.numel() else None

@@ -12,7 +12,10 @@
 //      scale sc and min mn, aux [G][K/32][32] uint8 (lanes 0-15 sc, 16-31 mn); per 256 the
 //      fp16 D and Dmin, d [G][K/256][32] (lanes 0-15 D, 16-31 Dmin). The block's dw = D * sc
 //      and mw = -(Dmin * mn) are exact float products, then it runs as u4.
-//   k6 (Q6_K): w = D * sc * (q - 32), q in 0..63, (q - 32) stored + 128 as s8's qs; per 16
+//   k6 (Q6_K): w = D * sc * (q - 32), q in 0..63 in 6 bits: qs [G][K/32][384], the low 4
+//      bits as u4's 256 bytes, then the high 2 bits in two 64-byte vectors H0, H1 [16 rows][4
+//      bytes]: byte j of a row in Hp holds, from bit 0 up, those of q[16p + j], q[16p + 4 + j],
+//      q[16p + 8 + j] and q[16p + 12 + j] (the lanes of u4's chunks 2p and 2p + 1); per 16
 //      values an int8 scale, aux [G][K/32][32] int8 (lanes 0-15 the block's first 16
 //      values' scale, 16-31 its last 16's); per 256 the fp16 D, d [G][K/256][16].
 // So one 64-byte load is 4 (or 8) consecutive K of 16 rows: the operand of vpdpbusd, with 4
@@ -24,7 +27,8 @@
 // nibbles in two vpdpbusd chains, the high one against q * 16, shifted back; s8: the
 // stored q + 128 against qx, less 128 sx, an exact float difference):
 //   u4, k4: t = fma(mw, sx, dw * isum)  z4: t = dw * (isum - 8 sx)      s8: t = dw * isum
-//   k6: with ia, ib the integer sums of the block's two halves (hx = qx's first-half sum),
+//   k6: with ia, ib the exact sums of (q - 32) qx over the block's two halves (q qx less 32
+//      times qx's sums; hx the first half's),
 //      t = D * fma(sca, ia, scb * ib), every step before the product by D exact
 // The activations are always vpdpbusd's signed operand, so their 4 bytes are broadcast
 // from memory within the instruction.
@@ -160,14 +164,20 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
         int32_t isum = 0;
         float t;
         if constexpr (KIND == kK6) {
-          int32_t ia = 0, ib = 0;  // blk holds (q - 32) + 128
-          for (int c = 0; c < 8; ++c)
-            for (int i = 0; i < 4; ++i)
-              (c < 4 ? ia : ib) += blk[c * 64 + j * 4 + i] * xq[b * kQB + 4 * c + i];
+          int32_t ia = 0, ib = 0;  // q in 0..63
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = blk[c * 64 + j * 4 + i];
+              const uint8_t hb = blk[256 + (c / 2) * 64 + j * 4 + i];
+              const int sh = 4 * (c % 2);
+              const int qlo = (byte & 15) | (((hb >> sh) & 3) << 4);
+              const int qhi = (byte >> 4) | (((hb >> (sh + 2)) & 3) << 4);
+              (c < 2 ? ia : ib) += qlo * xq[b * kQB + 8 * c + i] + qhi * xq[b * kQB + 8 * c + 4 + i];
+            }
           const auto* sc = static_cast<const int8_t*>(w.aux) + (g * nb + b) * 32;
           const float hx = a.h[(r0 + r) * nb + b];
-          const float fa = static_cast<float>(ia) - 128.f * hx;  // exact differences
-          const float fb = static_cast<float>(ib) - 128.f * (sx[b] - hx);
+          const float fa = static_cast<float>(ia) - 32.f * hx;  // exact differences
+          const float fb = static_cast<float>(ib) - 32.f * (sx[b] - hx);
           t = dw * std::fma(static_cast<float>(sc[j]), fa, static_cast<float>(sc[16 + j]) * fb);
         } else if constexpr (KIND == kS8) {
           for (int c = 0; c < 8; ++c)
@@ -243,9 +253,25 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
       };
       const __m512 sca = int8x16(scp), scb = int8x16(scp + 16);
-      __m512i wv[8];  // (q - 32) + 128
-      for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(blk + c * 64);
-      const __m512 k128 = _mm512_set1_ps(128.f);
+      // the 6-bit codes of u4's chunks, lanes as s8's: wv[2c] the values 8c + j, wv[2c + 1]
+      // the values 8c + 4 + j (j < 4): low 4 bits from the nibbles, high 2 from H0 / H1
+      __m512i wv[8];
+      const __m512i n4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
+      for (int p = 0; p < 2; ++p) {
+        const __m512i h = _mm512_loadu_si512(blk + 256 + p * 64);
+        for (int e = 0; e < 2; ++e) {
+          const int c = 2 * p + e;
+          const __m512i v = _mm512_loadu_si512(blk + c * 64);
+          // high bits of the low set at 4e, of the high set at 4e + 2, moved to bits 4-5
+          const __m512i hl = e ? h : _mm512_slli_epi16(h, 4);
+          const __m512i hh = e ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+          // (v & 0x0F) | (hl & ~0x0F), then the top two bits cleared (0xCA: A ? B : C)
+          wv[2 * c] = _mm512_and_si512(_mm512_ternarylogic_epi32(n4, v, hl, 0xCA), six);
+          wv[2 * c + 1] = _mm512_and_si512(
+              _mm512_ternarylogic_epi32(n4, _mm512_srli_epi16(v, 4), hh, 0xCA), six);
+        }
+      }
+      const __m512 k128 = _mm512_set1_ps(32.f);  // the codes' offset
       for (int r = 0; r < MR; ++r) {
         const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
         __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
@@ -383,7 +409,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kind >= kU4 && kind <= kK6,
               "gguf_linear: kind must be 0 (u4), 1 (s8), 2 (z4), 3 (k4) or 4 (k6)");
-  const int64_t qbytes = kind == kS8 || kind == kK6 ? 512 : 256;
+  const int64_t qbytes = kind == kS8 ? 512 : kind == kK6 ? 384 : 256;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kQB == 0,
               "gguf_linear: x must be [M, K] with contiguous rows, K % 32 == 0");
   const int64_t m = x.size(0), nb = x.size(1) / kQB, groups = (n + 15) / 16;
