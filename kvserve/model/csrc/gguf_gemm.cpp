@@ -223,26 +223,34 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(int8_t(0xF0));
+  auto half16 = [](const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  __m512 sup = _mm512_setzero_ps(), negmin = _mm512_setzero_ps();  // k4, k6: per 256
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = qs + b * w.qbytes;
     __m512 dw, mw = _mm512_setzero_ps();
-    if constexpr (KIND == kK4) {  // D * sc and -(Dmin * mn): exact products
-      const uint16_t* sup = w.d + (g * (nb / 8) + b / 8) * 32;
+    if constexpr (KIND == kK4 || KIND == kK6) {
+      if (b % 8 == 0) {  // a new super-block: its D (and k4's -Dmin, an exact negation)
+        const int64_t lanes = KIND == kK4 ? 32 : 16;
+        const uint16_t* p = w.d + (g * (nb / 8) + b / 8) * lanes;
+        sup = half16(p);
+        if constexpr (KIND == kK4) {
+          const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+          negmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(half16(p + 16)), sign));
+        }
+      }
+    }
+    if constexpr (KIND == kK4) {  // D * sc and -(Dmin * mn) = -Dmin * mn: exact products
       const uint8_t* sm = static_cast<const uint8_t*>(w.aux) + (g * nb + b) * 32;
-      auto half16 = [](const uint16_t* p) {
-        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      };
       auto byte16 = [](const uint8_t* p) {
         return _mm512_cvtepi32_ps(
             _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
       };
-      dw = _mm512_mul_ps(half16(sup), byte16(sm));
-      const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));  // negation
-      mw = _mm512_castsi512_ps(_mm512_xor_si512(
-          _mm512_castps_si512(_mm512_mul_ps(half16(sup + 16), byte16(sm + 16))), sign));
+      dw = _mm512_mul_ps(sup, byte16(sm));
+      mw = _mm512_mul_ps(negmin, byte16(sm + 16));
     } else if constexpr (KIND == kK6) {
-      dw = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(w.d + (g * (nb / 8) + b / 8) * 16)));
+      dw = sup;
     } else {
       dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
     }
@@ -323,11 +331,17 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
       }
       for (int r = 0; r < MR; ++r) {
         const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
-        __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c) {
-          sl = _mm512_dpbusd_epi32(sl, lo[c], bcast4(xq + 8 * c));
-          sh = _mm512_dpbusd_epi32(sh, hi[c], bcast4(xq + 8 * c + 4));
-        }
+        // four chains of two (one row alone has no other work to hide their latency)
+        const __m512i z = _mm512_setzero_si512();
+        __m512i l0 = _mm512_dpbusd_epi32(z, lo[0], bcast4(xq));
+        __m512i l1 = _mm512_dpbusd_epi32(z, lo[1], bcast4(xq + 8));
+        __m512i h0 = _mm512_dpbusd_epi32(z, hi[0], bcast4(xq + 4));
+        __m512i h1 = _mm512_dpbusd_epi32(z, hi[1], bcast4(xq + 12));
+        l0 = _mm512_dpbusd_epi32(l0, lo[2], bcast4(xq + 16));
+        l1 = _mm512_dpbusd_epi32(l1, lo[3], bcast4(xq + 24));
+        h0 = _mm512_dpbusd_epi32(h0, hi[2], bcast4(xq + 20));
+        h1 = _mm512_dpbusd_epi32(h1, hi[3], bcast4(xq + 28));
+        const __m512i sl = _mm512_add_epi32(l0, l1), sh = _mm512_add_epi32(h0, h1);
         const __m512i isum = _mm512_add_epi32(sl, _mm512_srai_epi32(sh, 4));  // sh = 16 x its sum
         const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * nb + b]);
         __m512 t;
