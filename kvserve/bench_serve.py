@@ -21,6 +21,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,29 @@ def summarize(records: list[Record], elapsed: float) -> dict[str, Any]:
     return s
 
 
+async def _timed(rec: Record, chunks: AsyncIterator[tuple[float, int | None, bool]]) -> None:
+    """Record a stream's timings in ``rec``; ``chunks`` yields, per chunk, its arrival time,
+    the completion tokens its usage reports (or None) and whether it carries text."""
+    last = None
+    texts = 0
+    async for now, tokens, text in chunks:
+        if tokens is not None:
+            rec.output_tokens = tokens
+        if not text:
+            continue
+        texts += 1
+        if rec.ttft is None:
+            rec.ttft = now - rec.start
+        elif last is not None:
+            rec.itl.append(now - last)
+        last = now
+    rec.e2e = time.perf_counter() - rec.start
+    rec.output_tokens = rec.output_tokens or texts
+    rec.ok = True
+
+
 async def _one(client: Any, model: str, item: dict, rec: Record, extra: dict) -> None:
     rec.start = time.perf_counter()
-    last = None
     try:
         stream = await client.completions.create(
             model=model,
@@ -107,22 +128,14 @@ async def _one(client: Any, model: str, item: dict, rec: Record, extra: dict) ->
             stream_options={"include_usage": True},
             extra_body=extra,
         )
-        chunks = 0
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                rec.output_tokens = chunk.usage.completion_tokens
-            if not any(c.text for c in chunk.choices):
-                continue
-            chunks += 1
-            if rec.ttft is None:
-                rec.ttft = now - rec.start
-            elif last is not None:
-                rec.itl.append(now - last)
-            last = now
-        rec.e2e = time.perf_counter() - rec.start
-        rec.output_tokens = rec.output_tokens or chunks
-        rec.ok = True
+
+        async def chunks() -> AsyncIterator[tuple[float, int | None, bool]]:
+            async for chunk in stream:
+                now = time.perf_counter()
+                tokens = chunk.usage.completion_tokens if chunk.usage is not None else None
+                yield now, tokens, any(c.text for c in chunk.choices)
+
+        await _timed(rec, chunks())
     except Exception as e:  # counted as a failure, the run goes on
         rec.error = repr(e)[:300]
 
@@ -152,7 +165,6 @@ async def _one_http(
     client spends a fraction of the official client's CPU per chunk (on a machine whose
     cores the server shares, the client's CPU is the server's loss)."""
     rec.start = time.perf_counter()
-    last = None
     body = {
         "model": model,
         "prompt": item["prompt"],
@@ -167,25 +179,17 @@ async def _one_http(
             if resp.status_code != 200:
                 await resp.aread()
                 raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            chunks = 0
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                chunk = _read_chunk(line[6:])
-                if chunk.usage is not None:
-                    rec.output_tokens = chunk.usage.completion_tokens
-                if not any(c.text for c in chunk.choices):
-                    continue
-                chunks += 1
-                if rec.ttft is None:
-                    rec.ttft = now - rec.start
-                elif last is not None:
-                    rec.itl.append(now - last)
-                last = now
-        rec.e2e = time.perf_counter() - rec.start
-        rec.output_tokens = rec.output_tokens or chunks
-        rec.ok = True
+
+            async def chunks() -> AsyncIterator[tuple[float, int | None, bool]]:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    now = time.perf_counter()
+                    chunk = _read_chunk(line[6:])
+                    tokens = chunk.usage.completion_tokens if chunk.usage is not None else None
+                    yield now, tokens, any(c.text for c in chunk.choices)
+
+            await _timed(rec, chunks())
     except Exception as e:  # counted as a failure, the run goes on
         rec.error = repr(e)[:300]
 
