@@ -236,8 +236,8 @@ class EngineArgs:
     )
     quantization: str = _arg(
         "auto",
-        "auto: GGUF Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 weights stay quantized on CPU; none: dequantize "
-        "to --dtype",
+        "auto: GGUF Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 weights stay quantized on CPU; none: "
+        "dequantize to --dtype",
         QUANTIZATION_MODES,
     )
     block_size: int = _arg(16, "tokens per KV block")

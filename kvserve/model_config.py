@@ -26,8 +26,8 @@ class ModelConfig:
     on a CPU are prepacked for oneDNN. ``enforce_eager``: no CUDA graphs (worker/cuda_graphs).
     ``batch_invariant``: Triton GEMMs and norms too (``model/triton_ops.py``), so on a GPU a
     row's output does not depend on the batch (the CPU kernels always keep that contract).
-    ``quantization`` ``auto`` serves a GGUF file's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 matrices quantized on a
-    CPU (``model/quantized.py``); ``none`` dequantizes them at load into ``dtype``.
+    ``quantization`` ``auto`` serves a GGUF file's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 matrices
+    quantized on a CPU (``model/quantized.py``); ``none`` dequantizes them at load into ``dtype``.
     """
 
     model: str

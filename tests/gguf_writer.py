@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 from safetensors.torch import load_file
 
-from kvserve.model.kquants import quantize_q4_k, quantize_q6_k
+from kvserve.model.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
 _NORM_OFFSET_ARCHS = ("gemma3",)
 
@@ -123,6 +123,7 @@ def _tensors(arch: str, cfg: dict, model_dir: Path) -> dict[str, np.ndarray]:
 def _quantize(value: np.ndarray, quant: gguf.GGMLQuantizationType) -> np.ndarray:
     """``gguf``'s quantizer, or kvserve's for the K-quant types it does not write."""
     kquant = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k,
+              gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
               gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}.get(quant)  # fmt: skip
     if kquant is not None:
         raw = kquant(value.reshape(-1, value.shape[-1]))

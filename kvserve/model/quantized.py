@@ -32,11 +32,12 @@ BLOCKS = {
     "Q4_1": (32, 20),
     "Q8_0": (32, 34),
     "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
     "Q6_K": (256, 210),
 }
-# csrc/gguf_gemm.cpp's kinds: Q4_1, Q8_0, Q4_0, Q4_K, Q6_K
-_U4, _S8, _Z4, _K4, _K6 = 0, 1, 2, 3, 4
-_KINDS = {"Q4_1": _U4, "Q8_0": _S8, "Q4_0": _Z4, "Q4_K": _K4, "Q6_K": _K6}
+# csrc/gguf_gemm.cpp's kinds: Q4_1, Q8_0, Q4_0, Q4_K, Q6_K, Q5_K
+_U4, _S8, _Z4, _K4, _K6, _K5 = 0, 1, 2, 3, 4, 5
+_KINDS = {"Q4_1": _U4, "Q8_0": _S8, "Q4_0": _Z4, "Q4_K": _K4, "Q6_K": _K6, "Q5_K": _K5}
 
 
 def kept_quantized(ggml_type: str) -> bool:
@@ -66,10 +67,11 @@ class Packed:
     float16 ``[G, K/32, 16]`` (empty for Q4_0 and Q8_0); ``n`` rows of ``ggml_type``.
     Q4_K: ``d`` float16 ``[G, K/256, 32]`` (lanes 0–15 the rows' ``d``, 16–31 their
     ``dmin``), ``aux`` uint8 ``[G, K/32, 32]`` (lanes 0–15 the 6-bit scales, 16–31 the
-    mins). Q6_K: ``qs`` ``[G, K/32, 384]``, the codes' low 4 bits as Q4's 256 bytes, then
-    their high 2 bits (``_high_bits``); ``d`` float16 ``[G, K/256, 16]``; ``aux`` int8
-    ``[G, K/32, 32]`` (lanes 0–15 the scales of a block's first 16 values, 16–31 of its
-    last 16)."""
+    mins); Q5_K as Q4_K, with ``qs`` ``[G, K/32, 320]``: the codes' fifth bits follow
+    (``_fifth_bits``). Q6_K: ``qs`` ``[G, K/32, 384]``, the codes' low 4 bits as Q4's 256
+    bytes, then their high 2 bits (``_high_bits``); ``d`` float16 ``[G, K/256, 16]``;
+    ``aux`` int8 ``[G, K/32, 32]`` (lanes 0–15 the scales of a block's first 16 values,
+    16–31 of its last 16)."""
 
     ggml_type: str
     n: int
@@ -88,18 +90,23 @@ class Packed:
 
 
 def _split_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Q4_K super-blocks ``[n, K/256, 144]`` → codes ``[n, K/32, 32]``, fp16 ``d`` and
-    ``dmin`` ``[n, K/256]``, and the 6-bit scales and mins ``[n, K/32]`` (uint8), unpacked
-    by the ``gguf`` package's own ``get_scale_min``."""
+    """Q4_K (or Q5_K) super-blocks ``[n, K/256, 144 | 176]`` → codes ``[n, K/32, 32]``, fp16
+    ``d`` and ``dmin`` ``[n, K/256]``, and the 6-bit scales and mins ``[n, K/32]`` (uint8),
+    unpacked by the ``gguf`` package's own ``get_scale_min``. Q5_K's 32 bytes of fifth bits
+    (bit i: block i's) sit between the scales and the nibbles."""
     from gguf.quants import Q4_K
 
     n, nsb = blocks.shape[:2]
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
     dmin = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
     sc, mins = Q4_K.get_scale_min(blocks[:, :, 4:16].reshape(-1, 12))
-    qs = blocks[:, :, 16:].reshape(n, nsb, 4, 1, 32)  # 64 values per 32 bytes: low, high
-    q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nsb * 8, 32)
-    return q, d, dmin, sc.reshape(n, nsb * 8), mins.reshape(n, nsb * 8)
+    five = blocks.shape[2] == BLOCKS["Q5_K"][1]
+    qs = blocks[:, :, 48 if five else 16 :].reshape(n, nsb, 4, 1, 32)  # per 32 bytes: lo, hi
+    q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nsb, 8, 32)
+    if five:
+        qh = blocks[:, :, 16:48].reshape(n, nsb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+        q = q | ((qh & 1) << 4)
+    return q.reshape(n, nsb * 8, 32), d, dmin, sc.reshape(n, nsb * 8), mins.reshape(n, nsb * 8)
 
 
 def _split_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -124,7 +131,7 @@ def _split_blocks(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, ...]:
     float16, and for Q4_1 its offsets m ``[n, nb]`` float16 (Q4_K: ``_split_q4_k``)."""
     size = BLOCKS[ggml_type][1]
     blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)
-    if ggml_type == "Q4_K":
+    if ggml_type in ("Q4_K", "Q5_K"):
         return _split_q4_k(blocks)
     if ggml_type == "Q6_K":
         return _split_q6_k(blocks)
@@ -152,7 +159,7 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
         return np.ascontiguousarray(a.reshape(g, 16, *a.shape[1:]).swapaxes(1, 2))
 
     qg, dg = grouped(q), grouped(d)
-    if ggml_type == "Q4_K":  # [d | dmin] per super-block, [scale | min] per block
+    if ggml_type in ("Q4_K", "Q5_K"):  # [d | dmin] per super-block, [scale | min] per block
         dg = np.concatenate([dg, grouped(m[0])], axis=-1)
         aux = torch.from_numpy(np.concatenate([grouped(m[1]), grouped(m[2])], axis=-1))
     elif ggml_type == "Q6_K":  # [G, nb, 16, 2] -> [G, nb, 2 x 16]
@@ -173,6 +180,8 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
         qs = qs.transpose(0, 1, 3, 2, 4).reshape(g, nb, 256)
         if ggml_type == "Q6_K":
             qs = np.concatenate([qs, _high_bits(codes >> 4)], axis=-1)
+        elif ggml_type == "Q5_K":
+            qs = np.concatenate([qs, _fifth_bits(codes >> 4)], axis=-1)
     return Packed(
         ggml_type, n, k, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(dg), aux
     )
@@ -186,6 +195,18 @@ def _high_bits(hi: np.ndarray) -> np.ndarray:
     four = hi.reshape(g, nb, 16, 2, 4, 4).astype(np.uint8)  # [.., row, p, k, j]
     packed = four[..., 0, :] | four[..., 1, :] << 2 | four[..., 2, :] << 4 | four[..., 3, :] << 6
     return packed.transpose(0, 1, 3, 2, 4).reshape(g, nb, 128)  # [.., p, row, j]
+
+
+def _fifth_bits(hi: np.ndarray) -> np.ndarray:
+    """Q5_K codes' fifth bits ``[G, nb, 16 rows, 32]`` → ``[G, nb, 64]``: byte j of a row
+    holds values j, 4 + j, 8 + j, … 28 + j from bit 0 up (bits 2c and 2c + 1: the lanes of
+    the 4-bit chunk c)."""
+    g, nb = hi.shape[:2]
+    eight = hi.reshape(g, nb, 16, 8, 4).astype(np.uint8)  # [.., row, e, j]: value 4e + j
+    packed = np.zeros((g, nb, 16, 4), np.uint8)
+    for e in range(8):
+        packed |= eight[:, :, :, e] << e
+    return packed.reshape(g, nb, 64)
 
 
 def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -209,7 +230,12 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
         q = (b.int() - 128).reshape(-1, nb, 32)  # stored as q + 128
     else:
         q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
-    if p.kind == _K4:
+    if p.kind == _K5:  # the fifth bits: byte j of a row, bit e for value 4e + j
+        h = p.qs[g][:, :, 256:].reshape(-1, nb, 16, 4)
+        h = h.gather(2, lane.view(-1, 1, 1, 1).expand(-1, nb, 1, 4)).reshape(-1, nb, 1, 4)
+        bits = (h >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1
+        q = q | (bits.reshape(-1, nb, 32) << 4)
+    if p.kind in (_K4, _K5):
         d, dmin = (per_row(p.d, at).repeat_interleave(8, dim=1) for at in (lane, lane + 16))
         scale, mins = per_row(p.aux), per_row(p.aux, lane + 16)
         return q.float(), d * scale, -(dmin * mins)
@@ -226,8 +252,8 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 def unpack_rows(p: Packed, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` (int64 ``[T]``) of the weight, dequantized to float32 ``[T, k]`` with
-    the ``gguf`` package's formulas (Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, Q4_K
-    ``(d * scale) * q - dmin * min``, Q6_K ``(d * scale) * (q - 32)``, Q8_0 ``d * q``),
+    the ``gguf`` package's formulas (Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, Q4_K and
+    Q5_K ``(d * scale) * q - dmin * min``, Q6_K ``(d * scale) * (q - 32)``, Q8_0 ``d * q``),
     so the values are its values bit for bit."""
     q, d, aux = _codes(p, rows)
     if p.ggml_type == "Q8_0":
@@ -272,7 +298,7 @@ def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
     else:
         isum = torch.einsum("mbk,nbk->mnb", qx.double(), q.double())  # exact integers
         t = _f32(d[:, :, 0].double() * isum)  # [M, n, nb]
-        if aux is not None:  # Q4_1, Q4_K
+        if aux is not None:  # Q4_1, Q4_K, Q5_K
             t = _f32(aux[:, :, 0].double() * sx.unsqueeze(1) + t)
         elif p.kind == _Z4:  # d * (isum - 8 sx): the difference is exact
             t = _f32(d[:, :, 0].double() * (isum - 8 * sx.unsqueeze(1)))

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.model.kquants import quantize_q4_k, quantize_q6_k
+from kvserve.model.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from kvserve.model.quantized import (
     BLOCKS,
     GGUFEmbedding,
@@ -23,10 +23,10 @@ from kvserve.model.quantized import (
     unpack_rows,
 )
 
-TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]
 # plain dequantize-then-matmul vs the kernel: the int8 activations' rounding (at most half
 # a step of amax/127 per value) gives an RMS error of 0.53 % of the output's RMS on these
-# random data (measured, each type, Q4_K and Q6_K included); the bound is 1.2 %
+# random data (measured, each type, the K-quants included); the bound is 1.2 %
 RMS_TOLERANCE = 0.012
 
 
@@ -45,10 +45,9 @@ def quantized(ggml_type: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray
     """(raw GGUF rows, their dequantized float32 values) of a random [n, k] matrix (the
     ``gguf`` package writes no K-quant: kvserve's quantizers write them)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    if ggml_type == "Q4_K":
-        raw = quantize_q4_k(w)
-    elif ggml_type == "Q6_K":
-        raw = quantize_q6_k(w)
+    kquant = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+    if ggml_type in kquant:
+        raw = kquant[ggml_type](w)
     else:
         raw = quants.quantize(w, GGMLQuantizationType[ggml_type])
     return raw, dequantize(raw, ggml_type)
@@ -117,11 +116,11 @@ def test_the_portable_loop_gives_the_vnni_kernels_bits(ggml_type):
 def test_fused_parts_of_different_types_stack_along_the_output():
     parts = [pack(quantized(t, n, 256, i)[0], t, 256) for i, (t, n) in
              enumerate([("Q4_1", 32), ("Q8_0", 16), ("Q4_0", 24), ("Q4_K", 8),
-                        ("Q6_K", 40)])]  # fmt: skip
+                        ("Q6_K", 40), ("Q5_K", 24)])]  # fmt: skip
     lin = GGUFLinear(parts)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
     alone = [GGUFLinear([p])(x) for p in parts]
-    assert lin.out_features == 120
+    assert lin.out_features == 144
     assert torch.equal(lin(x), torch.cat(alone, dim=-1))
 
 
@@ -142,6 +141,6 @@ def test_rows_that_are_not_whole_blocks_are_refused():
         pack(raw, "Q8_0", 96)
     with pytest.raises(ValueError, match="not whole blocks"):
         pack(raw, "Q8_0", 48)
-    for quantize in (quantize_q4_k, quantize_q6_k):
+    for quantize in (quantize_q4_k, quantize_q5_k, quantize_q6_k):
         with pytest.raises(ValueError, match="not whole blocks of 256"):
             quantize(np.zeros((2, 96), np.float32))

@@ -1,9 +1,8 @@
-"""GGUF files served with their Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 weights kept quantized: random HF
-models written by the ``gguf`` writer (``tests/gguf_writer.py``) give, through the whole
-engine, the greedy output of the same computation written in torch from the dequantized
-codes (``GGUFLinear.reference``: the same activation rounding, the same float32 steps);
-rows never depend on the batch;
-the memory after load is that of the file; ``--quantization none`` dequantizes; and the
+"""GGUF files served with their Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0 weights kept
+quantized: random HF models written by the ``gguf`` writer (``tests/gguf_writer.py``) give,
+through the whole engine, the greedy output of the same computation written in torch from
+the dequantized codes (``GGUFLinear.reference``: the same activation rounding, the same
+float32 steps); rows never depend on the batch; the memory after load is that of the file; ``--quantization none`` dequantizes; and the
 real SmolLM2 Q4_1 file scores a perplexity within 1 % of llama.cpp's on the same tokens."""
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from kvserve.model.gguf import convert
 from kvserve.model.linear import KernelLinear
 from kvserve.model.quantized import GGUFEmbedding, GGUFLinear
 
-TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]
 COMMON = dict(  # widths of whole Q4_K blocks (256)
     vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,

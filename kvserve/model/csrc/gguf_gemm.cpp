@@ -12,6 +12,9 @@
 //      scale sc and min mn, aux [G][K/32][32] uint8 (lanes 0-15 sc, 16-31 mn); per 256 the
 //      fp16 D and Dmin, d [G][K/256][32] (lanes 0-15 D, 16-31 Dmin). The block's dw = D * sc
 //      and mw = -(Dmin * mn) are exact float products, then it runs as u4.
+//   k5 (Q5_K): k4 with a fifth bit, q in 0..31: qs [G][K/32][320], u4's 256 bytes of low 4
+//      bits, then one 64-byte vector H [16 rows][4 bytes]: bit 2c of byte j holds q[8c + j]'s
+//      fifth bit, bit 2c + 1 q[8c + 4 + j]'s (the lanes of u4's chunk c); d and aux as k4's.
 //   k6 (Q6_K): w = D * sc * (q - 32), q in 0..63 in 6 bits: qs [G][K/32][384], the low 4
 //      bits as u4's 256 bytes, then the high 2 bits in two 64-byte vectors H0, H1 [16 rows][4
 //      bytes]: byte j of a row in Hp holds, from bit 0 up, those of q[16p + j], q[16p + 4 + j],
@@ -26,7 +29,7 @@
 // Per block b, with isum = sum(q * qx) computed exactly in integers (u4/z4: low and high
 // nibbles in two vpdpbusd chains, the high one against q * 16, shifted back; s8: the
 // stored q + 128 against qx, less 128 sx, an exact float difference):
-//   u4, k4: t = fma(mw, sx, dw * isum)  z4: t = dw * (isum - 8 sx)      s8: t = dw * isum
+//   u4, k4, k5: t = fma(mw, sx, dw * isum)  z4: t = dw * (isum - 8 sx)      s8: t = dw * isum
 //   k6: with ia, ib the exact sums of (q - 32) qx over the block's two halves (q qx less 32
 //      times qx's sums; hx the first half's),
 //      t = D * fma(sca, ia, scb * ib), every step before the product by D exact
@@ -49,23 +52,17 @@
 #include <vector>
 
 #include "float_convert.h"
-
-
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
-    defined(__AVX512VL__)
-#include <immintrin.h>
-#define KVSERVE_GGUF_VNNI 1
-#endif
+#include "gguf_blocks.h"
+#include "gguf_tile_vnni.h"
 
 namespace {
 
+using namespace kvserve_gguf;  // NOLINT: this file is the blocks' one user
 using kvserve_cpu::from_f;
 using kvserve_cpu::to_f;
 
-constexpr int64_t kQB = 32;        // K per block
 constexpr int64_t kRowChunk = 32;  // rows of x per work item
 constexpr int64_t kRowTile = 8;    // rows sharing one pass over a group's weights
-constexpr int kU4 = 0, kS8 = 1, kZ4 = 2, kK4 = 3, kK6 = 4;
 
 std::atomic<bool> g_use_vnni{true};
 
@@ -80,32 +77,6 @@ bool vnni_built() {
 // Sets whether the VNNI kernel runs where built; returns the previous setting (tests).
 bool gguf_gemm_use_vnni(bool enable) { return g_use_vnni.exchange(enable); }
 
-// The activations of one product, quantized (quantize_rows).
-struct QAct {
-  const int8_t* q;  // [M, K]
-  const float* d;   // [M, K/32]
-  const float* s;   // [M, K/32]
-  const float* h;   // [M, K/32]: the sums of each block's first 16 codes
-  int64_t k, nb;
-};
-
-struct QWeight {
-  const uint8_t* qs;   // [G][nb][qbytes]
-  const uint16_t* d;   // [G][nb][16] fp16 bits (k4: [G][nb/8][32], D and Dmin)
-  const void* aux;     // u4: m fp16 [G][nb][16]; k4: sc, mn uint8 [G][nb][32]; s8, z4: unused
-  int64_t n, qbytes;
-};
-
-float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-
-// k4: lane j's (dw, mw) of block b of group g.
-inline void k4_scales(const QWeight& w, int64_t nb, int64_t g, int64_t b, int j, float& dw,
-                      float& mw) {
-  const uint16_t* sup = w.d + (g * (nb / 8) + b / 8) * 32;
-  const uint8_t* sm = static_cast<const uint8_t*>(w.aux) + (g * nb + b) * 32;
-  dw = half_to_f(sup[j]) * static_cast<float>(sm[j]);
-  mw = -(half_to_f(sup[16 + j]) * static_cast<float>(sm[16 + j]));
-}
 
 // One row: codes, scales and sums of its K/32 blocks.
 template <typename T>
@@ -158,7 +129,7 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = qs + b * w.qbytes;
         float dw, mw = 0.f;
-        if constexpr (KIND == kK4) k4_scales(w, nb, g, b, j, dw, mw);
+        if constexpr (KIND == kK4 || KIND == kK5) k4_scales(w, nb, g, b, j, dw, mw);
         else if constexpr (KIND == kK6) dw = half_to_f(w.d[(g * (nb / 8) + b / 8) * 16 + j]);
         else dw = half_to_f(dg[b * 16 + j]);
         int32_t isum = 0;
@@ -190,8 +161,13 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
               const uint8_t byte = blk[c * 64 + j * 4 + i];
               isum += (byte & 15) * xq[b * kQB + 8 * c + i];
               isum += (byte >> 4) * xq[b * kQB + 8 * c + 4 + i];
+              if constexpr (KIND == kK5) {  // the fifth bits
+                const uint8_t hb = blk[256 + j * 4 + i];
+                isum += (((hb >> (2 * c)) & 1) << 4) * xq[b * kQB + 8 * c + i];
+                isum += (((hb >> (2 * c + 1)) & 1) << 4) * xq[b * kQB + 8 * c + 4 + i];
+              }
             }
-          if constexpr (KIND == kU4 || KIND == kK4) {
+          if constexpr (KIND == kU4 || KIND == kK4 || KIND == kK5) {
             if constexpr (KIND == kU4)
               mw = half_to_f(static_cast<const uint16_t*>(w.aux)[(g * nb + b) * 16 + j]);
             t = dw * static_cast<float>(isum);
@@ -207,172 +183,6 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
   }
 }
 
-#ifdef KVSERVE_GGUF_VNNI
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-// Rows [r0, r0 + MR) x group g with vpdpbusd; the same operations as tile_portable.
-template <int KIND, int MR>
-void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*acc_out)[16]) {
-  const int64_t nb = a.nb;
-  const uint8_t* qs = w.qs + g * nb * w.qbytes;
-  const uint16_t* dg = w.d + g * nb * 16;
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(int8_t(0xF0));
-  auto half16 = [](const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  };
-  __m512 sup = _mm512_setzero_ps(), negmin = _mm512_setzero_ps();  // k4, k6: per 256
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = qs + b * w.qbytes;
-    __m512 dw, mw = _mm512_setzero_ps();
-    if constexpr (KIND == kK4 || KIND == kK6) {
-      if (b % 8 == 0) {  // a new super-block: its D (and k4's -Dmin, an exact negation)
-        const int64_t lanes = KIND == kK4 ? 32 : 16;
-        const uint16_t* p = w.d + (g * (nb / 8) + b / 8) * lanes;
-        sup = half16(p);
-        if constexpr (KIND == kK4) {
-          const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-          negmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(half16(p + 16)), sign));
-        }
-      }
-    }
-    if constexpr (KIND == kK4) {  // D * sc and -(Dmin * mn) = -Dmin * mn: exact products
-      const uint8_t* sm = static_cast<const uint8_t*>(w.aux) + (g * nb + b) * 32;
-      auto byte16 = [](const uint8_t* p) {
-        return _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      };
-      dw = _mm512_mul_ps(sup, byte16(sm));
-      mw = _mm512_mul_ps(negmin, byte16(sm + 16));
-    } else if constexpr (KIND == kK6) {
-      dw = sup;
-    } else {
-      dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    }
-    if constexpr (KIND == kK6) {
-      const auto* scp = static_cast<const int8_t*>(w.aux) + (g * nb + b) * 32;
-      auto int8x16 = [](const int8_t* p) {
-        return _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      };
-      const __m512 sca = int8x16(scp), scb = int8x16(scp + 16);
-      // the 6-bit codes of u4's chunks, lanes as s8's: wv[2c] the values 8c + j, wv[2c + 1]
-      // the values 8c + 4 + j (j < 4): low 4 bits from the nibbles, high 2 from H0 / H1
-      __m512i wv[8];
-      const __m512i n4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
-      for (int p = 0; p < 2; ++p) {
-        const __m512i h = _mm512_loadu_si512(blk + 256 + p * 64);
-        for (int e = 0; e < 2; ++e) {
-          const int c = 2 * p + e;
-          const __m512i v = _mm512_loadu_si512(blk + c * 64);
-          // high bits of the low set at 4e, of the high set at 4e + 2, moved to bits 4-5
-          const __m512i hl = e ? h : _mm512_slli_epi16(h, 4);
-          const __m512i hh = e ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
-          // (v & 0x0F) | (hl & ~0x0F), then the top two bits cleared (0xCA: A ? B : C)
-          wv[2 * c] = _mm512_and_si512(_mm512_ternarylogic_epi32(n4, v, hl, 0xCA), six);
-          wv[2 * c + 1] = _mm512_and_si512(
-              _mm512_ternarylogic_epi32(n4, _mm512_srli_epi16(v, 4), hh, 0xCA), six);
-        }
-      }
-      const __m512 k128 = _mm512_set1_ps(32.f);  // the codes' offset
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
-        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-        __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
-        a0 = _mm512_dpbusd_epi32(a0, wv[0], bcast4(xq));
-        a1 = _mm512_dpbusd_epi32(a1, wv[1], bcast4(xq + 4));
-        b0 = _mm512_dpbusd_epi32(b0, wv[4], bcast4(xq + 16));
-        b1 = _mm512_dpbusd_epi32(b1, wv[5], bcast4(xq + 20));
-        a0 = _mm512_dpbusd_epi32(a0, wv[2], bcast4(xq + 8));
-        a1 = _mm512_dpbusd_epi32(a1, wv[3], bcast4(xq + 12));
-        b0 = _mm512_dpbusd_epi32(b0, wv[6], bcast4(xq + 24));
-        b1 = _mm512_dpbusd_epi32(b1, wv[7], bcast4(xq + 28));
-        const float hxs = a.h[(r0 + r) * nb + b];
-        const __m512 hx = _mm512_set1_ps(hxs);
-        const __m512 rest = _mm512_set1_ps(a.s[(r0 + r) * nb + b] - hxs);  // exact
-        const __m512 fa = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)),
-                                        _mm512_mul_ps(k128, hx));
-        const __m512 fb = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)),
-                                        _mm512_mul_ps(k128, rest));
-        const __m512 t = _mm512_mul_ps(dw, _mm512_fmadd_ps(sca, fa, _mm512_mul_ps(scb, fb)));
-        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
-      }
-    } else if constexpr (KIND == kS8) {
-      __m512i wv[8];  // q + 128
-      for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(blk + c * 64);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, wv[c], bcast4(xq + 4 * c));
-          s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], bcast4(xq + 4 * c + 4));
-        }
-        const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * nb + b]);
-        const __m512 isum = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
-                                          _mm512_mul_ps(_mm512_set1_ps(128.f), sx));
-        const __m512 t = _mm512_mul_ps(dw, isum);
-        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
-      }
-    } else {
-      __m512i lo[4], hi[4];  // hi: the high nibbles in place, i.e. 16 q
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(blk + c * 64);
-        lo[c] = _mm512_and_si512(v, low4);
-        hi[c] = _mm512_and_si512(v, high4);
-      }
-      if constexpr (KIND == kU4) {
-        const auto* m = static_cast<const uint16_t*>(w.aux) + g * nb * 16;
-        mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * 16)));
-      }
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
-        // four chains of two (one row alone has no other work to hide their latency)
-        const __m512i z = _mm512_setzero_si512();
-        __m512i l0 = _mm512_dpbusd_epi32(z, lo[0], bcast4(xq));
-        __m512i l1 = _mm512_dpbusd_epi32(z, lo[1], bcast4(xq + 8));
-        __m512i h0 = _mm512_dpbusd_epi32(z, hi[0], bcast4(xq + 4));
-        __m512i h1 = _mm512_dpbusd_epi32(z, hi[1], bcast4(xq + 12));
-        l0 = _mm512_dpbusd_epi32(l0, lo[2], bcast4(xq + 16));
-        l1 = _mm512_dpbusd_epi32(l1, lo[3], bcast4(xq + 24));
-        h0 = _mm512_dpbusd_epi32(h0, hi[2], bcast4(xq + 20));
-        h1 = _mm512_dpbusd_epi32(h1, hi[3], bcast4(xq + 28));
-        const __m512i sl = _mm512_add_epi32(l0, l1), sh = _mm512_add_epi32(h0, h1);
-        const __m512i isum = _mm512_add_epi32(sl, _mm512_srai_epi32(sh, 4));  // sh = 16 x its sum
-        const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * nb + b]);
-        __m512 t;
-        if constexpr (KIND == kU4 || KIND == kK4) {
-          t = _mm512_fmadd_ps(mw, sx, _mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum)));
-        } else {
-          const __m512 diff = _mm512_sub_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(8.f), sx));
-          t = _mm512_mul_ps(dw, diff);
-        }
-        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc_out[r], acc[r]);
-}
-
-template <int KIND>
-void tile_vnni_rows(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_t g,
-                    float (*acc)[16]) {
-  switch (rows) {
-    case 8: tile_vnni<KIND, 8>(a, r0, w, g, acc); break;
-    case 7: tile_vnni<KIND, 7>(a, r0, w, g, acc); break;
-    case 6: tile_vnni<KIND, 6>(a, r0, w, g, acc); break;
-    case 5: tile_vnni<KIND, 5>(a, r0, w, g, acc); break;
-    case 4: tile_vnni<KIND, 4>(a, r0, w, g, acc); break;
-    case 3: tile_vnni<KIND, 3>(a, r0, w, g, acc); break;
-    case 2: tile_vnni<KIND, 2>(a, r0, w, g, acc); break;
-    default: tile_vnni<KIND, 1>(a, r0, w, g, acc); break;
-  }
-}
-#endif
 
 template <int KIND, typename O>
 void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) {
@@ -415,28 +225,29 @@ void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s, float* h)
 }
 
 // x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a
-// repacked weight of `kind` (0: u4, 1: s8, 2: z4, 3: k4, 4: k6; u4, k4 and k6 read aux)
+// repacked weight of `kind` (0: u4, 1: s8, 2: z4, 3: k4, 4: k6, 5: k5; all but s8, z4
+// read aux)
 // with n outputs; bias [n] float32 or None. Returns
 // [M, n] in x's dtype.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const at::Tensor& aux, int64_t kind, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kind >= kU4 && kind <= kK6,
-              "gguf_linear: kind must be 0 (u4), 1 (s8), 2 (z4), 3 (k4) or 4 (k6)");
-  const int64_t qbytes = kind == kS8 ? 512 : kind == kK6 ? 384 : 256;
+  TORCH_CHECK(kind >= kU4 && kind <= kK5,
+              "gguf_linear: kind must be 0 (u4), 1 (s8), 2 (z4), 3 (k4), 4 (k6) or 5 (k5)");
+  const int64_t qbytes = kind == kS8 ? 512 : kind == kK6 ? 384 : kind == kK5 ? 320 : 256;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kQB == 0,
               "gguf_linear: x must be [M, K] with contiguous rows, K % 32 == 0");
   const int64_t m = x.size(0), nb = x.size(1) / kQB, groups = (n + 15) / 16;
   TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.dim() == 3 &&
                   qs.size(0) == groups && qs.size(1) == nb && qs.size(2) == qbytes,
               "gguf_linear: qs does not match x, n and kind");
-  if (kind == kK4) {
+  if (kind == kK4 || kind == kK5) {
     TORCH_CHECK(nb % 8 == 0 && d.is_contiguous() && d.scalar_type() == at::kHalf &&
                     d.numel() == groups * (nb / 8) * 32,
-                "gguf_linear: k4's d must be [G, K/256, 32] float16 (K % 256 == 0)");
+                "gguf_linear: k4/k5's d must be [G, K/256, 32] float16 (K % 256 == 0)");
     TORCH_CHECK(aux.is_contiguous() && aux.scalar_type() == at::kByte &&
                     aux.numel() == groups * nb * 32,
-                "gguf_linear: k4's aux must be [G, K/32, 32] uint8 (scales, mins)");
+                "gguf_linear: k4/k5's aux must be [G, K/32, 32] uint8 (scales, mins)");
   } else if (kind == kK6) {
     TORCH_CHECK(nb % 8 == 0 && d.is_contiguous() && d.scalar_type() == at::kHalf &&
                     d.numel() == groups * (nb / 8) * 16,
@@ -475,6 +286,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     else if (kind == kZ4) run<kZ4, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else if (kind == kK4) run<kK4, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else if (kind == kK6) run<kK6, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
+    else if (kind == kK5) run<kK5, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else run<kS8, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
   });
   return out;
