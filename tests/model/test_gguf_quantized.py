@@ -2,8 +2,9 @@
 quantized: random HF models written by the ``gguf`` writer (``tests/gguf_writer.py``) give,
 through the whole engine, the greedy output of the same computation written in torch from
 the dequantized codes (``GGUFLinear.reference``: the same activation rounding, the same
-float32 steps); rows never depend on the batch; the memory after load is that of the file; ``--quantization none`` dequantizes; and the
-real SmolLM2 Q4_1 file scores a perplexity within 1 % of llama.cpp's on the same tokens."""
+float32 steps); rows never depend on the batch; the memory after load is that of the file;
+``--quantization none`` dequantizes; and the real SmolLM2 Q4_1 file scores a perplexity
+within 1 % of llama.cpp's on the same tokens."""
 
 from __future__ import annotations
 
