@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from real_model import gguf_path  # noqa: E402 - a sibling script, not a package
 
-from kvserve.model.kquants import quantize_q4_k, quantize_q6_k  # noqa: E402
+from kvserve.model.kquants import quantize  # noqa: E402
 
 CACHE = Path("/tmp/kvserve-bench/gguf")
 L1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256)
@@ -81,14 +81,8 @@ def write_1b(path: Path, ggml_type: str) -> Path:
 
     def matrix(name: str, rows: int, cols: int, type_name: str) -> None:
         value = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
-        qt = gguf.GGMLQuantizationType[type_name]
-        if type_name == "Q4_K":
-            raw = quantize_q4_k(value)
-        elif type_name == "Q6_K":
-            raw = quantize_q6_k(value)
-        else:
-            raw = gguf.quants.quantize(value, qt)
-        w.add_tensor(name, raw, raw_dtype=qt)
+        raw = quantize(value, type_name)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[type_name])
 
     n = L1B["layers"]
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from real_model import build_real_model  # noqa: E402 - sibling scripts
-from serving import engine_seconds, wait_ready  # noqa: E402
+from serving import engine_seconds, stop_server, wait_ready  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 INPUT_LEN, OUTPUT_LEN = 256, 128
@@ -115,11 +114,7 @@ def online(model: Path, c: int, n: int, vocab: int, seed: int, port: int, client
             after = engine_seconds(url) or {}
             summary = json.loads((Path(tmp) / "run.json").read_text())["summary"]
         finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_server(server)
             log.close()
     d = {k: after.get(k, 0.0) - counters.get(k, 0.0) for k in after}
     return {

@@ -197,7 +197,6 @@ async def _one_http(
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.client == "openai":
         import openai
 
@@ -212,7 +211,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         client = httpx.AsyncClient(
             base_url=args.url.rstrip("/"),
-            headers=headers,
+            headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {},
             timeout=600,
             limits=httpx.Limits(max_connections=args.concurrency + 1),
         )

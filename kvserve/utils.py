@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import re
 
 import torch
@@ -79,14 +76,3 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(
             f"unsupported dtype {name!r}; choose one of float32, float16, bfloat16"
         ) from None
-
-
-def release_freed_memory() -> None:
-    """Give the heap's free pages back to the system: a garbage collection, then glibc's
-    ``malloc_trim`` (nothing where the C library is not glibc). Loading frees about the
-    model's size in temporaries (packing quantized weights, building the engine), which
-    the CPU allocator settings (``engine/cpu_env.tune_malloc``: gives back only above 2 GiB)
-    would otherwise keep in the process's resident memory."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 from safetensors.torch import load_file
 
-from kvserve.model.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
+from kvserve.model.kquants import quantize
 
 _NORM_OFFSET_ARCHS = ("gemma3",)
 
@@ -120,17 +120,6 @@ def _tensors(arch: str, cfg: dict, model_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _quantize(value: np.ndarray, quant: gguf.GGMLQuantizationType) -> np.ndarray:
-    """``gguf``'s quantizer, or kvserve's for the K-quant types it does not write."""
-    kquant = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k,
-              gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
-              gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}.get(quant)  # fmt: skip
-    if kquant is not None:
-        raw = kquant(value.reshape(-1, value.shape[-1]))
-        return raw.reshape(*value.shape[:-1], raw.shape[-1])
-    return gguf.quants.quantize(value, quant)
-
-
 def write_gguf(
     model_dir: Path,
     path: Path,
@@ -156,7 +145,7 @@ def write_gguf(
             and value.ndim >= 2
             and value.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0] == 0
         ):
-            w.add_tensor(name, _quantize(value, qt), raw_dtype=qt)
+            w.add_tensor(name, quantize(value, qt.name), raw_dtype=qt)
         else:
             w.add_tensor(name, value)
     w.write_header_to_file()

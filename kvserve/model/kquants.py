@@ -126,3 +126,18 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
         [ql, qh.reshape(n, nsb, 64), sc.view(np.uint8), d[..., None].view(np.uint8)], axis=-1
     )
     return np.ascontiguousarray(blocks.astype(np.uint8).reshape(n, -1))
+
+
+_WRITERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+
+
+def quantize(value: np.ndarray, ggml_type: str) -> np.ndarray:
+    """``value`` (float, rows along the last axis) as raw blocks of ``ggml_type``: this
+    module's writers for the K-quants, the ``gguf`` package's quantizer for the rest."""
+    writer = _WRITERS.get(ggml_type)
+    if writer is None:
+        from gguf import GGMLQuantizationType, quants
+
+        return quants.quantize(value, GGMLQuantizationType[ggml_type])
+    raw = writer(value.reshape(-1, value.shape[-1]))
+    return raw.reshape(*value.shape[:-1], raw.shape[-1])

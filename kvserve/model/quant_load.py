@@ -12,6 +12,9 @@ a GPU, no CPU kernels) is dequantized (``dequantized``) and loaded as any float 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
 import logging
 from pathlib import Path
@@ -30,7 +33,6 @@ from kvserve.model.quantized import (
     dequantize,
     pack,
 )
-from kvserve.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +131,22 @@ class QuantLoad:
             setattr(parent, leaf, new)
             total += sum(p.nbytes for p in parts)
         if self.pending:
-            release_freed_memory()  # the raw pieces and packing's temporaries
+            _release_freed_memory()  # the raw pieces and packing's temporaries
             types = sorted(set(self.manifest.values()))
             logger.info("%d modules kept quantized (%s): %.1f MiB",
                         len(self.pending), "/".join(types), total / 2**20)  # fmt: skip
         return total
+
+
+def _release_freed_memory() -> None:
+    """Give the heap's free pages back to the system: a garbage collection, then glibc's
+    ``malloc_trim`` (nothing where the C library is not glibc). Packing frees about the
+    model's size in temporaries, which the CPU allocator settings
+    (``engine/cpu_env.tune_malloc``: give back only above 2 GiB) would otherwise keep in the
+    process's resident memory."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _merged(parts: list[Packed]) -> list[Packed]:

@@ -221,8 +221,9 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
         # [G, blocks, lanes] -> [T, blocks, 1]
         return t[g].gather(2, at.view(-1, 1, 1).expand(-1, t.shape[1], 1)).float()
 
+    groups = p.qs[g]  # [T, nb, qbytes]: each row's group, read once
     chunks = 8 if p.kind == _S8 else 4
-    b = p.qs[g][:, :, : chunks * 64].reshape(-1, nb, chunks, 16, 4)
+    b = groups[:, :, : chunks * 64].reshape(-1, nb, chunks, 16, 4)
     b = b.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks, 1, 4)).reshape(
         -1, nb, chunks, 4
     )
@@ -231,7 +232,7 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     else:
         q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
     if p.kind == _K5:  # the fifth bits: byte j of a row, bit e for value 4e + j
-        h = p.qs[g][:, :, 256:].reshape(-1, nb, 16, 4)
+        h = groups[:, :, 256:].reshape(-1, nb, 16, 4)
         h = h.gather(2, lane.view(-1, 1, 1, 1).expand(-1, nb, 1, 4)).reshape(-1, nb, 1, 4)
         bits = (h >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1
         q = q | (bits.reshape(-1, nb, 32) << 4)
@@ -240,7 +241,7 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
         scale, mins = per_row(p.aux), per_row(p.aux, lane + 16)
         return q.float(), d * scale, -(dmin * mins)
     if p.kind == _K6:  # 6-bit codes less 32; d per super-block; each block's two scales
-        h = p.qs[g][:, :, 256:].reshape(-1, nb, 2, 16, 4)
+        h = groups[:, :, 256:].reshape(-1, nb, 2, 16, 4)
         h = h.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, nb, 2, 1, 4)).reshape(-1, nb, 2, 1, 4)
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
         high = ((h >> shifts) & 3).reshape(-1, nb, 32)  # [p][k][j]: value 16p + 4k + j

@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.model.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
+from kvserve.model.kquants import quantize, quantize_q4_k, quantize_q5_k, quantize_q6_k
 from kvserve.model.quantized import (
     BLOCKS,
     GGUFEmbedding,
@@ -45,11 +44,7 @@ def quantized(ggml_type: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray
     """(raw GGUF rows, their dequantized float32 values) of a random [n, k] matrix (the
     ``gguf`` package writes no K-quant: kvserve's quantizers write them)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    kquant = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
-    if ggml_type in kquant:
-        raw = kquant[ggml_type](w)
-    else:
-        raw = quants.quantize(w, GGMLQuantizationType[ggml_type])
+    raw = quantize(w, ggml_type)
     return raw, dequantize(raw, ggml_type)
 
 
@@ -141,6 +136,6 @@ def test_rows_that_are_not_whole_blocks_are_refused():
         pack(raw, "Q8_0", 96)
     with pytest.raises(ValueError, match="not whole blocks"):
         pack(raw, "Q8_0", 48)
-    for quantize in (quantize_q4_k, quantize_q5_k, quantize_q6_k):
+    for writer in (quantize_q4_k, quantize_q5_k, quantize_q6_k):
         with pytest.raises(ValueError, match="not whole blocks of 256"):
-            quantize(np.zeros((2, 96), np.float32))
+            writer(np.zeros((2, 96), np.float32))
