@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-QUANTIZATION_MODES = ("auto", "none")
+QUANTIZATION_MODES = ("auto", "none", "int8")
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -27,7 +27,9 @@ class ModelConfig:
     ``batch_invariant``: Triton GEMMs and norms too (``model/triton_ops.py``), so on a GPU a
     row's output does not depend on the batch (the CPU kernels always keep that contract).
     ``quantization`` ``auto`` serves a GGUF file's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 matrices
-    quantized on a CPU (``model/quantized.py``); ``none`` dequantizes them at load into ``dtype``.
+    quantized on a CPU (``model/quantized.py``); ``none`` dequantizes them at load into ``dtype``;
+    ``int8`` also quantizes a float checkpoint's projections, embeddings and LM head at load
+    into int8 blocks of 32 (GGUF ``Q8_0``, ``model/quant_load.int8_names``), CPU only.
     """
 
     model: str
@@ -43,5 +45,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("quantization", self.quantization, QUANTIZATION_MODES)
+        if self.quantization == "int8" and self.device.startswith("cuda"):
+            raise ValueError("quantization int8 runs on the CPU kernels; drop it on a GPU")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

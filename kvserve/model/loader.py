@@ -16,7 +16,7 @@ from kvserve.model.attention import AttentionBackend
 from kvserve.model.gemma import GemmaForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import TorchOps
-from kvserve.model.quant_load import QuantLoad, dequantized, read_manifest
+from kvserve.model.quant_load import QuantLoad, dequantized, int8_names, read_manifest
 from kvserve.model.quantized import row_bytes
 from kvserve.model.spec import ModelConfigError, ModelSpec
 from kvserve.utils import parse_dtype
@@ -107,6 +107,8 @@ def load_model(
     Tensors the checkpoint stores as raw GGUF blocks (``model/quant_load.py``) stay
     quantized with ``quantization`` ``auto`` on a CPU with the C++ kernels and no tensor
     parallelism; otherwise (``none`` included) they are dequantized into ``dtype``.
+    ``int8`` also quantizes the float matrices ``int8_names`` picks to ``Q8_0``; it raises
+    ``ModelConfigError`` where the quantized kernels cannot run.
 
     Raises ``WeightLoadError`` naming the file and tensor when a tensor is missing, has the
     wrong shape, or is not part of the architecture.
@@ -115,9 +117,10 @@ def load_model(
     with torch.device("meta"), _no_param_init():
         model = model_class(spec)(spec, backend, ops, tp)
         keep = _keeps_quantized(quantization, device, tp)
-        quant = QuantLoad(model, read_manifest(model_dir), keep)
+        expected = model.expected_weights()
+        int8 = int8_names(model, expected) if quantization == "int8" else []
+        quant = QuantLoad(model, read_manifest(model_dir), keep, int8)
     model = model.to_empty(device=device).to(dtype)
-    expected = model.expected_weights()
     files = checkpoint_files(model_dir)
     ours = {n: text_tensor_name(spec, n) for n in files}  # checkpoint name → the model's
     present = {n for n in ours.values() if n is not None}
@@ -199,13 +202,20 @@ def load_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, 
 
 
 def _keeps_quantized(quantization: str, device: torch.device, tp: TPGroup | None) -> bool:
-    """Whether raw GGUF blocks are served quantized: ``auto``, a CPU whose C++ kernels
-    load, no tensor parallelism (quantized shards are not split yet)."""
-    if quantization != "auto" or device.type != "cpu" or tp is not None:
+    """Whether raw GGUF blocks are served quantized: ``auto`` or ``int8``, a CPU whose C++
+    kernels load, no tensor parallelism (quantized shards are not split yet). Raises
+    ``ModelConfigError`` for ``int8`` where that does not hold."""
+    if quantization == "none":
         return False
     from kvserve.model.cpu_kernels import load_cpu_kernels
 
-    return load_cpu_kernels()
+    ok = device.type == "cpu" and tp is None and load_cpu_kernels()
+    if quantization == "int8" and not ok:
+        raise ModelConfigError(
+            "quantization int8 needs a CPU (--device cpu), the C++ CPU kernels and one "
+            "process (no tensor parallelism)"
+        )
+    return ok
 
 
 def _load_one(
@@ -213,7 +223,12 @@ def _load_one(
 ) -> None:
     shape = tuple(tslice.get_shape())
     ggml_type = quant.manifest.get(name)
-    if ggml_type is not None and name in expected:  # raw blocks: [rows, row bytes]
+    if name in quant.requantize and shape == expected[name]:  # --quantization int8
+        dense = tslice[:]
+        if quant.take_dense(name, dense):
+            return
+        tslice, shape = dense, tuple(dense.shape)
+    elif ggml_type is not None and name in expected:  # raw blocks: [rows, row bytes]
         rows, k = expected[name]
         if shape != (rows, row_bytes(ggml_type, k)):
             raise WeightLoadError(

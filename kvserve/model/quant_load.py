@@ -8,6 +8,10 @@ They are replaced by placeholders that hold no dense weight, so loading never al
 them into ``GGUFLinear`` / ``GGUFEmbedding``. Every other raw tensor (a piece of a module
 kept dense, or all of them with ``keep=False``: ``--quantization none``, tensor parallelism,
 a GPU, no CPU kernels) is dequantized (``dequantized``) and loaded as any float tensor.
+
+``--quantization int8`` adds the float matrices ``int8_names`` picks: ``QuantLoad`` plans
+them as ``Q8_0`` and ``requantize`` turns each dense tensor into raw ``Q8_0`` rows as it is
+read (``kquants.q8_0_rows``), so they take the same path as a GGUF file's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvserve.model.kquants import q8_0_rows
 from kvserve.model.llama import FUSED_PIECES
 from kvserve.model.mlp import our_mlp_name
 from kvserve.model.quantized import (
@@ -71,15 +76,45 @@ def _target(name: str) -> tuple[str, int, int]:
     return module, 0, 1
 
 
-class QuantLoad:
-    """The quantized modules of one model being loaded (``plan``, ``take``, ``finish``)."""
+def int8_names(model: nn.Module, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """The checkpoint matrices ``--quantization int8`` quantizes: the weight of every
+    ``nn.Linear`` (projections, LM head) and ``nn.Embedding`` of ``model`` (before
+    ``QuantLoad`` plans it) whose rows are whole blocks of 32. Norms, biases and stacked
+    MoE experts (not ``nn.Linear``) stay in the model's dtype."""
+    names = []
+    for name, shape in expected.items():
+        if not name.endswith(".weight") or len(shape) != 2 or shape[1] % 32:
+            continue
+        module = _target(name)[0]
+        try:
+            found = model.get_submodule(module)
+        except AttributeError:
+            continue
+        if isinstance(found, (nn.Linear, nn.Embedding)):
+            names.append(name)
+    return names
 
-    def __init__(self, model: nn.Module, manifest: dict[str, str], keep: bool):
+
+class QuantLoad:
+    """The quantized modules of one model being loaded (``plan``, ``take``, ``finish``).
+    ``manifest``: the checkpoint's raw tensors (name -> GGML type); ``requantize``: float
+    tensors to quantize to ``Q8_0`` as they load (``int8_names``; those in ``manifest``
+    keep their type)."""
+
+    def __init__(
+        self, model: nn.Module, manifest: dict[str, str], keep: bool, requantize: list[str]
+    ):
         self.model = model
-        self.manifest = manifest
+        self.requantize = frozenset(n for n in requantize if n not in manifest)
+        self.manifest = manifest | dict.fromkeys(self.requantize, "Q8_0")
         self.pending: dict[str, _Pending] = {}
         if keep:
             self._plan()
+
+    def take_dense(self, name: str, dense: torch.Tensor) -> bool:
+        """Quantize float rows ``dense`` of ``name`` (one of ``requantize``) to ``Q8_0`` and
+        keep them as ``take`` does; False when its module stays dense."""
+        return self.take(name, q8_0_rows(dense), dense.shape[1])
 
     def _plan(self) -> None:
         by_module: dict[str, list[int]] = {}
