@@ -56,8 +56,9 @@ def layer(ggml_type: str, n: int, k: int, bias: bool = False, seed: int = 0) -> 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 40, 96), (5, 16, 32), (64, 200, 256), (2048, 48, 256)]
-)
+    ("m", "n", "k"),
+    [(1, 40, 96), (5, 16, 32), (64, 200, 256), (2048, 48, 256), (300, 640, 256)],
+)  # the last: two chunks of rows, each item a span of several groups of outputs
 def test_kernel_equals_its_torch_reference_bit_for_bit(ggml_type, m, n, k):
     k = whole(ggml_type, k)
     lin = layer(ggml_type, n, k, bias=True, seed=m)
@@ -92,6 +93,18 @@ def test_a_row_never_depends_on_the_other_rows(ggml_type, dtype):
         assert torch.equal(lin(x[rows]), full[rows]), rows
     batch = torch.cat([x[9:10], torch.randn(12, k, generator=g).to(dtype)])
     assert torch.equal(lin(batch)[:1], full[9:10])  # the same row among other rows
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_a_row_of_a_large_batch_equals_the_row_alone(ggml_type):
+    """Past one tile of rows the kernel splits the work differently (spans of output
+    groups kept in L2, chunks of 256 rows): no row may notice."""
+    k = whole(ggml_type, 256)
+    lin = layer(ggml_type, 1024, k, bias=True)
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    full = lin(x)
+    for rows in ([0], [599], [255, 256], list(range(250, 270))):
+        assert torch.equal(lin(x[rows]), full[rows]), rows
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)

@@ -61,8 +61,9 @@ using namespace kvserve_gguf;  // NOLINT: this file is the blocks' one user
 using kvserve_cpu::from_f;
 using kvserve_cpu::to_f;
 
-constexpr int64_t kRowChunk = 32;  // rows of x per work item
-constexpr int64_t kRowTile = 8;    // rows sharing one pass over a group's weights
+constexpr int64_t kRowChunk = 256;  // rows of x per work item
+constexpr int64_t kRowTile = 8;     // rows sharing one pass over a group's weights
+constexpr int64_t kL2Weights = 512 * 1024;  // bytes of a work item's groups (kept in L2)
 
 std::atomic<bool> g_use_vnni{true};
 
@@ -186,24 +187,37 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
 
 template <int KIND, typename O>
 void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) {
-  const int64_t groups = (w.n + 15) / 16, chunks = (m + kRowChunk - 1) / kRowChunk;
+  const int64_t groups = (w.n + 15) / 16;
   const bool vnni = vnni_built() && g_use_vnni.load();
-  // items: group-major within a chunk of rows, so a thread's run of items shares rows of x
-  at::parallel_for(0, chunks * groups, 1, [&](int64_t begin, int64_t end) {
+  // An item is a chunk of rows times a span of groups whose weights stay in L2 while every
+  // row tile of the chunk passes over them (at least 4 items a thread where the matrix
+  // allows; one group an item when one tile holds every row: nothing to reuse). Which
+  // tile, span or thread computes a row changes none of its bits.
+  const int64_t per_group = a.nb * (w.qbytes + 64);
+  const int64_t want =
+      m <= kRowTile ? 1 : std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
+  const int64_t span =
+      std::clamp<int64_t>(kL2Weights / per_group, 1, std::min<int64_t>(16, want));
+  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  const int64_t spans = (groups + span - 1) / span;
+  at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
     float acc[kRowTile][16];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item / groups, g = item % groups;
+      const int64_t c = item / spans, g0 = item % spans * span;
       const int64_t rend = std::min(m, (c + 1) * kRowChunk);
+      const int64_t gend = std::min(groups, g0 + span);
       for (int64_t r0 = c * kRowChunk; r0 < rend; r0 += kRowTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowTile, rend - r0));
+        for (int64_t g = g0; g < gend; ++g) {
 #ifdef KVSERVE_GGUF_VNNI
-        if (vnni) tile_vnni_rows<KIND>(a, r0, rows, w, g, acc);
-        else tile_portable<KIND>(a, r0, rows, w, g, acc);
+          if (vnni) tile_vnni_rows<KIND>(a, r0, rows, w, g, acc);
+          else tile_portable<KIND>(a, r0, rows, w, g, acc);
 #else
-        (void)vnni;
-        tile_portable<KIND>(a, r0, rows, w, g, acc);
+          (void)vnni;
+          tile_portable<KIND>(a, r0, rows, w, g, acc);
 #endif
-        store_rows<O>(acc, rows, g, w.n, bias, out + r0 * w.n, w.n);
+          store_rows<O>(acc, rows, g, w.n, bias, out + r0 * w.n, w.n);
+        }
       }
     }
   });
