@@ -77,8 +77,15 @@ QWEN3MOE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
+# Llama-3.2-1B's shape (issue #49's batched target: int8 beside bf16 and vLLM-CPU)
+LLAMA1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+    tie_word_embeddings=True, rope_theta=500000.0,
+)  # fmt: skip
 SHAPES = {"smol": ("LlamaConfig", SMOL), "gemma3": ("Gemma3TextConfig", GEMMA3)}
 SHAPES["qwen3moe"] = ("Qwen3MoeConfig", QWEN3MOE)
+SHAPES["llama1b"] = ("LlamaConfig", LLAMA1B)
 
 
 def build_model(path: Path, shape: str = "smol") -> Path:
@@ -120,6 +127,7 @@ def worker_kvserve(a: argparse.Namespace) -> dict:
         max_num_batched_tokens=a.max_num_batched_tokens,
         tensor_parallel_size=a.tensor_parallel_size,
         kv_cache_dtype=a.kv_cache_dtype,
+        quantization=a.quantization,
     )
     ps = prompts(a.num_prompts, a.input_len, vocab_of(a.model_dir), a.seed)
     llm.generate(
@@ -221,7 +229,9 @@ def run_worker(name: str, a: argparse.Namespace) -> dict:
     if name == "vllm":
         return run_vllm(a)
     env = dict(os.environ)
-    tp, kv = 1, "auto"
+    tp, kv, quant = 1, "auto", "auto"
+    if name == "kvserve-int8":  # this tree's kvserve with --quantization int8
+        quant, name = "int8", "kvserve"
     if name.startswith("kvserve-kv-"):  # this tree's kvserve with --kv-cache-dtype KV
         kv, name = name.removeprefix("kvserve-kv-"), "kvserve"
     if name.startswith("kvserve-tp"):  # this tree's kvserve over N tensor-parallel ranks
@@ -233,7 +243,7 @@ def run_worker(name: str, a: argparse.Namespace) -> dict:
         name = "kvserve"
     cmd = [sys.executable, __file__, "--worker", name, "--model-dir", str(a.model_dir)]
     cmd += [*_workload_flags(a), "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-    cmd += ["--tensor-parallel-size", str(tp), "--kv-cache-dtype", kv]
+    cmd += ["--tensor-parallel-size", str(tp), "--kv-cache-dtype", kv, "--quantization", quant]
     tcmalloc = None if a.no_tcmalloc else find_tcmalloc()
     if tcmalloc:  # the same allocator vLLM's runs get (peer_vllm.py preloads it)
         env["LD_PRELOAD"] = f"{tcmalloc} {env.get('LD_PRELOAD', '')}".strip()
@@ -354,10 +364,11 @@ def main() -> None:
         "--engines",
         default="kvserve,vllm,hf",
         help="of kvserve, kvserve-tpN (N ranks), kvserve-kv-DTYPE (--kv-cache-dtype DTYPE), "
-        "baseline, vllm, hf",
+        "kvserve-int8 (--quantization int8), baseline, vllm, hf",
     )
     p.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--quantization", default="auto", help=argparse.SUPPRESS)
     p.add_argument(
         "--baseline",
         help="a kvserve checkout (e.g. `git worktree add /tmp/old REF`) run as engine "
@@ -368,7 +379,8 @@ def main() -> None:
         choices=sorted(SHAPES),
         default="smol",
         help="the random-weight model: SmolLM2-135M's shape (smol), Gemma 3 270M's (gemma3), "
-        "a Qwen3-MoE (qwen3moe); saved under benchmarks/.models/SHAPE-bench",
+        "a Qwen3-MoE (qwen3moe), Llama-3.2-1B's (llama1b); saved under "
+        "benchmarks/.models/SHAPE-bench",
     )
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument(
