@@ -1,5 +1,4 @@
-"""Writing GGUF K-quant blocks: ``Q4_K``, ``Q5_K`` and ``Q6_K`` from float weights (and
-``Q8_0`` in torch, for ``--quantization int8``: ``q8_0_rows``).
+"""Writing GGUF K-quant blocks: ``Q4_K``, ``Q5_K`` and ``Q6_K`` from float weights.
 
 The ``gguf`` package reads every K-quant type but writes none, and tests and benchmarks
 need K-quant files of random models (model hubs are out of reach here). This quantizer
@@ -24,30 +23,8 @@ high 2 bits (a half's 128 values in 32 bytes, four to a byte), sixteen int8 scal
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 QK_K = 256
-
-
-def q8_0_rows(w: torch.Tensor) -> torch.Tensor:
-    """Rows ``[n, k]`` (any float dtype, ``k`` a multiple of 32) as raw GGUF ``Q8_0`` rows,
-    uint8 ``[n, k / 32 * 34]``: per block of 32, fp16 ``d = max|w| / 127`` then the codes
-    ``round(w / d)`` (halves away from zero) as int8. The same bytes as the ``gguf``
-    package's quantizer (llama.cpp's reference), computed in float32 as it does, in torch
-    so that a model's worth of weights quantizes in seconds."""
-    n, k = w.shape
-    if k % 32:
-        raise ValueError(f"Q8_0: a row of {k} is not whole blocks of 32")
-    blocks = w.detach().reshape(n, k // 32, 32).float()
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    x = blocks * inv
-    a = x.abs()
-    q = torch.sign(x) * (a.floor() + (2 * (a - a.floor())).floor())  # roundf
-    raw = torch.cat(
-        [d.to(torch.float16).view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=-1
-    )
-    return raw.reshape(n, -1)
 
 
 def _round(x: np.ndarray, top: int) -> np.ndarray:

@@ -10,8 +10,8 @@ kept dense, or all of them with ``keep=False``: ``--quantization none``, tensor 
 a GPU, no CPU kernels) is dequantized (``dequantized``) and loaded as any float tensor.
 
 ``--quantization int8`` adds the float matrices ``int8_names`` picks: ``QuantLoad`` plans
-them as ``Q8_0`` and ``requantize`` turns each dense tensor into raw ``Q8_0`` rows as it is
-read (``kquants.q8_0_rows``), so they take the same path as a GGUF file's.
+them as the GGUF ones, and ``take_dense`` quantizes each as it is read to int8 with one
+scale per output row (``quantized.pack_int8``), never holding the model in bf16.
 """
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvserve.model.kquants import q8_0_rows
 from kvserve.model.llama import FUSED_PIECES
 from kvserve.model.mlp import our_mlp_name
 from kvserve.model.quantized import (
+    INT8,
     QUANT_MANIFEST,
     GGUFEmbedding,
     GGUFLinear,
     Packed,
     dequantize,
     pack,
+    pack_int8,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class _Pending(nn.Module):
 
     def __init__(self, pieces: int, bias: nn.Parameter | None):
         super().__init__()
-        self.raw: list[tuple[np.ndarray, str, int] | None] = [None] * pieces
+        # raw GGUF rows (rows, type, k), or a piece already packed (``pack_int8``)
+        self.raw: list[tuple[np.ndarray, str, int] | Packed | None] = [None] * pieces
         self.bias = bias
 
 
@@ -98,23 +100,29 @@ def int8_names(model: nn.Module, expected: dict[str, tuple[int, ...]]) -> list[s
 class QuantLoad:
     """The quantized modules of one model being loaded (``plan``, ``take``, ``finish``).
     ``manifest``: the checkpoint's raw tensors (name -> GGML type); ``requantize``: float
-    tensors to quantize to ``Q8_0`` as they load (``int8_names``; those in ``manifest``
-    keep their type)."""
+    tensors to quantize to int8 as they load (``int8_names``; those in ``manifest`` keep
+    their type)."""
 
     def __init__(
         self, model: nn.Module, manifest: dict[str, str], keep: bool, requantize: list[str]
     ):
         self.model = model
         self.requantize = frozenset(n for n in requantize if n not in manifest)
-        self.manifest = manifest | dict.fromkeys(self.requantize, "Q8_0")
+        self.manifest = manifest | dict.fromkeys(self.requantize, INT8)
         self.pending: dict[str, _Pending] = {}
         if keep:
             self._plan()
 
     def take_dense(self, name: str, dense: torch.Tensor) -> bool:
-        """Quantize float rows ``dense`` of ``name`` (one of ``requantize``) to ``Q8_0`` and
-        keep them as ``take`` does; False when its module stays dense."""
-        return self.take(name, q8_0_rows(dense), dense.shape[1])
+        """Quantize float rows ``dense`` of ``name`` (one of ``requantize``) to int8 per row
+        (``pack_int8``) and keep them for its module; False when that module stays dense
+        (nothing kept)."""
+        module, piece, _ = _target(name)
+        pending = self.pending.get(module)
+        if pending is None or (name == "lm_head.weight" and module != "lm_head"):
+            return False
+        pending.raw[piece] = pack_int8(dense)
+        return True
 
     def _plan(self) -> None:
         by_module: dict[str, list[int]] = {}
@@ -155,7 +163,7 @@ class QuantLoad:
             parent_name, _, leaf = module.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             assert all(pending.raw), f"{module}: a piece was never loaded"
-            parts = [pack(*entry) for entry in pending.raw]  # type: ignore[misc]
+            parts = [e if isinstance(e, Packed) else pack(*e) for e in pending.raw]  # type: ignore[misc]
             pending.raw = [None] * len(pending.raw)  # the raw pieces go before the trim
             if leaf == "embed_tokens":
                 new: nn.Module = GGUFEmbedding(parts[0], dtype)

@@ -35,9 +35,11 @@ BLOCKS = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
 }
-# csrc/gguf_gemm.cpp's kinds: Q4_1, Q8_0, Q4_0, Q4_K, Q6_K, Q5_K
-_U4, _S8, _Z4, _K4, _K6, _K5 = 0, 1, 2, 3, 4, 5
+# csrc/gguf_gemm.cpp's kinds: Q4_1, Q8_0, Q4_0, Q4_K, Q6_K, Q5_K, and int8 per channel
+_U4, _S8, _Z4, _K4, _K6, _K5, _C8 = 0, 1, 2, 3, 4, 5, 6
 _KINDS = {"Q4_1": _U4, "Q8_0": _S8, "Q4_0": _Z4, "Q4_K": _K4, "Q6_K": _K6, "Q5_K": _K5}
+INT8 = "int8"  # Packed.ggml_type of ``pack_int8``'s weights (not a GGML type)
+_KINDS[INT8] = _C8
 
 
 def kept_quantized(ggml_type: str) -> bool:
@@ -187,6 +189,26 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
     )
 
 
+def pack_int8(w: torch.Tensor) -> Packed:
+    """Float rows ``[n, k]`` as int8 with one scale per row (``--quantization int8``,
+    kernel kind c8: ``csrc/gguf_c8.h``, against the activations every kind uses):
+    ``d = max|w| / 127`` in float32, codes ``round(w / d)`` (to nearest even), in s8's
+    layout (``q + 128``); ``d`` ``[G, 16]``."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"int8: a row of {k} is not whole blocks of 32")
+    w = w.detach().float()
+    d = w.abs().amax(dim=1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(w * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    g, nb = -(-n // 16), k // 32
+    q = torch.nn.functional.pad(q, (0, 0, 0, g * 16 - n))
+    qs = q.view(g, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 512)
+    qs = (qs.view(torch.uint8) ^ 0x80).contiguous()
+    dg = torch.nn.functional.pad(d, (0, g * 16 - n)).view(g, 16).contiguous()
+    return Packed(INT8, n, k, qs, dg, torch.empty(0, dtype=torch.float16))
+
+
 def _high_bits(hi: np.ndarray) -> np.ndarray:
     """Q6_K codes' high 2 bits ``[G, nb, 16 rows, 32]`` → ``[G, nb, 128]``: per half p of a
     block, 64 bytes [row][j] holding values 16p + j, 16p + 4 + j, 16p + 8 + j and
@@ -222,12 +244,12 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
         return t[g].gather(2, at.view(-1, 1, 1).expand(-1, t.shape[1], 1)).float()
 
     groups = p.qs[g]  # [T, nb, qbytes]: each row's group, read once
-    chunks = 8 if p.kind == _S8 else 4
+    chunks = 8 if p.kind in (_S8, _C8) else 4
     b = groups[:, :, : chunks * 64].reshape(-1, nb, chunks, 16, 4)
     b = b.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks, 1, 4)).reshape(
         -1, nb, chunks, 4
     )
-    if p.kind == _S8:
+    if p.kind in (_S8, _C8):
         q = (b.int() - 128).reshape(-1, nb, 32)  # stored as q + 128
     else:
         q = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, nb, 32)  # [c][lo/hi][j]
@@ -236,6 +258,8 @@ def _codes(p: Packed, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
         h = h.gather(2, lane.view(-1, 1, 1, 1).expand(-1, nb, 1, 4)).reshape(-1, nb, 1, 4)
         bits = (h >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1
         q = q | (bits.reshape(-1, nb, 32) << 4)
+    if p.kind == _C8:  # one scale per row
+        return q.float(), p.d[g, lane].view(-1, 1, 1), None
     if p.kind in (_K4, _K5):
         d, dmin = (per_row(p.d, at).repeat_interleave(8, dim=1) for at in (lane, lane + 16))
         scale, mins = per_row(p.aux), per_row(p.aux, lane + 16)
@@ -257,7 +281,7 @@ def unpack_rows(p: Packed, rows: torch.Tensor) -> torch.Tensor:
     Q5_K ``(d * scale) * q - dmin * min``, Q6_K ``(d * scale) * (q - 32)``, Q8_0 ``d * q``),
     so the values are its values bit for bit."""
     q, d, aux = _codes(p, rows)
-    if p.ggml_type == "Q8_0":
+    if p.ggml_type in ("Q8_0", INT8):
         w = d * q
     elif p.ggml_type == "Q6_K":  # (d * scale) per 16 values, times the code
         assert aux is not None
@@ -289,6 +313,12 @@ def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
     qx = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127)
     dx, sx = (amax * torch.tensor(1 / 127)).double(), qx.sum(-1).double()
     q, d, aux = _codes(p, torch.arange(p.n))
+    if p.kind == _C8:  # blocks' exact sums times dx, then the row's scale once
+        isum = torch.einsum("mbk,nbk->mnb", qx.double(), q.double())
+        acc = torch.zeros(m, p.n, dtype=torch.float64)
+        for b in range(isum.shape[-1]):
+            acc = _f32(isum[:, :, b] * dx[:, b : b + 1] + acc)
+        return _f32(acc * d.view(1, -1).double()).float()
     if p.kind == _K6:  # per half block: exact integer sums, combined by their scales
         assert aux is not None
         halves = torch.einsum(

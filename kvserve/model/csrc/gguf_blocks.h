@@ -24,6 +24,7 @@ struct QAct {
   const float* s;   // [M, K/32]
   const float* h;   // [M, K/32]: the sums of each block's first 16 codes
   int64_t k, nb;
+  const int32_t* si = nullptr;  // [M, K/32]: -128 x s as integers (c8 only)
 };
 
 struct QWeight {

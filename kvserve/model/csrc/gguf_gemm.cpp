@@ -54,6 +54,7 @@
 #include "float_convert.h"
 #include "gguf_blocks.h"
 #include "gguf_tile_vnni.h"
+#include "gguf_c8.h"
 
 namespace {
 
@@ -209,13 +210,22 @@ void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) 
       for (int64_t r0 = c * kRowChunk; r0 < rend; r0 += kRowTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowTile, rend - r0));
         for (int64_t g = g0; g < gend; ++g) {
+          if constexpr (KIND == kC8) {
 #ifdef KVSERVE_GGUF_VNNI
-          if (vnni) tile_vnni_rows<KIND>(a, r0, rows, w, g, acc);
-          else tile_portable<KIND>(a, r0, rows, w, g, acc);
+            if (vnni) tile_c8_vnni_rows(a, r0, rows, w, g, acc);
+            else tile_c8_portable(a, r0, rows, w, g, acc);
 #else
-          (void)vnni;
-          tile_portable<KIND>(a, r0, rows, w, g, acc);
+            tile_c8_portable(a, r0, rows, w, g, acc);
 #endif
+          } else {
+#ifdef KVSERVE_GGUF_VNNI
+            if (vnni) tile_vnni_rows<KIND>(a, r0, rows, w, g, acc);
+            else tile_portable<KIND>(a, r0, rows, w, g, acc);
+#else
+            tile_portable<KIND>(a, r0, rows, w, g, acc);
+#endif
+          }
+          (void)vnni;
           store_rows<O>(acc, rows, g, w.n, bias, out + r0 * w.n, w.n);
         }
       }
@@ -239,16 +249,17 @@ void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s, float* h)
 }
 
 // x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a
-// repacked weight of `kind` (0: u4, 1: s8, 2: z4, 3: k4, 4: k6, 5: k5; all but s8, z4
-// read aux)
+// repacked weight of `kind` (0: u4, 1: s8, 2: z4, 3: k4, 4: k6, 5: k5, 6: c8 (gguf_c8.h);
+// all but s8, z4, c8 read aux)
 // with n outputs; bias [n] float32 or None. Returns
 // [M, n] in x's dtype.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const at::Tensor& aux, int64_t kind, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kind >= kU4 && kind <= kK5,
-              "gguf_linear: kind must be 0 (u4), 1 (s8), 2 (z4), 3 (k4), 4 (k6) or 5 (k5)");
-  const int64_t qbytes = kind == kS8 ? 512 : kind == kK6 ? 384 : kind == kK5 ? 320 : 256;
+  TORCH_CHECK(kind >= kU4 && kind <= kC8,
+              "gguf_linear: kind must be 0 (u4), 1 (s8), 2 (z4), 3 (k4), 4 (k6), 5 (k5) or 6 (c8)");
+  const int64_t qbytes =
+      kind == kS8 || kind == kC8 ? 512 : kind == kK6 ? 384 : kind == kK5 ? 320 : 256;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kQB == 0,
               "gguf_linear: x must be [M, K] with contiguous rows, K % 32 == 0");
   const int64_t m = x.size(0), nb = x.size(1) / kQB, groups = (n + 15) / 16;
@@ -269,6 +280,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     TORCH_CHECK(aux.is_contiguous() && aux.scalar_type() == at::kChar &&
                     aux.numel() == groups * nb * 32,
                 "gguf_linear: k6's aux must be [G, K/32, 32] int8 (scales)");
+  } else if (kind == kC8) {
+    TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kFloat && d.numel() == groups * 16,
+                "gguf_linear: c8's d must be [G, 16] float32 (a scale per row)");
   } else {
     TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == groups * nb * 16,
                 "gguf_linear: d must be [G, K/32, 16] float16");
@@ -292,7 +306,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   sx.resize(m * nb);
   hx.resize(m * nb);
   quantize_rows(x, q.data(), dx.data(), sx.data(), hx.data());
-  const QAct a{q.data(), dx.data(), sx.data(), hx.data(), x.size(1), nb};
+  thread_local std::vector<int32_t> si;  // c8's chains start at -128 sx (exact integers)
+  if (kind == kC8) {
+    si.resize(m * nb);
+    for (int64_t i = 0; i < m * nb; ++i) si[i] = -128 * static_cast<int32_t>(sx[i]);
+  }
+  const QAct a{q.data(), dx.data(), sx.data(), hx.data(), x.size(1), nb, si.data()};
   const QWeight w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   aux.data_ptr(), n, qbytes};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_linear", [&] {
@@ -301,6 +320,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     else if (kind == kK4) run<kK4, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else if (kind == kK6) run<kK6, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else if (kind == kK5) run<kK5, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
+    else if (kind == kC8) run<kC8, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
     else run<kS8, scalar_t>(a, m, w, bp, out.data_ptr<scalar_t>());
   });
   return out;
