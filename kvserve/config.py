@@ -237,8 +237,8 @@ class EngineArgs:
     quantization: str = _arg(
         "auto",
         "auto: GGUF Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 weights stay quantized on CPU; none: "
-        "dequantize to --dtype; int8: also quantize a float checkpoint's matrices to int8 "
-        "(GGUF Q8_0 blocks) at load, CPU only",
+        "dequantize to --dtype; int8: also quantize a float checkpoint's matrices at load "
+        "to int8 with a scale per output row, CPU only",
         QUANTIZATION_MODES,
     )
     block_size: int = _arg(16, "tokens per KV block")

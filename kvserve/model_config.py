@@ -29,7 +29,8 @@ class ModelConfig:
     ``quantization`` ``auto`` serves a GGUF file's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 matrices
     quantized on a CPU (``model/quantized.py``); ``none`` dequantizes them at load into ``dtype``;
     ``int8`` also quantizes a float checkpoint's projections, embeddings and LM head at load
-    into int8 blocks of 32 (GGUF ``Q8_0``, ``model/quant_load.int8_names``), CPU only.
+    to int8 with a scale per output row (``model/quant_load.int8_names``,
+    ``quantized.pack_int8``), CPU only.
     """
 
     model: str

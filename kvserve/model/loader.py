@@ -107,7 +107,7 @@ def load_model(
     Tensors the checkpoint stores as raw GGUF blocks (``model/quant_load.py``) stay
     quantized with ``quantization`` ``auto`` on a CPU with the C++ kernels and no tensor
     parallelism; otherwise (``none`` included) they are dequantized into ``dtype``.
-    ``int8`` also quantizes the float matrices ``int8_names`` picks to ``Q8_0``; it raises
+    ``int8`` also quantizes the float matrices ``int8_names`` picks to int8; it raises
     ``ModelConfigError`` where the quantized kernels cannot run.
 
     Raises ``WeightLoadError`` naming the file and tensor when a tensor is missing, has the

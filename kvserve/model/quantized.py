@@ -7,7 +7,9 @@ K in blocks of 32, 4-bit codes two to a byte (Q4_0, Q4_1: kinds ``z4``, ``u4``; 
 or 8-bit codes (Q8_0: ``s8``, stored as q + 128), fp16 scales (and Q4_1's offsets; Q4_K
 keeps its two levels: 6-bit scales and mins per 32 as bytes, fp16 ``d`` and ``dmin`` per
 256). Nothing is expanded to 16 or 32 bits: a weight takes about the file's bits here
-(Q4_0 4.5, Q4_1 5, Q4_K 4.625 against the file's 4.5, Q8_0 8.5).
+(Q4_0 4.5, Q4_1 5, Q4_K 4.625 against the file's 4.5, Q8_0 8.5). ``pack_int8`` gives a
+float checkpoint's matrices the same treatment (``--quantization int8``): 8-bit codes in
+Q8_0's layout with one float32 scale per output row (kernel kind ``c8``).
 
 ``GGUFLinear`` computes ``x @ W.T`` with activations quantized per 32 values to int8 (as
 llama.cpp does), one kernel call per *part*: a fused projection (Q/K/V, gate/up) whose
