@@ -193,7 +193,8 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
 
 def pack_int8(w: torch.Tensor) -> Packed:
     """Float rows ``[n, k]`` as int8 with one scale per row (``--quantization int8``,
-    kernel kind c8: ``csrc/gguf_c8.h``, against the activations every kind uses):
+    kernel kind c8: ``csrc/gguf_c8.h``; activations quantized per 128 values where ``k``
+    allows, else per 32):
     ``d = max|w| / 127`` in float32, codes ``round(w / d)`` (to nearest even), in s8's
     layout (``q + 128``); ``d`` ``[G, 16]``."""
     n, k = w.shape
@@ -308,7 +309,8 @@ def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
     rounds them. Equal to the kernel's bits, up to a double rounding of an FMA emulated in
     float64 (an exact product plus an addend, rounded twice: rarer than 1 in 2^28)."""
     m = x.shape[0]
-    blocks = x.float().view(m, -1, 32)
+    size = 128 if p.kind == _C8 and p.k % 128 == 0 else 32  # c8: wider activation blocks
+    blocks = x.float().view(m, -1, size)
     amax = blocks.abs().amax(-1)  # [M, nb]
     # a true division (torch computes ``127 / amax`` as ``127 * (1 / amax)``)
     inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
@@ -316,7 +318,7 @@ def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
     dx, sx = (amax * torch.tensor(1 / 127)).double(), qx.sum(-1).double()
     q, d, aux = _codes(p, torch.arange(p.n))
     if p.kind == _C8:  # blocks' exact sums times dx, then the row's scale once
-        isum = torch.einsum("mbk,nbk->mnb", qx.double(), q.double())
+        isum = torch.einsum("mbk,nbk->mnb", qx.double(), q.double().view(p.n, -1, size))
         acc = torch.zeros(m, p.n, dtype=torch.float64)
         for b in range(isum.shape[-1]):
             acc = _f32(isum[:, :, b] * dx[:, b : b + 1] + acc)

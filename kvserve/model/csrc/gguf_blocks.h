@@ -24,7 +24,8 @@ struct QAct {
   const float* s;   // [M, K/32]
   const float* h;   // [M, K/32]: the sums of each block's first 16 codes
   int64_t k, nb;
-  const int32_t* si = nullptr;  // [M, K/32]: -128 x s as integers (c8 only)
+  const int32_t* si = nullptr;  // c8 only: -128 x s as integers, per activation block
+  int64_t ab = 1;               // 32-value blocks per activation block (c8: 1 or 4)
 };
 
 struct QWeight {

@@ -80,22 +80,22 @@ bool vnni_built() {
 bool gguf_gemm_use_vnni(bool enable) { return g_use_vnni.exchange(enable); }
 
 
-// One row: codes, scales and sums of its K/32 blocks.
-template <typename T>
+// One row: codes, scales and sums of its nb blocks of QB (32, or c8's 128) values.
+template <int QB, typename T>
 void quantize_row(const T* x, int64_t nb, int8_t* q, float* d, float* s, float* h) {
   for (int64_t b = 0; b < nb; ++b) {
-    float v[kQB], amax = 0.f;
-    for (int i = 0; i < kQB; ++i) {
-      v[i] = to_f(x[b * kQB + i]);
+    float v[QB], amax = 0.f;
+    for (int i = 0; i < QB; ++i) {
+      v[i] = to_f(x[b * QB + i]);
       amax = std::max(amax, std::fabs(v[i]));
     }
     const float id = amax > 0.f ? 127.f / amax : 0.f;
     int sum = 0, half = 0;
-    for (int i = 0; i < kQB; ++i) {
+    for (int i = 0; i < QB; ++i) {
       const int c = std::clamp(static_cast<int>(std::nearbyint(v[i] * id)), -127, 127);
-      q[b * kQB + i] = static_cast<int8_t>(c);
+      q[b * QB + i] = static_cast<int8_t>(c);
       sum += c;
-      if (i == kQB / 2 - 1) half = sum;
+      if (i == QB / 2 - 1) half = sum;
     }
     d[b] = amax * (1.f / 127.f);
     s[b] = static_cast<float>(sum);
@@ -235,13 +235,18 @@ void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) 
 
 // Quantizes x [M, K] into q [M, K], d and s [M, K/32]. Rows in parallel from 8 rows on: a
 // decode step's call costs no thread wake-up.
-void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s, float* h) {
-  const int64_t m = x.size(0), k = x.size(1), nb = k / kQB;
+// wide: blocks of 128 (c8 where K allows, gguf_c8.h), else of 32.
+void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s, float* h,
+                   bool wide = false) {
+  const int64_t m = x.size(0), k = x.size(1), nb = k / (wide ? kC8QB : kQB);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_q", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
     auto rows = [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        quantize_row(xp + r * x.stride(0), nb, q + r * k, d + r * nb, s + r * nb, h + r * nb);
+      for (int64_t r = b; r < e; ++r) {
+        const auto* xr = xp + r * x.stride(0);
+        if (wide) quantize_row<kC8QB>(xr, nb, q + r * k, d + r * nb, s + r * nb, h + r * nb);
+        else quantize_row<kQB>(xr, nb, q + r * k, d + r * nb, s + r * nb, h + r * nb);
+      }
     };
     if (m < 8) rows(0, m);
     else at::parallel_for(0, m, 8, rows);
@@ -305,13 +310,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   dx.resize(m * nb);
   sx.resize(m * nb);
   hx.resize(m * nb);
-  quantize_rows(x, q.data(), dx.data(), sx.data(), hx.data());
+  const bool wide = kind == kC8 && c8_wide(x.size(1));
+  quantize_rows(x, q.data(), dx.data(), sx.data(), hx.data(), wide);
+  const int64_t nab = wide ? nb / (kC8QB / kQB) : nb;  // activation blocks a row
   thread_local std::vector<int32_t> si;  // c8's chains start at -128 sx (exact integers)
   if (kind == kC8) {
-    si.resize(m * nb);
-    for (int64_t i = 0; i < m * nb; ++i) si[i] = -128 * static_cast<int32_t>(sx[i]);
+    si.resize(m * nab);
+    for (int64_t i = 0; i < m * nab; ++i) si[i] = -128 * static_cast<int32_t>(sx[i]);
   }
-  const QAct a{q.data(), dx.data(), sx.data(), hx.data(), x.size(1), nb, si.data()};
+  const QAct a{q.data(), dx.data(), sx.data(), hx.data(), x.size(1), nb, si.data(),
+               nb / nab};
   const QWeight w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   aux.data_ptr(), n, qbytes};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_linear", [&] {
