@@ -78,16 +78,23 @@ def _target(name: str) -> tuple[str, int, int]:
     return module, 0, 1
 
 
+_ROUTERS = ("gate", "shared_expert_gate")  # MoE routers: kept in float by int8
+
+
 def int8_names(model: nn.Module, expected: dict[str, tuple[int, ...]]) -> list[str]:
     """The checkpoint matrices ``--quantization int8`` quantizes: the weight of every
     ``nn.Linear`` (projections, LM head) and ``nn.Embedding`` of ``model`` (before
-    ``QuantLoad`` plans it) whose rows are whole blocks of 32. Norms, biases and stacked
-    MoE experts (not ``nn.Linear``) stay in the model's dtype."""
+    ``QuantLoad`` plans it) whose rows are whole blocks of 32. Norms, biases, stacked MoE
+    experts (not ``nn.Linear``) and the MoE routers (``gate``, ``shared_expert_gate``:
+    tiny, and their rounding would move tokens between experts, as llama.cpp keeps them
+    in float) stay in the model's dtype."""
     names = []
     for name, shape in expected.items():
         if not name.endswith(".weight") or len(shape) != 2 or shape[1] % 32:
             continue
         module = _target(name)[0]
+        if module.rpartition(".")[2] in _ROUTERS:
+            continue
         try:
             found = model.get_submodule(module)
         except AttributeError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, build_hf_model
-from helpers import greedy, make_engine, random_prompts, run_to_end
+from helpers import ARCHS, MOE_ARCHS, greedy, make_engine, random_prompts, run_to_end
 
 from kvserve.engine.errors import EngineError
 from kvserve.model.cpu_kernels import load_cpu_kernels
@@ -136,6 +136,22 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(bf16_dir):
     alone = _outputs(make_engine(model_dir, quantization="int8"), prompts[:1], 24)
     batch = _outputs(make_engine(model_dir, quantization="int8"), prompts, 24)
     assert batch["r0"] == alone["r0"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_family_serves_int8_and_keeps_batch_invariance(model_dirs, arch):
+    """Each model family's projections quantized (MoE routers and stacked experts kept in
+    float), and a request's tokens the same alone and among others."""
+    prompts = random_prompts([9, 23, 17, 30], seed=11)
+    engine = make_engine(model_dirs[arch], quantization="int8")
+    modules = dict(engine.runner.model.named_modules())
+    assert any(isinstance(m, GGUFLinear) for m in modules.values())
+    routers = [m for n, m in modules.items() if n.endswith((".mlp.gate", "shared_expert_gate"))]
+    assert len(routers) > 0 if arch in MOE_ARCHS else not routers
+    assert not any(isinstance(m, GGUFLinear) for m in routers)
+    batch = _outputs(engine, prompts, 12)
+    alone = _outputs(make_engine(model_dirs[arch], quantization="int8"), prompts[2:3], 12)
+    assert batch["r2"] == alone["r0"]
 
 
 def test_what_cannot_run_int8_is_refused_at_start(model_dirs):
