@@ -124,12 +124,20 @@ class QuantLoad:
         """Quantize float rows ``dense`` of ``name`` (one of ``requantize``) to int8 per row
         (``pack_int8``) and keep them for its module; False when that module stays dense
         (nothing kept)."""
+        slot = self._slot(name)
+        if slot is None:
+            return False
+        slot[0].raw[slot[1]] = pack_int8(dense)
+        return True
+
+    def _slot(self, name: str) -> tuple[_Pending, int] | None:
+        """The placeholder and piece index that checkpoint tensor ``name`` fills; None when
+        its module stays dense (or it is a tied checkpoint's copy of the LM head)."""
         module, piece, _ = _target(name)
         pending = self.pending.get(module)
         if pending is None or (name == "lm_head.weight" and module != "lm_head"):
-            return False
-        pending.raw[piece] = pack_int8(dense)
-        return True
+            return None
+        return pending, piece
 
     def _plan(self) -> None:
         by_module: dict[str, list[int]] = {}
@@ -155,11 +163,10 @@ class QuantLoad:
     def take(self, name: str, raw: torch.Tensor, k: int) -> bool:
         """Keep raw piece ``name`` (rows of ``k`` elements) for its quantized module; False
         when that module is dense (the caller loads ``dequantized(raw)`` instead)."""
-        module, piece, _ = _target(name)
-        pending = self.pending.get(module)
-        if pending is None or (name == "lm_head.weight" and module != "lm_head"):
+        slot = self._slot(name)
+        if slot is None:
             return False
-        pending.raw[piece] = (raw.numpy(), self.manifest[name], k)
+        slot[0].raw[slot[1]] = (raw.numpy(), self.manifest[name], k)
         return True
 
     def finish(self, dtype: torch.dtype) -> int:
