@@ -223,11 +223,12 @@ def _load_one(
 ) -> None:
     shape = tuple(tslice.get_shape())
     ggml_type = quant.manifest.get(name)
-    if name in quant.requantize and shape == expected[name]:  # --quantization int8
-        dense = tslice[:]
-        if quant.take_dense(name, dense):
-            return
-        tslice, shape = dense, tuple(dense.shape)
+    if name in quant.requantize:  # --quantization int8 (a wrong shape: refused below)
+        if shape == expected[name]:
+            dense = tslice[:]
+            if quant.take_dense(name, dense):
+                return
+            tslice = dense
     elif ggml_type is not None and name in expected:  # raw blocks: [rows, row bytes]
         rows, k = expected[name]
         if shape != (rows, row_bytes(ggml_type, k)):

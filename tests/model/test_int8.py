@@ -154,6 +154,19 @@ def test_every_family_serves_int8_and_keeps_batch_invariance(model_dirs, arch):
     assert batch["r2"] == alone["r0"]
 
 
+def test_a_matrix_of_the_wrong_shape_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from kvserve.model.loader import WeightLoadError
+
+    model_dir = build_hf_model("llama", tmp_path / "bad")
+    weights = load_file(str(model_dir / "model.safetensors"))
+    weights["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 64)
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match=r"down_proj\.weight' has shape"):
+        make_engine(model_dir, quantization="int8")
+
+
 def test_what_cannot_run_int8_is_refused_at_start(model_dirs):
     with pytest.raises(ValueError, match="int8 runs on the CPU kernels"):
         make_engine(model_dirs["llama"], quantization="int8", device="cuda")
