@@ -15,6 +15,21 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// A row's exact sum over one block: the 8 weight vectors wv (4 values of 16 rows each,
+// s8's lane order) against the row's 32 codes xq, in four chains of two.
+inline __m512i dot_block(const __m512i* wv, const int8_t* xq) {
+  const __m512i z = _mm512_setzero_si512();
+  __m512i s0 = _mm512_dpbusd_epi32(z, wv[0], bcast4(xq));
+  __m512i s1 = _mm512_dpbusd_epi32(z, wv[1], bcast4(xq + 4));
+  __m512i s2 = _mm512_dpbusd_epi32(z, wv[2], bcast4(xq + 8));
+  __m512i s3 = _mm512_dpbusd_epi32(z, wv[3], bcast4(xq + 12));
+  s0 = _mm512_dpbusd_epi32(s0, wv[4], bcast4(xq + 16));
+  s1 = _mm512_dpbusd_epi32(s1, wv[5], bcast4(xq + 20));
+  s2 = _mm512_dpbusd_epi32(s2, wv[6], bcast4(xq + 24));
+  s3 = _mm512_dpbusd_epi32(s3, wv[7], bcast4(xq + 28));
+  return _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
+}
+
 // Rows [r0, r0 + MR) x group g with vpdpbusd; the same operations as tile_portable.
 template <int KIND, int MR>
 void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*acc_out)[16]) {
@@ -73,17 +88,7 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
             _mm512_ternarylogic_epi32(n4, _mm512_srli_epi16(v, 4), hs[2 * c + 1], 0xCA), five);
       }
       for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
-        const __m512i z = _mm512_setzero_si512();
-        __m512i s0 = _mm512_dpbusd_epi32(z, wv[0], bcast4(xq));
-        __m512i s1 = _mm512_dpbusd_epi32(z, wv[1], bcast4(xq + 4));
-        __m512i s2 = _mm512_dpbusd_epi32(z, wv[2], bcast4(xq + 8));
-        __m512i s3 = _mm512_dpbusd_epi32(z, wv[3], bcast4(xq + 12));
-        s0 = _mm512_dpbusd_epi32(s0, wv[4], bcast4(xq + 16));
-        s1 = _mm512_dpbusd_epi32(s1, wv[5], bcast4(xq + 20));
-        s2 = _mm512_dpbusd_epi32(s2, wv[6], bcast4(xq + 24));
-        s3 = _mm512_dpbusd_epi32(s3, wv[7], bcast4(xq + 28));
-        const __m512i isum = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
+        const __m512i isum = dot_block(wv, a.q + (r0 + r) * a.k + b * kQB);
         const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * nb + b]);
         const __m512 t = _mm512_fmadd_ps(mw, sx, _mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum)));
         acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
@@ -140,14 +145,9 @@ void tile_vnni(const QAct& a, int64_t r0, const QWeight& w, int64_t g, float (*a
       __m512i wv[8];  // q + 128
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(blk + c * 64);
       for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q + (r0 + r) * a.k + b * kQB;
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, wv[c], bcast4(xq + 4 * c));
-          s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], bcast4(xq + 4 * c + 4));
-        }
+        const __m512i s01 = dot_block(wv, a.q + (r0 + r) * a.k + b * kQB);
         const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * nb + b]);
-        const __m512 isum = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+        const __m512 isum = _mm512_sub_ps(_mm512_cvtepi32_ps(s01),
                                           _mm512_mul_ps(_mm512_set1_ps(128.f), sx));
         const __m512 t = _mm512_mul_ps(dw, isum);
         acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[(r0 + r) * nb + b]), acc[r]);
