@@ -39,7 +39,6 @@ import zmq.asyncio
 from kvserve.config import EngineArgs
 from kvserve.engine import tcmalloc
 from kvserve.engine.core_proc import run_engine_core
-from kvserve.engine.errors import EngineDeadError, EngineError, QueueTimeout, StartupConfigError
 from kvserve.engine.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -59,6 +58,7 @@ from kvserve.engine.messages import (
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.requests import context_length_error
 from kvserve.engine.stats import EngineStats
+from kvserve.errors import EngineDeadError, EngineError, QueueTimeout, StartupConfigError
 from kvserve.ha.record import SessionRecord
 from kvserve.kv.events import KVEvent
 from kvserve.model.tokenizer import PromptTooLong, Tokenizer, load_tokenizer

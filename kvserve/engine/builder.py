@@ -15,7 +15,7 @@ import torch
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine import kv_metrics, tcmalloc
 from kvserve.engine.cpu_env import tune_malloc
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager

@@ -41,7 +41,6 @@ import zmq
 
 from kvserve.config import EngineArgs
 from kvserve.engine import kv_metrics
-from kvserve.engine.errors import EngineError
 from kvserve.engine.gc_heap import freeze_startup_heap
 from kvserve.engine.messages import (
     PROTOCOL_VERSION,
@@ -72,6 +71,7 @@ from kvserve.engine.messages import (
     UtilityResult,
 )
 from kvserve.engine.stats import EngineStats
+from kvserve.errors import EngineError
 from kvserve.store.tiered import TieredStore
 
 logger = logging.getLogger("kvserve")

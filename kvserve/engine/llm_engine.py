@@ -15,10 +15,10 @@ from typing import Any
 from kvserve.config import EngineArgs
 from kvserve.engine import kv_metrics
 from kvserve.engine.builder import PARTS, EngineBuilder
-from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import FINISH_ABORT, EngineCoreOutput
 from kvserve.engine.requests import RequestFactory
 from kvserve.engine.stats import EngineStats, KVStats
+from kvserve.errors import EngineError
 from kvserve.ha.record import SessionRecord
 from kvserve.kv.tenant_ledger import Budget
 from kvserve.request import Request, RequestStatus

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.request import Request

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from kvserve.engine.async_llm import RequestStream
-from kvserve.engine.errors import EngineDeadError, EngineError, QueueTimeout
+from kvserve.errors import EngineDeadError, EngineError, QueueTimeout
 from kvserve.sampling import SamplingParams, child_seed
 from kvserve.sampling.guided import check_spec
 from kvserve.server.auth import Principal

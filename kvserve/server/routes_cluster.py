@@ -15,8 +15,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_llm import RequestStream
-from kvserve.engine.errors import EngineError
 from kvserve.engine.messages import AcceptPush, ReadCheckpoint
+from kvserve.errors import EngineError
 from kvserve.ha.record import SessionRecord
 from kvserve.ha.wire import decode_resume
 from kvserve.sampling import SamplingParams

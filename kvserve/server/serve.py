@@ -26,8 +26,8 @@ import uvicorn
 
 from kvserve.config import EngineArgs
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.errors import EngineError, StartupConfigError
 from kvserve.engine.messages import SetTenantBudgets
+from kvserve.errors import EngineError, StartupConfigError
 from kvserve.server.app import build_app
 from kvserve.server.config import ServerConfig
 

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_llm import RequestStream
-from kvserve.engine.errors import EngineDeadError, QueueTimeout
+from kvserve.errors import EngineDeadError, QueueTimeout
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.admission import queue_timeout_error

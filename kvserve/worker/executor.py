@@ -34,7 +34,7 @@ import torch.distributed as dist
 import zmq
 
 from kvserve.config import ParallelConfig, host_port
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.kv.offload import KVSave
 from kvserve.kv.quant import kv_format
 from kvserve.sched.scheduler import SchedulerOutput

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.quant import KVFormat
 from kvserve.model.attention import AttentionMetadata, PrefillChunk

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.kv.cache import TILE, KVCacheSpec
 from kvserve.kv.groups import KVGroups
 from kvserve.kv.quant import KVFormat, kv_format

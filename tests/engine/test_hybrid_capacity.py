@@ -10,7 +10,7 @@ import pytest
 from conftest import VOCAB, build_hf_model
 from helpers import greedy, make_engine, random_prompts, step_finished
 
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.utils import cdiv
 
 WINDOW = 512

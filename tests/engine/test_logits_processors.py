@@ -10,7 +10,7 @@ import torch
 from helpers import make_engine, run_to_end
 
 from kvserve.default_model import DEFAULT_MODEL_DIR
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.sampling import SampleRow, SamplingParams, StructuredSpec, sample
 from kvserve.sampling.processors import process_logits, unpack_bitmask
 

@@ -18,7 +18,7 @@ import torch
 from conftest import build_hf_model
 from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
 
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.model.spec import ModelConfigError, load_model_spec
 from kvserve.worker.parallel import ShardingError, check_shardable
 

@@ -14,7 +14,7 @@ import torch
 from conftest import VOCAB, build_hf_model
 from helpers import ARCHS, MOE_ARCHS, greedy, make_engine, random_prompts, run_to_end
 
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
 from kvserve.model.linear import KernelLinear

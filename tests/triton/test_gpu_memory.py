@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import make_engine
 
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.worker.gpu_memory import plan_kv_memory, profile_forward
 
 GiB = 1024**3

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import greedy, make_engine, random_prompts, run_to_end
 
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 
 PROMPTS = random_prompts([5, 23, 40])
 CUDA = torch.cuda.is_available()  # scripts/gpu_check.sh runs these on a GPU

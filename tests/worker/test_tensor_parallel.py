@@ -21,7 +21,7 @@ import torch
 from helpers import ARCHS, UNSPLIT_ARCHS, greedy, make_engine, random_prompts, run_to_end
 from server_proc import free_port, kill_process
 
-from kvserve.engine.errors import EngineError
+from kvserve.errors import EngineError
 from kvserve.model.spec import load_model_spec
 from kvserve.planner.capacity import PlanInput, plan
 from kvserve.worker.parallel import ShardingError, ShardPlan, check_shardable

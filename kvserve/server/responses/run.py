@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.async_llm import RequestStream
-from kvserve.engine.errors import EngineDeadError, QueueTimeout
+from kvserve.errors import EngineDeadError, QueueTimeout
 from kvserve.sampling import SamplingParams
 from kvserve.server.admission import queue_timeout_error
 from kvserve.server.errors import unavailable
