@@ -26,7 +26,7 @@ def rank_main(rank: int, port: int, shm_path: str, capacity: int) -> None:
     import torch.distributed as dist
 
     from kvserve.model.cpu_kernels import load_cpu_kernels
-    from kvserve.worker.shm import ShmChannel
+    from kvserve.model.shm import ShmChannel
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
@@ -56,8 +56,8 @@ def main() -> None:
     if len(sys.argv) > 1:
         rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
         return
+    from kvserve.model import shm
     from kvserve.model.cpu_kernels import load_cpu_kernels
-    from kvserve.worker import shm
 
     assert load_cpu_kernels()  # built once here, not by both ranks at once
     capacity = shm.capacity_for(2048, HIDDEN)

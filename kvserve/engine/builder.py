@@ -26,6 +26,7 @@ from kvserve.kv.swap import SwapSpace
 from kvserve.model.gguf import resolve_model
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import has_kv_scales, resolve_dtype
+from kvserve.model.parallel import ShardingError, check_shardable
 from kvserve.model.spec import ModelSpec, load_model_spec
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
@@ -37,7 +38,6 @@ from kvserve.worker.inputs import InputBuilder
 from kvserve.worker.loading import ShardBuilder, ShardInputs, smooth_k_applies
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
-from kvserve.worker.parallel import ShardingError, check_shardable
 from kvserve.worker.swap import HostSwap
 
 logger = logging.getLogger("kvserve")

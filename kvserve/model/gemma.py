@@ -20,8 +20,8 @@ from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.llama import Attention, LlamaForCausalLM
 from kvserve.model.mlp import make_mlp
 from kvserve.model.ops import TorchOps
+from kvserve.model.parallel import TPGroup
 from kvserve.model.spec import ModelSpec
-from kvserve.worker.parallel import TPGroup
 
 
 class GemmaRMSNorm(nn.Module):

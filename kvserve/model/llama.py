@@ -4,7 +4,7 @@ Differences between the families are flags on ``ModelSpec``: QKV bias (Qwen2), q
 per head (Qwen3), sliding window (Mistral, handled by the attention metadata), tied
 embeddings. Q/K/V and gate/up projections are fused at load time.
 
-Under tensor parallelism (a ``TPGroup``, ``worker.parallel``) each rank builds the modules
+Under tensor parallelism (a ``TPGroup``, ``model.parallel``) each rank builds the modules
 of its ``ShardPlan``'s sizes: its heads, its intermediate slice, its vocabulary rows; the
 O and down projections' partial sums and the embedding are all-reduced, the logits
 gathered on rank 0 (``compute_logits`` returns None on the other ranks).
@@ -21,9 +21,9 @@ from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.fused_stack import FusedStack
 from kvserve.model.mlp import make_mlp, mlp_weights, our_mlp_name
 from kvserve.model.ops import TorchOps
+from kvserve.model.parallel import ShardPlan, TPGroup
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.model.spec import ModelSpec
-from kvserve.worker.parallel import ShardPlan, TPGroup
 
 
 class RMSNorm(nn.Module):

@@ -16,11 +16,11 @@ from kvserve.model.attention import AttentionBackend
 from kvserve.model.gemma import GemmaForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import TorchOps
+from kvserve.model.parallel import TPGroup
 from kvserve.model.quant_load import QuantLoad, dequantized, int8_names, read_manifest
 from kvserve.model.quantized import row_bytes
 from kvserve.model.spec import ModelConfigError, ModelSpec
 from kvserve.utils import parse_dtype
-from kvserve.worker.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 

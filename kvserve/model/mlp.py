@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.ops import TorchOps
+from kvserve.model.parallel import TPGroup
 from kvserve.model.spec import ModelSpec
-from kvserve.worker.parallel import TPGroup
 
 
 class MLP(nn.Module):

@@ -15,11 +15,11 @@ import torch
 from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.groups import KVGroups
 from kvserve.kv.quant import kv_format
+from kvserve.model.parallel import kv_heads_per_rank
 from kvserve.model.spec import load_model_spec
 from kvserve.planner.hardware import find_accelerator
 from kvserve.planner.presets import PRESETS, ModelShape
 from kvserve.utils import cdiv, format_size, parse_dtype, parse_size
-from kvserve.worker.parallel import kv_heads_per_rank
 
 
 @dataclass(frozen=True)

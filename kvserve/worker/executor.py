@@ -120,7 +120,7 @@ class MultiprocExecutor:
         results = self._bind(self._pull, bind, host)
         self._shm_path = None
         if config.nnodes == 1 and device_for(inp.model_config.device, 0).type == "cpu":
-            from kvserve.worker import shm
+            from kvserve.model import shm
 
             capacity = shm.capacity_for(inp.max_num_batched_tokens, inp.spec.hidden_size)
             self._shm_path = shm.create(self.size, capacity)

@@ -33,12 +33,12 @@ from kvserve.model.linear import prepack_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.ops import CpuKernelOps, TorchOps
+from kvserve.model.parallel import ShardPlan, TPGroup
 from kvserve.model.spec import ModelSpec
 from kvserve.model.triton_backend import TritonPagedAttention, triton_unusable
 from kvserve.utils import cdiv, format_size
 from kvserve.worker.cuda_graphs import CudaCapture, DecodeGraphs, capture_sizes
 from kvserve.worker.gpu_memory import measure_cuda
-from kvserve.worker.parallel import ShardPlan, TPGroup
 
 logger = logging.getLogger("kvserve")
 

@@ -32,10 +32,11 @@ import torch.distributed as dist
 import zmq
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.parallel import ShardPlan, TPGroup
+from kvserve.model.shm import ShmChannel
 from kvserve.worker.loading import ShardBuilder, ShardInputs, rank_kv_spec
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
-from kvserve.worker.parallel import ShardPlan, TPGroup
 from kvserve.worker.protocol import (
     STORE_PREFIX,
     CacheReady,
@@ -50,7 +51,6 @@ from kvserve.worker.protocol import (
     device_for,
     loopback,
 )
-from kvserve.worker.shm import ShmChannel
 from kvserve.worker.swap import HostSwap
 
 logger = logging.getLogger("kvserve")

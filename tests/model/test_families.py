@@ -19,8 +19,8 @@ from conftest import build_hf_model
 from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
 
 from kvserve.errors import EngineError
+from kvserve.model.parallel import ShardingError, check_shardable
 from kvserve.model.spec import ModelConfigError, load_model_spec
-from kvserve.worker.parallel import ShardingError, check_shardable
 
 
 def _config(model_dir: Path, tmp_path: Path, **changes) -> Path:

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.worker.shm import ShmChannel
+from kvserve.model.shm import ShmChannel
 
 SHAPES = [(3,), (8, 576), (1000, 37), (5000,)]  # the last two exceed the 4 KiB capacity
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

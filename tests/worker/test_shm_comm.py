@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.model import shm
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.worker import shm
-from kvserve.worker.shm import ShmChannel
+from kvserve.model.shm import ShmChannel
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

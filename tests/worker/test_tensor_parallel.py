@@ -22,9 +22,9 @@ from helpers import ARCHS, UNSPLIT_ARCHS, greedy, make_engine, random_prompts, r
 from server_proc import free_port, kill_process
 
 from kvserve.errors import EngineError
+from kvserve.model.parallel import ShardingError, ShardPlan, check_shardable
 from kvserve.model.spec import load_model_spec
 from kvserve.planner.capacity import PlanInput, plan
-from kvserve.worker.parallel import ShardingError, ShardPlan, check_shardable
 
 F32 = {"dtype": "float32"}
 

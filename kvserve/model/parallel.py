@@ -18,7 +18,7 @@ cannot be split (more ranks than query heads, KV heads neither a multiple nor a 
 of N).
 
 ``TPGroup`` runs the collectives: over a shared-memory segment for CPU ranks of one
-machine (``worker.shm``, ~100x faster than gloo over loopback), else over the
+machine (``model.shm``, ~100x faster than gloo over loopback), else over the
 ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA). Either way a timeout
 bounds every collective: a dead peer is an error, never a hang.
 """
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvserve.model.shm import ShmChannel
 from kvserve.model.spec import ModelSpec
-from kvserve.worker.shm import ShmChannel
 
 
 class ShardingError(ValueError):
