@@ -6,7 +6,7 @@ The baseline checkout's ``paged_attention.cpp`` (and the headers beside it) is c
 registered as ``torch.ops.kvattn_ab.paged_attention`` and built with the same flags (with
 ``paged_attention_tiles.cpp`` where the checkout has one). The tree's op,
 ``torch.ops.kvserve.paged_attention``, is the other side. ``--layout tiles`` gives each side
-that reads them the engine's tiled bf16 caches (``kv/cache.py``; a checkout without them
+that reads them the engine's tiled bf16 caches (``model/kv_cache.py``; a checkout without them
 gets rows of the same values), and then the outputs must agree to bf16's precision instead
 of bit for bit.
 
@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-from kvserve.kv.cache import tiles_from_rows
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.kernel_build import CFLAGS, LDFLAGS
+from kvserve.model.kv_cache import tiles_from_rows
 
 L, B, HKV, HQ, D, BS = 30, 32, 3, 9, 64, 16
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvserve.kv.cache import TILE
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.kv_cache import TILE
 
 LAYERS, HQ, HKV, D, BS = 30, 9, 3, 64, 16
 

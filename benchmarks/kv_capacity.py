@@ -31,9 +31,9 @@ from tqdm import tqdm
 from kvserve.config import EngineArgs
 from kvserve.default_model import corpus_files, default_model_path
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.kv.cache import KVCacheSpec
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.quant import kv_format
+from kvserve.model.kv_cache import KVCacheSpec
+from kvserve.model.kv_quant import kv_format
 from kvserve.model.spec import load_model_spec
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.kv.quant import KV_CACHE_DTYPES, KV_CACHE_SCALES
+from kvserve.model.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALES
 from kvserve.model_config import ATTENTION_BACKENDS, QUANTIZATION_MODES, ModelConfig, check_choice
 from kvserve.parallel_config import ParallelConfig, host_port, torchrun_env
 from kvserve.utils import DTYPE_NAMES, parse_size
@@ -46,9 +46,9 @@ class CacheConfig:
     ``swap_space`` (bytes) bounds the host memory holding swapped-out requests' K/V; it is
     taken only while requests are swapped out (0 disables swapping).
     ``kv_cache_smooth_k``: an int8 or token-scale fp8 cache stores keys less their layer's
-    mean key, calibrated at start (``kvserve.kv.smoothing``); no effect on other caches.
+    mean key, calibrated at start (``kvserve.model.kv_smoothing``); no effect on other caches.
     ``kv_layout``: ``hybrid`` gives a model with sliding and global layers one block table
-    per group of layers (``kvserve.kv.groups``), so sliding layers hold only their window;
+    per group of layers (``kvserve.model.kv_groups``), so sliding layers hold only their window;
     ``uniform`` one table for every layer; ``auto`` is hybrid for such a model unless a
     feature not yet wired for it is on (a cluster).
     """

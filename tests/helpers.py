@@ -96,7 +96,7 @@ def filled_quantized_cache(fmt: str, num_slots: int, g: torch.Generator):
     """A ``QuantizedKVCache`` (2 KV heads, head dim 64) of format ``fmt`` (a kv-cache
     dtype; ``…@head`` for fp8 with per-head scales, which are set first) with every slot
     written from random K (×3) and V."""
-    from kvserve.kv.quant import QuantizedKVCache, kv_format
+    from kvserve.model.kv_quant import QuantizedKVCache, kv_format
 
     hkv, d = 2, 64
     name, _, scales = fmt.partition("@")

@@ -20,10 +20,10 @@ from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import KVOffloader
-from kvserve.kv.quant import kv_format
-from kvserve.kv.smoothing import calibration_ids
 from kvserve.kv.swap import SwapSpace
 from kvserve.model.gguf import resolve_model
+from kvserve.model.kv_quant import kv_format
+from kvserve.model.kv_smoothing import calibration_ids
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import has_kv_scales, resolve_dtype
 from kvserve.model.parallel import ShardingError, check_shardable

@@ -25,11 +25,11 @@ from kvserve.engine.stats import (
 if TYPE_CHECKING:
     from kvserve.ha.prewarm import Prewarmer
     from kvserve.ha.replicator import Replicator
-    from kvserve.kv.cache import KVCacheSpec
     from kvserve.kv.manager import KVCacheManager
     from kvserve.kv.offload import KVOffloader
-    from kvserve.kv.quant import KVFormat
     from kvserve.kv.swap import SwapSpace
+    from kvserve.model.kv_cache import KVCacheSpec
+    from kvserve.model.kv_quant import KVFormat
     from kvserve.sched.cost import PreemptionCostModel
     from kvserve.sched.scheduler import Scheduler
 

@@ -1,4 +1,4 @@
-"""Prefix-cache hits in the hybrid KV layout (kv/groups.py): a group's page is named by
+"""Prefix-cache hits in the hybrid KV layout (model/kv_groups.py): a group's page is named by
 the block hash and the group, and a hit needs a global group's every page but a sliding
 group's pages only where its window still sees them."""
 

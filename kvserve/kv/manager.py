@@ -14,7 +14,7 @@ always left to compute, because the step that computes it produces the next toke
 Sliding windows: ``free_outside_windows`` returns blocks no future query can attend to
 (except attention-sink blocks) and puts the pool's null block in their table slots.
 
-Hybrid layout (``groups``, kv/groups.py): a request has one block table per group over the
+Hybrid layout (``groups``, model/kv_groups.py): a request has one block table per group over the
 one pool, all of the same length (a logical block ``i`` has one page in each group). A
 sliding group's pages leave as its window passes (``free_outside_windows``); a global
 group keeps them. Prefix caching names a group's page by the block hash and the group
@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.groups import KVGroups
 from kvserve.kv.hashing import BlockHash, hash_blocks, root_hash
 from kvserve.kv.hybrid_prefix import find_hybrid_prefix, group_hash
 from kvserve.kv.tenant_ledger import TenantLedger
+from kvserve.model.kv_groups import KVGroups
 from kvserve.request import Request
 from kvserve.utils import cdiv
 

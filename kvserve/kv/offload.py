@@ -41,7 +41,7 @@ _FETCH_CHUNK = 32  # blocks per store round trip when loading
 @dataclass(frozen=True)
 class KVSave:
     """A full block to store: its key (chained hash), its device page in each KV group
-    (one block when uniform: kv/groups.py) and token ids. Stored blocks hold every layer
+    (one block when uniform: model/kv_groups.py) and token ids. Stored blocks hold every layer
     in layer order whatever the layout, so either layout reads them."""
 
     key: bytes

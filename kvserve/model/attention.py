@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvserve.kv.cache import rows_per_block
-from kvserve.kv.quant import QuantizedKVCache
+from kvserve.model.kv_cache import rows_per_block
+from kvserve.model.kv_quant import QuantizedKVCache
 
 KVCache = torch.Tensor | QuantizedKVCache  # one layer's cache
 
@@ -61,7 +61,7 @@ class AttentionMetadata:
     query_start: torch.Tensor | None = None  # [seqs + 1] first token row of each sequence
     # masks a backend with its own window built for this step (TorchPagedAttention.for_window)
     window_masks: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
-    # the hybrid KV layout (kv/groups.py): groups 1, 2, …'s metadata, over their own block
+    # the hybrid KV layout (model/kv_groups.py): groups 1, 2, …'s metadata, over their own block
     # tables (this object is group 0's); empty when every layer shares one table
     groups: list[AttentionMetadata] = field(default_factory=list)
 
@@ -125,7 +125,7 @@ class TorchPagedAttention:
     """
 
     dense_masks = True  # reads ``decode_mask`` and ``PrefillChunk.mask``
-    tiled = False  # reads caches of rows only (kv/cache.py)
+    tiled = False  # reads caches of rows only (model/kv_cache.py)
 
     def __init__(self, block_size: int, own_window: int | None = None):
         self.block_size = block_size
@@ -254,7 +254,7 @@ class CpuPagedAttention(TorchPagedAttention):
     determinism rule, ``csrc/paged_attention.cpp``). Needs ``seq_block_tables``,
     ``seq_lens`` and ``query_start`` in the metadata. Construct only after
     ``load_cpu_kernels()`` returned True, for a head dim in ``CPU_KERNEL_HEAD_DIMS``.
-    ``tiled``: the engine allocates caches in the tiled layout (``kv/cache.py``: bf16, or
+    ``tiled``: the engine allocates caches in the tiled layout (``model/kv_cache.py``: bf16, or
     8-bit codes with per-token scales), which the kernel reads without re-laying out a
     cell's K and V on every step; either layout is written and read by shape, so the flag
     only tells the allocator.
@@ -268,7 +268,7 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(block_size)
         self.window = sliding_window or 0
         self.sinks = sinks
-        # caches in the tiled layout (kv/cache.py), read in place by the kernel
+        # caches in the tiled layout (model/kv_cache.py), read in place by the kernel
         self.tiled = tiled
 
     def for_window(self, window: int) -> CpuPagedAttention:

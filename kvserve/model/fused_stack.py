@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvserve.kv.quant import QuantizedKVCache
 from kvserve.model.attention import AttentionMetadata, CpuPagedAttention
+from kvserve.model.kv_quant import QuantizedKVCache
 from kvserve.model.linear import KernelGateUpSilu, KernelLinear
 from kvserve.model.ops import CpuKernelOps
 from kvserve.model.quantized import GGUFLinear

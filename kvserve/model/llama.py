@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kv.groups import KVGroups
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
 from kvserve.model.fused_stack import FusedStack
+from kvserve.model.kv_groups import KVGroups
 from kvserve.model.mlp import make_mlp, mlp_weights, our_mlp_name
 from kvserve.model.ops import TorchOps
 from kvserve.model.parallel import ShardPlan, TPGroup

@@ -3,7 +3,7 @@ KV blocks (no gathered context, no dense mask), for CUDA (and AMD) GPUs; Triton'
 interpreter (``TRITON_INTERPRET=1``, set before this module is imported) runs the same
 kernels on CPU tensors, which is how the tests check them.
 
-Cache layout: rows (``kv/cache.py``): K and V each ``[slots, kv_heads, head_dim]``, slot =
+Cache layout: rows (``model/kv_cache.py``): K and V each ``[slots, kv_heads, head_dim]``, slot =
 block id * block_size + offset; 16/32-bit, or int8/fp8 codes with per-token scales
 ``[slots, kv_heads]`` float16 or per-head scales ``[kv_heads]`` float32.
 

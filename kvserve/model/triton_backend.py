@@ -15,8 +15,8 @@ import importlib.util
 
 import torch
 
-from kvserve.kv.quant import QuantizedKVCache
 from kvserve.model.attention import AttentionMetadata, KVCache, TorchPagedAttention, kv_tensors
+from kvserve.model.kv_quant import QuantizedKVCache
 from kvserve.model.triton_mode import interpreting
 
 TRITON_MAX_HEAD_DIM = 256

@@ -1,6 +1,6 @@
 """Triton KV writes (``reshape_and_cache``): a step's new K/V rows stored at their slots,
 copied into a 16/32-bit cache or quantized into int8/fp8 codes with per-token float16
-scales (``kv/quant.py``'s formats and arithmetic, with its K shift). One program per
+scales (``model/kv_quant.py``'s formats and arithmetic, with its K shift). One program per
 (token, KV head); a negative slot is skipped (a padded row).
 
 An fp8 row takes, of the candidate scales ``amax / qmax * steps[c]``, the one whose
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kv.quant import QuantizedKVCache
+from kvserve.model.kv_quant import QuantizedKVCache
 
 _F16_TINY = tl.constexpr(6.103515625e-05)  # float16's smallest normal
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kv.cache import KVCacheSpec
-from kvserve.kv.groups import KVGroups
-from kvserve.kv.quant import kv_format
+from kvserve.model.kv_cache import KVCacheSpec
+from kvserve.model.kv_groups import KVGroups
+from kvserve.model.kv_quant import kv_format
 from kvserve.model.parallel import kv_heads_per_rank
 from kvserve.model.spec import load_model_spec
 from kvserve.planner.hardware import find_accelerator

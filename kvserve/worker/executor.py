@@ -36,7 +36,7 @@ import zmq
 from kvserve.config import ParallelConfig, host_port
 from kvserve.errors import EngineError
 from kvserve.kv.offload import KVSave
-from kvserve.kv.quant import kv_format
+from kvserve.model.kv_quant import kv_format
 from kvserve.sched.scheduler import SchedulerOutput
 from kvserve.store import serde
 from kvserve.store.tiered import TieredStore

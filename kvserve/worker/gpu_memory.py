@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.errors import EngineError
-from kvserve.kv.cache import KVCacheSpec
-from kvserve.kv.quant import KVFormat
 from kvserve.model.attention import AttentionMetadata, PrefillChunk
+from kvserve.model.kv_cache import KVCacheSpec
+from kvserve.model.kv_quant import KVFormat
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.utils import cdiv, format_size
 

@@ -18,10 +18,6 @@ import torch
 
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.errors import EngineError
-from kvserve.kv.cache import TILE, KVCacheSpec
-from kvserve.kv.groups import KVGroups
-from kvserve.kv.quant import KVFormat, kv_format
-from kvserve.kv.smoothing import key_means
 from kvserve.model.attention import (
     CPU_KERNEL_HEAD_DIMS,
     CpuPagedAttention,
@@ -29,6 +25,10 @@ from kvserve.model.attention import (
 )
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
+from kvserve.model.kv_cache import TILE, KVCacheSpec
+from kvserve.model.kv_groups import KVGroups
+from kvserve.model.kv_quant import KVFormat, kv_format
+from kvserve.model.kv_smoothing import key_means
 from kvserve.model.linear import prepack_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
@@ -59,7 +59,7 @@ class ShardInputs:
     max_num_batched_tokens: int
     window: int | None
     attention_sinks: int
-    calibration_ids: tuple[int, ...] = ()  # K smoothing's calibration text (kv/smoothing.py)
+    calibration_ids: tuple[int, ...] = ()  # K smoothing's calibration text (model/kv_smoothing.py)
     max_num_seqs: int = 256  # sizes the CUDA graphs' buckets
 
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.kv.cache import block_tensors
-from kvserve.kv.quant import QuantizedKVCache
+from kvserve.model.kv_cache import block_tensors
+from kvserve.model.kv_quant import QuantizedKVCache
 from kvserve.store import serde
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ _DTYPE_NAMES = {
 
 
 class KVTransfer:
-    """``layer_group``: each layer's KV group in the hybrid layout (kv/groups.py; None:
+    """``layer_group``: each layer's KV group in the hybrid layout (model/kv_groups.py; None:
     uniform). A stored block holds every layer's rows in layer order either way, a layer's
     taken from its group's page."""
 

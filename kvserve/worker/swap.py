@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.kv.cache import block_tensors
+from kvserve.model.kv_cache import block_tensors
 
 if TYPE_CHECKING:
     from kvserve.worker.inputs import WorkerStep

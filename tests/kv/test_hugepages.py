@@ -12,8 +12,8 @@ import torch
 
 from kvserve import hugepages
 from kvserve.hugepages import HUGE_PAGE, MIN_BYTES, huge_arena, huge_zeros
-from kvserve.kv.cache import KVCacheSpec
-from kvserve.kv.quant import kv_format
+from kvserve.model.kv_cache import KVCacheSpec
+from kvserve.model.kv_quant import kv_format
 
 CPU = torch.device("cpu")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kv.cache import KVCacheSpec
-from kvserve.kv.groups import KVGroups
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.quant import kv_format
+from kvserve.model.kv_cache import KVCacheSpec
+from kvserve.model.kv_groups import KVGroups
+from kvserve.model.kv_quant import kv_format
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
 from kvserve.utils import cdiv

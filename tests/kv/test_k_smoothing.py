@@ -1,4 +1,4 @@
-"""K smoothing (``kvserve.kv.smoothing``): an int8 / token-scale fp8 cache stores keys less
+"""K smoothing (``kvserve.model.kv_smoothing``): an int8 / token-scale fp8 cache stores keys less
 their layer's mean key. The C++ write and the PyTorch write store the same codes; the
 shift leaves attention's softmax where it was and shrinks the quantization error of keys
 with per-channel offsets; the engine calibrates the same shift every start, only for
@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers import make_engine, random_prompts, run_counting
 
-from kvserve.kv.quant import QuantizedKVCache, kv_format
-from kvserve.kv.smoothing import calibration_ids, key_means
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.kv_quant import QuantizedKVCache, kv_format
+from kvserve.model.kv_smoothing import calibration_ids, key_means
 
 H, D, SLOTS = 3, 64, 256
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")

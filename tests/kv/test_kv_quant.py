@@ -19,8 +19,8 @@ from helpers import ARCHS, MOE_ARCHS, greedy, make_engine, random_prompts, run_t
 from safetensors.torch import load_file, save_file
 
 from kvserve.default_model import corpus_files, default_model_path
-from kvserve.kv.cache import KVCacheSpec
-from kvserve.kv.quant import QuantizedKVCache, kv_format
+from kvserve.model.kv_cache import KVCacheSpec
+from kvserve.model.kv_quant import QuantizedKVCache, kv_format
 from kvserve.sampling import SamplingParams
 
 REL_ERR_BOUND = {"int8": 0.01, "fp8_e4m3": 0.04, "fp8_e5m2": 0.08}

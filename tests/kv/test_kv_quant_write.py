@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kv import quant
-from kvserve.kv.quant import QuantizedKVCache, kv_format
+from kvserve.model import kv_quant as quant
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.kv_quant import QuantizedKVCache, kv_format
 
 
 @pytest.fixture(autouse=True, scope="module")

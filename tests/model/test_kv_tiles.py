@@ -1,4 +1,4 @@
-"""The tiled layout of plain bf16 caches (``csrc/kv_tiles.h``, ``kv/cache.py``): written by
+"""The tiled layout of plain bf16 caches (``csrc/kv_tiles.h``, ``model/kv_cache.py``): written by
 ``write_kv`` as ``tiles_from_rows`` permutes, read by its own attention kernels (spans of
 four cells per softmax update, on AVX-512 or on AMX tiles) correctly and batch-invariantly,
 never a source of another sequence's stale values, and a different stored format from
@@ -14,8 +14,14 @@ from helpers import amx_switched, attention_reference, paged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.kv.cache import TILE, KVCacheSpec, block_tensors, rows_from_tiles, tiles_from_rows
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.kv_cache import (
+    TILE,
+    KVCacheSpec,
+    block_tensors,
+    rows_from_tiles,
+    tiles_from_rows,
+)
 
 AMX = load_cpu_kernels() and bool(torch.ops.kvserve.attention_amx())
 # bf16 tiles have two kernels: AVX-512-BF16 spans, and AMX tiles where the CPU has them; on

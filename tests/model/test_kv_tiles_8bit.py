@@ -11,10 +11,16 @@ from helpers import attention_reference, paged_batch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvserve.kv.cache import TILE, KVCacheSpec, block_tensors, rows_from_tiles, tiles_from_rows
-from kvserve.kv.quant import QuantizedKVCache, kv_format
 from kvserve.model.attention import CpuPagedAttention
 from kvserve.model.cpu_kernels import load_cpu_kernels
+from kvserve.model.kv_cache import (
+    TILE,
+    KVCacheSpec,
+    block_tensors,
+    rows_from_tiles,
+    tiles_from_rows,
+)
+from kvserve.model.kv_quant import QuantizedKVCache, kv_format
 
 DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
 

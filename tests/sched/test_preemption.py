@@ -66,10 +66,10 @@ def test_preempted_requests_finish_with_the_unpreempted_tokens(llama_dir, expect
 def test_swap_preserves_kv_bytes_and_the_null_blocks():
     """Round trip through the swap space into different blocks: bit-identical K/V (int8
     data and scales included), null-block table entries kept as such."""
-    from kvserve.kv.quant import kv_format
+    from kvserve.model.kv_quant import kv_format
 
     fmt = kv_format("int8", torch.float32)
-    from kvserve.kv.cache import KVCacheSpec
+    from kvserve.model.kv_cache import KVCacheSpec
 
     spec = KVCacheSpec.for_format(2, 2, 8, fmt, 4)
     caches = spec.allocate(10, torch.device("cpu"), fmt)

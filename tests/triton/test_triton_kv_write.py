@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kv.quant import QuantizedKVCache, kv_format
+from kvserve.model.kv_quant import QuantizedKVCache, kv_format
 from kvserve.model.triton_kv_write import write_kv, write_quantized
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.hugepages import huge_zeros
-from kvserve.kv.groups import KVGroups
-from kvserve.kv.quant import TILE, KVFormat, QuantizedKVCache
+from kvserve.model.kv_groups import KVGroups
+from kvserve.model.kv_quant import TILE, KVFormat, QuantizedKVCache
 
 _TOKEN_SCALE_BYTES = 2  # float16 per (token, KV head) for int8
 
@@ -27,7 +27,7 @@ class KVCacheSpec:
 
     ``dtype`` is the stored element type; ``scale`` is the quantization scale granularity
     (``none``, ``token``: one float16 per token and KV head, ``head``: per layer and head,
-    negligible and not counted per token). ``groups`` (the hybrid layout, kv/groups.py):
+    negligible and not counted per token). ``groups`` (the hybrid layout, model/kv_groups.py):
     a block holds ``groups.group_size`` layers, not all of them.
     """
 

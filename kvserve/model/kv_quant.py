@@ -15,7 +15,7 @@ model dtype.
   checkpoint's ``k_scale``/``v_scale`` when present, else 1.0, or calibrated from the first
   forward pass (``calculate_kv_scales``: ``scale = max|x| / fp8_max``).
 
-K smoothing (token scales only, ``kvserve.kv.smoothing``): a cache with a ``k_shift``
+K smoothing (token scales only, ``kvserve.model.kv_smoothing``): a cache with a ``k_shift``
 (``[H, D]`` float32, the layer's mean key) stores ``k - k_shift`` in place of ``k``. A
 query's scores then all move by the same ``q · k_shift``, which softmax ignores, while
 the stored vectors lose the large per-channel offsets that set their scales. Readers of
@@ -38,7 +38,7 @@ KV_CACHE_DTYPES = ("auto", *_PLAIN, *_FP8, "int8")
 # with 2 mantissa bits the search made SmolLM2's perplexity worse (+1.96 % → +2.23 %).
 FP8_SCALE_CANDIDATES = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 1}
 _SEARCH_TOKENS = 2048  # tokens per search call off the CPU kernel (C copies each)
-TILE = 16  # slots per tile of a tiled cache (kv/cache.py, csrc/kv_tiles.h)
+TILE = 16  # slots per tile of a tiled cache (model/kv_cache.py, csrc/kv_tiles.h)
 _KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # quantize_kv's
 
 
@@ -88,7 +88,7 @@ class QuantizedKVCache:
 
     ``tiled`` (per-token scales, the CPU kernels only): ``data`` ``[2, slots / 16, H, 16, D]``
     and ``scale`` ``[2, slots / 16, H, 16]``, the order the attention kernel reads
-    (``kv/cache.py``); only ``write_cpu`` writes it and only the C++ kernel reads it.
+    (``model/kv_cache.py``); only ``write_cpu`` writes it and only the C++ kernel reads it.
 
     ``calibrating`` (fp8 only): the next ``write`` first sets the per-head scales from the
     values it is given, then clears the flag.
@@ -121,7 +121,7 @@ class QuantizedKVCache:
 
     def sharing_rows(self) -> QuantizedKVCache:
         """Another layer's cache over the same slots (a hybrid layout's layers at one
-        position of their groups: kv/groups.py): the same codes and per-token scales, its
+        position of their groups: model/kv_groups.py): the same codes and per-token scales, its
         own per-head scales, K shift and calibration flag."""
         other = object.__new__(QuantizedKVCache)
         other.__dict__.update(self.__dict__)
