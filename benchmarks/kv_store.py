@@ -160,9 +160,9 @@ def run_throughput(a: argparse.Namespace) -> dict:
     import redis
     import torch
 
-    from kvserve.kv.offload import KVOffloader
     from kvserve.store import serde
     from kvserve.store.host import HostStore
+    from kvserve.store.offloader import KVOffloader
     from kvserve.store.redis_store import RedisStore
     from kvserve.store.tiered import TieredStore
 

@@ -19,7 +19,6 @@ from kvserve.errors import EngineError
 from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import model_fingerprint
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.offload import KVOffloader
 from kvserve.kv.swap import SwapSpace
 from kvserve.model.gguf import resolve_model
 from kvserve.model.kv_quant import kv_format
@@ -32,6 +31,7 @@ from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
+from kvserve.store.offloader import KVOffloader
 from kvserve.utils import format_size, resolve_device
 from kvserve.worker.executor import MultiprocExecutor
 from kvserve.worker.inputs import InputBuilder

@@ -26,12 +26,12 @@ if TYPE_CHECKING:
     from kvserve.ha.prewarm import Prewarmer
     from kvserve.ha.replicator import Replicator
     from kvserve.kv.manager import KVCacheManager
-    from kvserve.kv.offload import KVOffloader
     from kvserve.kv.swap import SwapSpace
     from kvserve.model.kv_cache import KVCacheSpec
     from kvserve.model.kv_quant import KVFormat
     from kvserve.sched.cost import PreemptionCostModel
     from kvserve.sched.scheduler import Scheduler
+    from kvserve.store.offloader import KVOffloader
 
 WINDOWS = {"1m": 60, "5m": 300, "1h": 3600}
 

@@ -33,7 +33,7 @@ from kvserve.ha.record import SessionRecord
 from kvserve.store import serde
 
 if TYPE_CHECKING:
-    from kvserve.kv.offload import KVOffloader
+    from kvserve.store.offloader import KVOffloader
 
 logger = logging.getLogger("kvserve")
 _LEN = struct.Struct(">I")

@@ -22,7 +22,7 @@ group keeps them. Prefix caching names a group's page by the block hash and the 
 logical block) needs a global group's every page but a sliding group's pages only within
 its window of the hit's end. Swap moves a request's pages as one list, group after group
 (``swap_table``; a restore rebuilds the groups' tables from it); the KV store stores a
-logical block's pages as one block of every layer (kv/offload.py).
+logical block's pages as one block of every layer (store/offloader.py).
 
 Tenants: every block a request takes is charged to its tenant in the ``TenantLedger``
 (see there for the rule); ``allocate_slots`` refuses what would push a tenant past its

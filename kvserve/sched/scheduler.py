@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import POOL, KVCacheManager
-from kvserve.kv.offload import KVLoad, KVOffloader
 from kvserve.kv.swap import SwapIn, SwapOut, SwapSpace
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.preemption import PreemptionPolicy
+from kvserve.store.offloader import KVLoad, KVOffloader
 
 RESERVATION = "reservation"  # preempted so a tenant below its reservation gets its blocks
 

@@ -35,10 +35,10 @@ import zmq
 
 from kvserve.config import ParallelConfig, host_port
 from kvserve.errors import EngineError
-from kvserve.kv.offload import KVSave
 from kvserve.model.kv_quant import kv_format
 from kvserve.sched.scheduler import SchedulerOutput
 from kvserve.store import serde
+from kvserve.store.offloader import KVSave
 from kvserve.store.tiered import TieredStore
 from kvserve.utils import format_size
 from kvserve.worker.inputs import InputBuilder, WorkerStep

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.offload import KVLoad
 from kvserve.kv.swap import SwapIn, SwapOut
 from kvserve.model.attention import AttentionMetadata, PrefillChunk, visible
 from kvserve.request import Request
 from kvserve.sampling import SampleRow
 from kvserve.sched.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.store.offloader import KVLoad
 
 
 @dataclass

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kv.offload import KVSave
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.sampling import sample, token_logprobs
 from kvserve.sched.scheduler import SchedulerOutput
+from kvserve.store.offloader import KVSave
 from kvserve.store.tiered import TieredStore
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.inputs import InputBuilder, StepInputs, WorkerStep

@@ -24,7 +24,7 @@ from kvserve.model.kv_quant import QuantizedKVCache
 from kvserve.store import serde
 
 if TYPE_CHECKING:
-    from kvserve.kv.offload import KVLoad, KVSave
+    from kvserve.store.offloader import KVLoad, KVSave
     from kvserve.store.tiered import TieredStore
 
 _DTYPE_NAMES = {

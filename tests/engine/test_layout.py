@@ -1,6 +1,6 @@
-"""The package's shape: no import cycles (counting imports inside functions and under
-TYPE_CHECKING), files of one job (no module over 500 lines, the engine core's
-``llm_engine.py`` at most 300)."""
+"""The package's shape: no import cycles between modules (counting imports inside functions
+and under TYPE_CHECKING) nor between packages, ``kv/`` bookkeeping only, files of one job
+(no module over 500 lines, the engine core's ``llm_engine.py`` at most 300)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,46 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles():
     assert _cycle(_imports(_modules())) is None
+
+
+def _packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between packages (``kvserve.kv``; a top-level module is its own entry):
+    A -> B when some module of A imports one of B."""
+
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2])
+
+    packages: dict[str, set[str]] = {package(m): set() for m in graph}
+    for module, targets in graph.items():
+        packages[package(module)].update(package(t) for t in targets)
+    for name, targets in packages.items():
+        targets.discard(name)
+    return packages
+
+
+def test_no_package_cycles():
+    """Packages form layers (model below kv below store below sched below worker below
+    engine below server below router): a cycle would let each of them reach any other."""
+    assert _cycle(_packages(_imports(_modules()))) is None
+
+
+def test_kv_is_bookkeeping():
+    """``kv/`` holds block tables, hashes and events; the tensors live in ``model/``."""
+    for path in (ROOT / "kv").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            )  # fmt: skip
+            assert not [n for n in names if n.split(".")[0] == "torch"], path.name
+
+
+def test_packages_graph():
+    graph = {"kvserve.kv.a": {"kvserve.model.b"}, "kvserve.model.b": {"kvserve.kv.c"},
+             "kvserve.kv.c": set()}  # fmt: skip
+    assert _packages(graph) == {"kvserve.kv": {"kvserve.model"}, "kvserve.model": {"kvserve.kv"}}
+    assert _cycle(_packages(graph)) == ["kvserve.kv", "kvserve.model", "kvserve.kv"]
 
 
 def test_a_cycle_is_found():
