@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +42,11 @@ from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
 from kvserve.worker.swap import HostSwap
 
+if TYPE_CHECKING:
+    from kvserve.ha.prewarm import Prewarmer
+    from kvserve.ha.replicator import Replicator
+    from kvserve.store.serde import BlockFormat
+
 logger = logging.getLogger("kvserve")
 
 
@@ -57,7 +64,9 @@ PARTS = (
 class EngineBuilder:
     """Builds every part in ``PARTS`` (in dependency order) in ``__init__``."""
 
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, cluster_secret: str | None = None):
+        """``cluster_secret``: authenticates this node's pushes to a standby (a cluster's
+        ``/internal/*`` endpoints); None outside one."""
         self.model_config: ModelConfig = args.model_config()
         self.cache_config: CacheConfig = args.cache_config()
         self.scheduler_config: SchedulerConfig = args.scheduler_config()
@@ -123,7 +132,7 @@ class EngineBuilder:
             self.kv_format, self.kv_spec = executor.kv_format, executor.kv_spec
             num_blocks, dense = executor.num_blocks, executor.dense_masks
         try:
-            self._assemble(args, shard, executor, num_blocks, dense)
+            self._assemble(args, shard, executor, num_blocks, dense, cluster_secret)
         except BaseException:
             if executor is not None:  # no worker processes left behind
                 executor.close()
@@ -136,6 +145,7 @@ class EngineBuilder:
         executor: MultiprocExecutor | None,
         num_blocks: int,
         dense: bool,
+        cluster_secret: str | None,
     ) -> None:
         """Everything after the model: KV manager, runner, swap, store, scheduler."""
         # a row's result depends on nothing but its own inputs (BENCHMARKS.md,
@@ -149,6 +159,11 @@ class EngineBuilder:
             and self.dtype in (torch.bfloat16, torch.float16)
         )
         self.model_fingerprint = model_fingerprint(self.model_dir)
+        if not 0.0 <= args.prewarm_device_fraction <= 1.0:
+            raise EngineError(
+                f"prewarm_device_fraction must be in [0, 1], got {args.prewarm_device_fraction}"
+            )
+        self.kv_events = self._kv_events(args)
         self.kv = KVCacheManager(
             num_blocks,
             self.cache_config.block_size,
@@ -157,12 +172,9 @@ class EngineBuilder:
             reserve_null_block=self.window is not None or self.kv_spec.groups is not None,
             groups=self.kv_spec.groups,
             max_step_tokens=self.scheduler_config.max_num_batched_tokens,
+            warm_limit=int(args.prewarm_device_fraction * num_blocks),
+            events=self.kv_events,
         )
-        if not 0.0 <= args.prewarm_device_fraction <= 1.0:
-            raise EngineError(
-                f"prewarm_device_fraction must be in [0, 1], got {args.prewarm_device_fraction}"
-            )
-        self.kv.pool.warm_limit = int(args.prewarm_device_fraction * self.kv.num_blocks)
         if not self.kv.can_ever_fit(self.max_model_len):
             raise EngineError(
                 f"the KV cache holds {self.kv.capacity_tokens} tokens, fewer than max_model_len "
@@ -171,33 +183,47 @@ class EngineBuilder:
         swap_on = bool(
             self.cache_config.swap_space and self.scheduler_config.preemption_mode != "recompute"
         )
-        inputs_device = self.device if executor is None else torch.device("cpu")
-        inputs = InputBuilder(self.kv, inputs_device, self.window, self.attention_sinks, dense)
-        if executor is not None:
-            executor.start_cache(num_blocks, swap_on, inputs, bool(args.store_config().urls))
-            self.runner: ModelRunner | MultiprocExecutor = executor
-        else:
-            assert shard is not None and self.model is not None
-            caches = shard.allocate(num_blocks)
-            graphs = shard.decode_graphs(caches)
-            self.runner = ModelRunner(self.model, caches, self.device, inputs, graphs)
         # bytes a block copies per token: every layer's, or a hybrid layout's group's
         self.cost_model = PreemptionCostModel(self.kv_spec.bytes_per_block // self.kv.block_size)
         self.cost_model.calibrate_copy(self.device)
         self.swap = None
         if swap_on:
             self.swap = SwapSpace(self.kv_spec.bytes_per_block, self.cache_config.swap_space)
-        if swap_on and isinstance(self.runner, ModelRunner):  # workers make their own
-            self.runner.host_swap = HostSwap(
-                self.runner.kv_caches,
-                self.kv.block_size,
-                self.kv_spec.bytes_per_block,
-                on_copy=self.cost_model.observe_copy,
+        store_names = (
+            (self.model_fingerprint, self.kv_format.name) if self._store_on(args) else None
+        )
+        inputs_device = self.device if executor is None else torch.device("cpu")
+        inputs = InputBuilder(self.kv, inputs_device, self.window, self.attention_sinks, dense)
+        if executor is not None:  # the ranks make their own swap and transfer
+            executor.start_cache(num_blocks, swap_on, inputs, store_names)
+            self.runner: ModelRunner | MultiprocExecutor = executor
+            block_format = executor.block_format if store_names is not None else None
+        else:
+            assert shard is not None and self.model is not None
+            caches = shard.allocate(num_blocks)
+            host_swap = transfer = None
+            if swap_on:
+                host_swap = HostSwap(
+                    caches,
+                    self.kv.block_size,
+                    self.kv_spec.bytes_per_block,
+                    on_copy=self.cost_model.observe_copy,
+                )
+            if store_names is not None:
+                groups = self.kv_spec.groups
+                transfer = KVTransfer(
+                    caches,
+                    self.kv.block_size,
+                    *store_names,
+                    groups.layer_group if groups is not None else None,
+                )
+            graphs = shard.decode_graphs(caches)
+            self.runner = ModelRunner(
+                self.model, caches, self.device, inputs, graphs, host_swap, transfer
             )
-        self.offloader = self._offloader(args)
-        self.kv_events = self._kv_events(args)
-        self.prewarmer = None  # set by _replicator when this node can hold warm replicas
-        self.replicator = self._replicator(args)
+            block_format = transfer.block_format if transfer is not None else None
+        self.offloader = self._offloader(args, block_format)
+        self.prewarmer, self.replicator = self._replicator(args, cluster_secret)
         self.scheduler = Scheduler(
             self.scheduler_config,
             self.kv,
@@ -212,33 +238,34 @@ class EngineBuilder:
         )
         self._log_capacity()
 
-    def _offloader(self, args: EngineArgs) -> KVOffloader | None:
-        store_config = args.store_config()
-        if not store_config.urls:
-            return None
+    def _store_on(self, args: EngineArgs) -> bool:
+        """Whether blocks go to a KV store (``--kv-store``); refuses (EngineError) one
+        without prefix caching."""
+        if not args.store_config().urls:
+            return False
         if not self.cache_config.enable_prefix_caching:
             raise EngineError("--kv-store needs prefix caching (drop --no-prefix-caching)")
+        return True
+
+    def _offloader(
+        self, args: EngineArgs, block_format: Callable[[], BlockFormat] | None
+    ) -> KVOffloader | None:
+        """The KV store's engine side over the tiers of ``--kv-store``; None without one
+        (``block_format``: the runner's, None then)."""
+        if block_format is None:
+            return None
         from kvserve.store.url import open_tiered
+
+        store_config = args.store_config()
 
         store = open_tiered(
             store_config.urls,
             write_policy=store_config.write_policy,
             queue_size=store_config.queue_size,
             namespace=self._namespace(),
+            events=self.kv_events,
         )
         logger.info("KV store tiers: %s", " → ".join(t.name for t in store.tiers))
-        if isinstance(self.runner, MultiprocExecutor):  # the ranks' shards, concatenated
-            self.runner.enable_store(self.model_fingerprint, self.kv_format.name)
-            block_format = self.runner.block_format
-        else:
-            self.runner.kv_transfer = KVTransfer(
-                self.runner.kv_caches,
-                self.kv.block_size,
-                self.model_fingerprint,
-                self.kv_format.name,
-                self.kv_spec.groups.layer_group if self.kv_spec.groups is not None else None,
-            )
-            block_format = self.runner.kv_transfer.block_format
         return KVOffloader(store, self.kv, block_format, store_config.session_ttl)
 
     def _kv_events(self, args: EngineArgs) -> KVEventLog | None:
@@ -246,11 +273,7 @@ class EngineBuilder:
         engine publishes KV events (in a cluster, or with ``--kv-events-port``)."""
         if not args.kv_events_enabled or not self.cache_config.enable_prefix_caching:
             return None
-        log = KVEventLog()
-        self.kv.pool.events = log
-        if self.offloader is not None:
-            self.offloader.host.events = log
-        return log
+        return KVEventLog()
 
     def _namespace(self) -> str:
         """The store's key prefix: model, KV format, block size (and TP size above 1:
@@ -259,11 +282,16 @@ class EngineBuilder:
         base = f"{self.model_fingerprint[:16]}-{self.kv_format.name}-bs{self.kv.block_size}"
         return base if tp == 1 else f"{base}-tp{tp}"
 
-    def _replicator(self, args: EngineArgs):
+    def _replicator(
+        self, args: EngineArgs, cluster_secret: str | None
+    ) -> tuple[Prewarmer | None, Replicator | None]:
+        """This node's pre-warmer (when it can hold warm replicas: a KV store) and
+        replicator; (None, None) outside a cluster. ``cluster_secret`` authenticates the
+        standby pushes."""
         config = args.replication_config()
         self.replication_url = config.cluster
         if config.cluster is None:
-            return None
+            return None, None
         import os
         import socket
 
@@ -272,15 +300,15 @@ class EngineBuilder:
 
         node = config.node_id or f"{socket.gethostname()}:{os.getpid()}"
         coord = Coordinator.from_url(config.cluster)
-        pusher = None
+        pusher = prewarmer = None
         if self.offloader is not None:
             from kvserve.ha.prewarm import Prewarmer
 
-            self.prewarmer = Prewarmer(coord, node, self.kv, self.offloader.store)
+            prewarmer = Prewarmer(coord, node, self.kv, self.offloader.store)
             if "standby" in config.replicate_to:
                 from kvserve.ha.push import StandbyPusher
 
-                pusher = StandbyPusher(coord, self.offloader, secret=None)  # server sets it
+                pusher = StandbyPusher(coord, self.offloader, secret=cluster_secret)
         checkpointer = None
         if "s3" in config.replicate_to:
             from kvserve.ha.checkpoint import Checkpointer
@@ -291,7 +319,7 @@ class EngineBuilder:
                 checkpointer = Checkpointer(self.offloader.store, config.checkpoint_interval)
             except ValueError as e:
                 raise EngineError(str(e)) from None
-        return Replicator(
+        return prewarmer, Replicator(
             coord, node, config.replicate_every, self.kv.block_size, pusher, checkpointer
         )
 

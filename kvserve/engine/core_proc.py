@@ -345,7 +345,7 @@ def run_engine_core(
     try:
         from kvserve.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(args)
+        engine = LLMEngine(args, cluster_secret)
     except Exception as e:  # a misconfiguration: the API server reports it and exits
         if isinstance(e, (ValueError, OSError, EngineError)):  # the user's to fix: no trace
             logger.debug("engine core failed to start", exc_info=True)
@@ -355,8 +355,6 @@ def run_engine_core(
         out.send(enc.encode(StartupFailed(str(e) or repr(e), config)))
         out.close()
         sys.exit(1)
-    if engine.replicator is not None and engine.replicator.pusher is not None:
-        engine.replicator.pusher.secret = cluster_secret
     freeze_startup_heap()  # this process serves until it exits: never unfrozen
     out.send(enc.encode(engine_info(engine)))
     loop = CoreLoop(engine, inp, out, parent_pid)

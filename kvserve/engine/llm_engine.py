@@ -35,8 +35,8 @@ logger = logging.getLogger("kvserve")
 class LLMEngine:
     """Synchronous engine. Not thread-safe: one caller drives ``add_request``/``step``."""
 
-    def __init__(self, args: EngineArgs):
-        parts = EngineBuilder(args)
+    def __init__(self, args: EngineArgs, cluster_secret: str | None = None):
+        parts = EngineBuilder(args, cluster_secret)
         for name in PARTS:
             setattr(self, name, getattr(parts, name))
         self.inputs = RequestFactory(

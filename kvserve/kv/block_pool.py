@@ -35,7 +35,16 @@ NULL_BLOCK = 0
 class BlockPool:
     """Ref-counted block ids ``0 .. num_blocks-1`` with a hash → block prefix index."""
 
-    def __init__(self, num_blocks: int, *, reserve_null_block: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        reserve_null_block: bool = False,
+        warm_limit: int = 0,
+        events: KVEventLog | None = None,
+    ):
+        """``warm_limit``: the most pre-warmed blocks (0: pre-warm off); ``events``: the
+        log of hashes registered and dropped (KV events), None when none is published."""
         first = 1 if reserve_null_block else 0
         if num_blocks - first <= 0:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks - first}")
@@ -46,14 +55,14 @@ class BlockPool:
             self._refs[NULL_BLOCK] = 1  # permanently in use
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, num_blocks))
         self._warm: OrderedDict[int, None] = OrderedDict()  # pre-warmed, oldest first
-        self.warm_limit = 0  # most pre-warmed blocks (0: pre-warm off)
+        self.warm_limit = warm_limit
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._tokens: dict[int, tuple[int, ...]] = {}
         self._index: dict[BlockHash, int] = {}
         self.num_evictions = 0
         self.num_collisions = 0
         self.on_evict: Callable[[int, BlockHash], None] | None = None
-        self.events: KVEventLog | None = None  # hashes registered / dropped (KV events)
+        self.events = events
 
     # ---- sizes ------------------------------------------------------------------------
     @property

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import BlockHash, hash_blocks, root_hash
 from kvserve.kv.hybrid_prefix import find_hybrid_prefix, group_hash
 from kvserve.kv.tenant_ledger import TenantLedger
@@ -79,10 +80,13 @@ class KVCacheManager:
         reserve_null_block: bool = False,
         groups: KVGroups | None = None,
         max_step_tokens: int = 0,
+        warm_limit: int = 0,
+        events: KVEventLog | None = None,
     ):
         """``groups``: the hybrid layout (None or one group: one table per request);
         ``max_step_tokens``: the most tokens one step computes for a request (sizes a
-        sliding group's peak in ``blocks_needed``)."""
+        sliding group's peak in ``blocks_needed``); ``warm_limit`` and ``events``: the
+        block pool's (pre-warmed blocks at most, the KV event log)."""
         self.block_size = block_size
         self.groups = groups if groups is not None and groups.hybrid else None
         # per group: its window (None: keeps every block); one group when uniform
@@ -92,7 +96,9 @@ class KVCacheManager:
         self.max_step_tokens = max_step_tokens
         self.enable_caching = enable_caching
         self.cache_keys = (*cache_keys, f"block_size={block_size}")
-        self.pool = BlockPool(num_blocks, reserve_null_block=reserve_null_block)
+        self.pool = BlockPool(
+            num_blocks, reserve_null_block=reserve_null_block, warm_limit=warm_limit, events=events
+        )
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[list[int]]] = {}  # request id → a table per group
         self._hashes: dict[str, list[BlockHash]] = {}

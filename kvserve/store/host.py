@@ -20,14 +20,17 @@ class HostStore(KVStore):
         self,
         capacity_bytes: int,
         on_evict: Callable[[Key, bytes], None] | None = None,
+        events: KVEventLog | None = None,
     ):
+        """``events``: the log of keys stored and removed (KV events), None when none is
+        published."""
         if capacity_bytes <= 0:
             raise ValueError(f"host store capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.on_evict = on_evict
         self.num_evictions = 0
-        self.events: KVEventLog | None = None
+        self.events = events
         self._data: OrderedDict[Key, bytes] = OrderedDict()
         self._lock = threading.Lock()  # the tiered store's writer thread shares it
 

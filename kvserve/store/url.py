@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import parse_qs, quote, urlsplit, urlunsplit
 
+from kvserve.kv.events import KVEventLog
 from kvserve.store.base import KVStore
 from kvserve.store.file_store import FileStore
 from kvserve.store.host import HostStore
@@ -58,13 +59,14 @@ def with_namespace(url: str, namespace: str | None) -> str:
     return url
 
 
-def open_store(url: str) -> KVStore:
-    """One tier from its URL. Raises ValueError for an unknown scheme or bad parameters."""
+def open_store(url: str, events: KVEventLog | None = None) -> KVStore:
+    """One tier from its URL (a host tier logs its keys to ``events``). Raises ValueError
+    for an unknown scheme or bad parameters."""
     parts = urlsplit(url)
     q = _query(url)
     scheme = parts.scheme
     if scheme == "host":
-        return HostStore(parse_size(q.get("capacity", DEFAULT_HOST_CAPACITY)))
+        return HostStore(parse_size(q.get("capacity", DEFAULT_HOST_CAPACITY)), events=events)
     if scheme == "file":
         if not parts.path:
             raise ValueError(f"{url}: file:// needs a directory path (file:///var/cache/kv)")
@@ -91,6 +93,7 @@ def open_tiered(
     write_policy: str = "write-through",
     queue_size: int = 1024,
     namespace: str | None = None,
+    events: KVEventLog | None = None,
 ) -> TieredStore:
     """The tiered store for ``urls`` in order (a host tier is added in front if missing;
     shared tiers get ``namespace`` as their default key prefix, see ``with_namespace``)."""
@@ -100,7 +103,7 @@ def open_tiered(
     if any(urlsplit(u).scheme == "host" for u in urls[1:]):
         raise ValueError("host:// can only be the first tier")
     return TieredStore(
-        [open_store(with_namespace(u, namespace)) for u in urls],
+        [open_store(with_namespace(u, namespace), events) for u in urls],
         write_policy=write_policy,
         queue_size=queue_size,
     )

@@ -87,7 +87,7 @@ class MultiprocExecutor:
         self._held: set[str] = set()
         self._parts: list[tuple] = []  # each rank's block parts (start_cache)
         self._digest: str | None = None  # the ranks' scales/shift digests (start_cache)
-        self._store_names = ("", "")  # enable_store
+        self._store_names: tuple[str, str] | None = None  # start_cache
         self.comm_seconds = 0.0  # rank 0's time in collectives, after the last step
         self._closed = False
         cache = inp.cache_config
@@ -180,12 +180,18 @@ class MultiprocExecutor:
         return [ready[r] for r in range(self.size)]
 
     def start_cache(
-        self, num_blocks: int, swap: bool, builder: InputBuilder, store: bool = False
+        self,
+        num_blocks: int,
+        swap: bool,
+        builder: InputBuilder,
+        store_names: tuple[str, str] | None = None,
     ) -> None:
         """Every rank allocates ``num_blocks`` KV blocks (and a host swap when ``swap``,
-        and moves blocks to and from a KV store when ``store``); returns when all have."""
+        and moves blocks to and from a KV store when ``store_names`` — the stored blocks'
+        model fingerprint and KV dtype, see ``block_format``); returns when all have."""
         self.builder = builder
-        self._send(InitCache(num_blocks, swap, store))
+        self._store_names = store_names
+        self._send(InitCache(num_blocks, swap, store_names is not None))
         parts: dict[int, tuple] = {}
         digests: dict[int, str | None] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -199,14 +205,11 @@ class MultiprocExecutor:
         self._digest = None if all(d is None for d in ranks) else "/".join(map(str, ranks))
 
     # ---- the KV store -----------------------------------------------------------------
-    def enable_store(self, model_fingerprint: str, kv_dtype: str) -> None:
-        """Name the stored blocks' model and KV dtype (``block_format``)."""
-        self._store_names = (model_fingerprint, kv_dtype)
-
     def block_format(self) -> serde.BlockFormat:
         """How a stored block looks under this tensor-parallel size: per layer the parts
         of every rank (the payload is the ranks' shards in rank order); the KV dtype names
         the size, so a block stored at another size is a clean miss."""
+        assert self._store_names is not None, "block_format() without a KV store"
         model_fingerprint, kv_dtype = self._store_names
         parts = tuple(p for rank_parts in self._parts for p in rank_parts)
         return serde.BlockFormat(

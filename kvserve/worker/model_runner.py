@@ -47,15 +47,19 @@ class ModelRunner:
         device: torch.device,
         builder: InputBuilder | None = None,
         graphs: DecodeGraphs | None = None,
+        host_swap: HostSwap | None = None,
+        kv_transfer: KVTransfer | None = None,
     ):
+        """``host_swap``: copies of swapped-out blocks (with a swap space);
+        ``kv_transfer``: block bytes to and from the KV store (with one)."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.builder = builder
         self.graphs = graphs  # captured decode steps over kv_caches (CUDA)
         self.is_driver = model.tp is None or model.tp.rank == 0  # samples, returns results
-        self.host_swap: HostSwap | None = None  # with a swap space (the builder sets it)
-        self.kv_transfer: KVTransfer | None = None  # with a KV store (the builder sets it)
+        self.host_swap = host_swap
+        self.kv_transfer = kv_transfer
         self.keep_logits = False  # tests set this to inspect raw logits
         self.last_logits: dict[str, torch.Tensor] = {}
         self.prompt_logits: dict[str, list[torch.Tensor]] = {}  # with keep_logits

@@ -48,7 +48,10 @@ class KVTransfer:
         model_fingerprint: str,
         kv_dtype: str,
         layer_group: tuple[int, ...] | None = None,
+        row_slice: tuple[int, int] | None = None,
     ):
+        """``row_slice``: (offset, bytes) of this rank's shard in a stored block's rows
+        under tensor parallelism; None in one process."""
         self.caches = caches
         # per layer, its parts (a hybrid layout's layers share tensors: not deduplicated)
         self._layers = [block_tensors([c], block_size) for c in caches]
@@ -56,7 +59,7 @@ class KVTransfer:
         self._device = self._layers[0][0].device
         parts = tuple((_DTYPE_NAMES[v.dtype], (v.shape[0], *v.shape[2:])) for v in self._layers[0])
         self._base = (model_fingerprint, kv_dtype, block_size, len(caches), parts)
-        self.row_slice: tuple[int, int] | None = None  # (offset, bytes) under TP
+        self.row_slice = row_slice
 
     def block_format(self) -> serde.BlockFormat:
         """The stored format; its digest covers fp8 per-head scales and K smoothing's

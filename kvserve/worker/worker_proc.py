@@ -147,16 +147,16 @@ def _loop(wa: WorkerArgs, store, sub: zmq.Socket, push: zmq.Socket, shard: Shard
         if isinstance(msg, Shutdown):
             return
         if isinstance(msg, InitCache):
-            runner = ModelRunner(shard.model, shard.allocate(msg.num_blocks), shard.device)
+            caches = shard.allocate(msg.num_blocks)
             bs = shard.kv_spec.block_size
-            if msg.swap:
-                runner.host_swap = HostSwap(runner.kv_caches, bs, shard.kv_spec.bytes_per_block)
+            swap = HostSwap(caches, bs, shard.kv_spec.bytes_per_block) if msg.swap else None
             groups = shard.kv_spec.groups
             layer_group = groups.layer_group if groups is not None else None
-            transfer = KVTransfer(runner.kv_caches, bs, "", "", layer_group)
-            if msg.store:
-                transfer.row_slice = _row_slice(shard, wa.rank, wa.world_size)
-                runner.kv_transfer = transfer
+            row_slice = _row_slice(shard, wa.rank, wa.world_size) if msg.store else None
+            transfer = KVTransfer(caches, bs, "", "", layer_group, row_slice)
+            runner = ModelRunner(
+                shard.model, caches, shard.device, None, None, swap, transfer if msg.store else None
+            )
             digest = transfer.block_format().scales_digest
             push.send(pickle.dumps(CacheReady(wa.rank, transfer.parts, digest)))
             continue
