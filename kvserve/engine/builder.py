@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
-from kvserve.engine import kv_metrics, tcmalloc
+from kvserve.engine import tcmalloc
 from kvserve.engine.cpu_env import tune_malloc
+from kvserve.engine.parts import EngineParts
+from kvserve.engine.peak import PeakTracker
 from kvserve.errors import EngineError
 from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import model_fingerprint
@@ -50,19 +52,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvserve")
 
 
-# what an engine takes over from its builder (attribute names on both)
-PARTS = (
-    "model_config", "cache_config", "scheduler_config", "device", "rng", "model_dir", "spec",
-    "tokenizer",
-    "eos_token_ids", "dtype", "max_model_len", "window", "attention_sinks", "model",
-    "kv_format", "kv_spec", "model_fingerprint", "kv", "runner", "cost_model", "swap",
-    "offloader", "prewarmer", "replicator", "replication_url", "scheduler", "peak_usage",
-    "usage_recorder", "kv_events", "batch_invariant",
-)  # fmt: skip
-
-
 class EngineBuilder:
-    """Builds every part in ``PARTS`` (in dependency order) in ``__init__``."""
+    """Builds every part of an engine (in dependency order) in ``__init__``; ``parts()``
+    hands them over as ``EngineParts``."""
 
     def __init__(self, args: EngineArgs, cluster_secret: str | None = None):
         """``cluster_secret``: authenticates this node's pushes to a standby (a cluster's
@@ -231,12 +223,47 @@ class EngineBuilder:
             cost=self.cost_model,
             offloader=self.offloader,
         )
-        self.peak_usage = kv_metrics.PeakTracker()
+        self.peak_usage = PeakTracker()
         obs = args.observability_config()
         self.usage_recorder = (
             UsageRecorder(obs.kv_usage_log, obs.kv_usage_interval) if obs.kv_usage_log else None
         )
         self._log_capacity()
+
+    def parts(self) -> EngineParts:
+        """What was built, for the engine to hold."""
+        return EngineParts(
+            model_config=self.model_config,
+            cache_config=self.cache_config,
+            scheduler_config=self.scheduler_config,
+            device=self.device,
+            rng=self.rng,
+            model_dir=self.model_dir,
+            spec=self.spec,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            window=self.window,
+            attention_sinks=self.attention_sinks,
+            batch_invariant=self.batch_invariant,
+            model=self.model,
+            kv_format=self.kv_format,
+            kv_spec=self.kv_spec,
+            model_fingerprint=self.model_fingerprint,
+            kv=self.kv,
+            runner=self.runner,
+            scheduler=self.scheduler,
+            cost_model=self.cost_model,
+            swap=self.swap,
+            offloader=self.offloader,
+            prewarmer=self.prewarmer,
+            replicator=self.replicator,
+            replication_url=self.replication_url,
+            kv_events=self.kv_events,
+            peak_usage=self.peak_usage,
+            usage_recorder=self.usage_recorder,
+        )
 
     def _store_on(self, args: EngineArgs) -> bool:
         """Whether blocks go to a KV store (``--kv-store``); refuses (EngineError) one

@@ -34,7 +34,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -74,6 +74,10 @@ from kvserve.engine.stats import EngineStats
 from kvserve.errors import EngineError
 from kvserve.store.tiered import TieredStore
 
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.parts import EngineParts
+
 logger = logging.getLogger("kvserve")
 # calls that read or write the KV store's lower tiers: never on the loop
 _IO_CALLS = (ReadCheckpoint, PutRecords, GetRecord, DeleteRecords, GetSession, DeleteSession)
@@ -92,7 +96,7 @@ def _die_with_parent() -> None:
 class CoreLoop:
     """The busy loop around one ``LLMEngine``; ``run`` returns when told to shut down."""
 
-    def __init__(self, engine: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
+    def __init__(self, engine: LLMEngine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
         self.engine = engine
         self.inp = inp
         self.out = out
@@ -290,7 +294,7 @@ def _records(store: TieredStore | None, call: PutRecords | GetRecord | DeleteRec
     return None
 
 
-def kv_state(engine: Any) -> list:
+def kv_state(engine: EngineParts) -> list:
     """KV events that state everything the engine holds now (device pool, host tier)."""
     from kvserve.kv.events import DEVICE, HOST, full_state
 
@@ -300,7 +304,7 @@ def kv_state(engine: Any) -> list:
     return full_state(tiers)
 
 
-def engine_info(engine: Any) -> EngineInfo:
+def engine_info(engine: EngineParts) -> EngineInfo:
     rep = engine.replicator
     return EngineInfo(
         protocol_version=PROTOCOL_VERSION,

@@ -8,9 +8,7 @@ reads a consistent state; nothing here is on the per-token path except
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.stats import (
     EngineStats,
@@ -23,60 +21,9 @@ from kvserve.engine.stats import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.ha.prewarm import Prewarmer
-    from kvserve.ha.replicator import Replicator
-    from kvserve.kv.manager import KVCacheManager
-    from kvserve.kv.swap import SwapSpace
-    from kvserve.model.kv_cache import KVCacheSpec
-    from kvserve.model.kv_quant import KVFormat
-    from kvserve.sched.cost import PreemptionCostModel
-    from kvserve.sched.scheduler import Scheduler
-    from kvserve.store.offloader import KVOffloader
+    from kvserve.engine.parts import EngineParts
 
 WINDOWS = {"1m": 60, "5m": 300, "1h": 3600}
-
-
-class PeakTracker:
-    """Maximum of a value over the last 1m/5m/1h, from per-second maxima."""
-
-    def __init__(self, horizon: int = 3600):
-        self.horizon = horizon
-        self._buckets: deque[list[float]] = deque()  # [second, max]
-
-    def record(self, value: float, now: float | None = None) -> None:
-        sec = int(time.monotonic() if now is None else now)
-        if self._buckets and self._buckets[-1][0] == sec:
-            if value > self._buckets[-1][1]:
-                self._buckets[-1][1] = value
-        else:
-            self._buckets.append([sec, value])
-        while self._buckets and self._buckets[0][0] <= sec - self.horizon:
-            self._buckets.popleft()
-
-    def peak(self, window: float, now: float | None = None) -> float:
-        """The largest value recorded in the last ``window`` seconds (0 if none)."""
-        t = time.monotonic() if now is None else now
-        return max((v for s, v in self._buckets if s > t - window - 1), default=0.0)
-
-
-class EngineParts(Protocol):
-    """What a snapshot reads of an engine (``LLMEngine`` has these)."""
-
-    kv: KVCacheManager
-    scheduler: Scheduler
-    swap: SwapSpace | None
-    offloader: KVOffloader | None
-    replicator: Replicator | None
-    prewarmer: Prewarmer | None
-    peak_usage: PeakTracker
-    cost_model: PreemptionCostModel
-    kv_spec: KVCacheSpec
-    kv_format: KVFormat
-    max_model_len: int
-    window: int | None
-    attention_sinks: int
-    step_seconds: float
-    forward_seconds: float
 
 
 def engine_stats(engine: EngineParts) -> EngineStats:

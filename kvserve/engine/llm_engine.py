@@ -14,8 +14,9 @@ from typing import Any
 
 from kvserve.config import EngineArgs
 from kvserve.engine import kv_metrics
-from kvserve.engine.builder import PARTS, EngineBuilder
+from kvserve.engine.builder import EngineBuilder
 from kvserve.engine.messages import FINISH_ABORT, EngineCoreOutput
+from kvserve.engine.parts import EngineParts
 from kvserve.engine.requests import RequestFactory
 from kvserve.engine.stats import EngineStats, KVStats
 from kvserve.errors import EngineError
@@ -32,13 +33,12 @@ __all__ = ["EngineError", "LLMEngine"]
 logger = logging.getLogger("kvserve")
 
 
-class LLMEngine:
-    """Synchronous engine. Not thread-safe: one caller drives ``add_request``/``step``."""
+class LLMEngine(EngineParts):
+    """Synchronous engine: its parts (``EngineParts``, built by ``EngineBuilder``), the
+    requests it holds and the step loop. Not thread-safe: one caller drives it."""
 
     def __init__(self, args: EngineArgs, cluster_secret: str | None = None):
-        parts = EngineBuilder(args, cluster_secret)
-        for name in PARTS:
-            setattr(self, name, getattr(parts, name))
+        super().__init__(**vars(EngineBuilder(args, cluster_secret).parts()))
         self.inputs = RequestFactory(
             self.tokenizer,
             self.model_config.model,
@@ -50,8 +50,6 @@ class LLMEngine:
             self.rng,
         )
         self.requests: dict[str, Request] = {}
-        self.step_seconds = 0.0  # inside step()
-        self.forward_seconds = 0.0  # inside the model runner (forward + sampling)
 
     def close(self) -> None:
         """Flush the KV store and replication (if any), stop the workers; the end."""

@@ -223,10 +223,10 @@ def prepack_linears(model: nn.Module) -> int:
                 continue
             fusable = own and getattr(parent, "silu_fusable", None) == name
             if fusable and KernelGateUpSilu.accepts(child):
-                setattr(parent, name, KernelGateUpSilu(child))
+                parent.register_module(name, KernelGateUpSilu(child))
                 parent.gate_up_applies_silu = True
             else:
-                setattr(parent, name, _layer_class(child.in_features, own)(child))
+                parent.register_module(name, _layer_class(child.in_features, own)(child))
             count += 1
     tied = getattr(model, "lm_head", None) is None
     if tied and getattr(model, "lm_head_packed", False) is None:  # None: not set yet

@@ -157,7 +157,7 @@ class QuantLoad:
             if not isinstance(old, (nn.Linear, nn.Embedding)):
                 continue
             bias = old.bias if isinstance(old, nn.Linear) else None
-            setattr(parent, leaf, _Pending(sizes[module], bias))
+            parent.register_module(leaf, _Pending(sizes[module], bias))
             self.pending[module] = getattr(parent, leaf)
 
     def take(self, name: str, raw: torch.Tensor, k: int) -> bool:
@@ -185,7 +185,7 @@ class QuantLoad:
                     self.model.lm_head_packed = GGUFLinear(parts)
             else:
                 new = GGUFLinear(_merged(parts), pending.bias)
-            setattr(parent, leaf, new)
+            parent.register_module(leaf, new)
             total += sum(p.nbytes for p in parts)
         if self.pending:
             _release_freed_memory()  # the raw pieces and packing's temporaries

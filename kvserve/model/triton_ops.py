@@ -208,7 +208,7 @@ def make_batch_invariant(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, BatchInvariantLinear(child.weight, child.bias))
+                parent.register_module(name, BatchInvariantLinear(child.weight, child.bias))
                 count += 1
     if hasattr(model, "lm_head_packed") and getattr(model, "lm_head", None) is None:
         model.lm_head_packed = BatchInvariantLinear(model.embed_tokens.weight)

@@ -110,3 +110,60 @@ def test_module_sizes():
     sizes = {name: len(p.read_text().splitlines()) for name, p in _modules().items()}
     assert {n: s for n, s in sizes.items() if s > 500} == {}
     assert sizes["kvserve.engine.llm_engine"] <= 300
+
+
+def _setattr_targets(tree: ast.AST) -> list[str]:
+    """The first argument of every ``setattr(...)`` call, as source."""
+    return [
+        ast.unparse(node.args[0])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        and node.func.id == "setattr" and node.args
+    ]  # fmt: skip
+
+
+def _deep_assignments(tree: ast.AST) -> list[str]:
+    """Assignments into a part of the object or engine at hand (``self.runner.host_swap =
+    …``, ``engine.replicator.pusher.secret = …``), as source."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else []
+        )  # fmt: skip
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute):
+                root = t.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in ("self", "engine"):
+                    found.append(ast.unparse(t))
+    return found
+
+
+def test_no_setattr_wiring():
+    """Parts are built by their constructors: no ``setattr`` anywhere (model surgery goes
+    through ``register_module``; the one exception silences ``torch.nn.init`` while a
+    model is built on the meta device), and the engine assembles nothing into a part
+    after building it."""
+    calls = {
+        name: targets
+        for name, path in _modules().items()
+        if (targets := [t for t in _setattr_targets(ast.parse(path.read_text()))
+                        if t != "torch.nn.init"])
+    }  # fmt: skip
+    assert calls == {}
+    engine = {
+        name: found
+        for name, path in _modules().items()
+        if name.startswith("kvserve.engine.")
+        and (found := _deep_assignments(ast.parse(path.read_text())))
+    }
+    assert engine == {}
+
+
+def test_wiring_checks_find_it():
+    tree = ast.parse(
+        "setattr(self, 'kv', kv)\nself.runner.host_swap = s\nself.kv = kv\nr.request.n = 1\n"
+    )
+    assert _setattr_targets(tree) == ["self"]
+    assert _deep_assignments(tree) == ["self.runner.host_swap"]

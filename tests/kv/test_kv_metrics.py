@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers import greedy, make_engine, random_prompts
 
-from kvserve.engine.kv_metrics import PeakTracker, largest_free_run
+from kvserve.engine.kv_metrics import largest_free_run
+from kvserve.engine.peak import PeakTracker
 from kvserve.engine.stats import TenantStats
 from kvserve.kv.tenant_ledger import Budget
 
