@@ -8,14 +8,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import time
 
 from kvserve.config import KV_LAYOUTS, EngineArgs
-from kvserve.router.config import ROUTING_CHOICES
-from kvserve.server.config import ROLES
-from kvserve.server.tools.parsers import PARSER_NAMES
+from kvserve.flags import add_flags, from_flags
+from kvserve.router.config import RouterConfig
+from kvserve.server.config import ServerConfig
 
 
 def _default_model() -> str:
@@ -72,9 +71,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from kvserve.server.config import ServerConfig
     from kvserve.server.serve import run_server
-    from kvserve.tenants import TenantsConfig
 
     if ns.model is None:
         ns.model = _default_model()
@@ -85,23 +82,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
         logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(message)s")
         return run_headless(parallel)
-    config = ServerConfig(
-        host=ns.host,
-        port=ns.port,
-        served_model_name=ns.served_model_name,
-        api_keys=tuple(ns.api_key or ()),
-        admin_key=ns.admin_key,
-        max_waiting_requests=ns.max_waiting_requests,
-        queue_timeout=ns.queue_timeout,
-        graceful_timeout=ns.graceful_timeout,
-        tenants=TenantsConfig.load(ns.tenants) if ns.tenants else None,
-        cluster_secret=ns.cluster_secret or os.environ.get("KVSERVE_CLUSTER_SECRET"),
-        advertise_url=ns.advertise_url,
-        role=ns.role,
-        tool_call_parser=ns.tool_call_parser,
-        responses_ttl=ns.responses_ttl,
-        responses_max_per_tenant=ns.responses_max_per_tenant,
-    )
+    config = from_flags(ServerConfig, ns)
     if config.tenants is not None and engine_args.prefix_cache_isolation is None:
         # tenants do not learn from one another's TTFT what the others sent
         engine_args = dataclasses.replace(engine_args, prefix_cache_isolation="tenant")
@@ -123,26 +104,9 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _router(ns: argparse.Namespace) -> int:
-    from kvserve.router.config import RouterConfig
     from kvserve.router.serve import run_router
 
-    config = RouterConfig(
-        cluster=ns.cluster,
-        host=ns.host,
-        port=ns.port,
-        cluster_secret=ns.cluster_secret or os.environ.get("KVSERVE_CLUSTER_SECRET"),
-        health_interval=ns.health_interval,
-        stall_timeout=ns.stall_timeout,
-        probe_timeout=ns.probe_timeout,
-        max_failovers=ns.max_failovers,
-        failover_timeout=ns.failover_timeout,
-        registry_grace=ns.registry_grace,
-        graceful_timeout=ns.graceful_timeout,
-        routing=ns.routing,
-        tokenizer=ns.tokenizer,
-        routing_load_weight=ns.routing_load_weight,
-        routing_host_weight=ns.routing_host_weight,
-    )
+    config = from_flags(RouterConfig, ns)
     run_router(config, ns.log_level)
     return 0
 
@@ -280,115 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     EngineArgs.add_cli_args(sv, model_default=None, serve=True)
-    sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    sv.add_argument("--port", type=int, default=8000, help="listen port")
-    sv.add_argument("--served-model-name", default=None, help="model id in the API")
-    sv.add_argument(
-        "--api-key", action="append", help="accepted Bearer key (repeatable; none = open)"
-    )
-    sv.add_argument("--admin-key", default=None, help="Bearer key for /admin/* endpoints")
-    sv.add_argument("--tenants", default=None, help="tenants YAML: API key hashes → tenant")
-    sv.add_argument(
-        "--cluster-secret",
-        default=None,
-        help="secret for /internal/* (or env KVSERVE_CLUSTER_SECRET)",
-    )
-    sv.add_argument(
-        "--advertise-url", default=None, help="URL other cluster members reach this worker at"
-    )
-    sv.add_argument(
-        "--role",
-        default="both",
-        choices=ROLES,
-        help="in a cluster, what routers send here: both (whole requests), prefill (prompts, "
-        "handed to a decode worker after the first token) or decode (default: both)",
-    )
-    sv.add_argument(
-        "--tool-call-parser",
-        default="auto",
-        choices=PARSER_NAMES,
-        help="how tool calls are read out of chat outputs with tool_choice auto: hermes "
-        "(<tool_call> JSON, Qwen/Hermes), llama3_json, mistral ([TOOL_CALLS]), or auto: "
-        "chosen from the chat template (default: auto)",
-    )
-    sv.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=1024,
-        help="queue bound (with --tenants: each tenant's, unless its max_waiting_requests "
-        "says); beyond: 429 with Retry-After",
-    )
-    sv.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may "
-                    "wait for its first output; past them it is aborted and refused with 429 "
-                    "(default: no deadline)")  # fmt: skip
-    sv.add_argument(
-        "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
-    )
-    sv.add_argument("--responses-ttl", type=float, default=86400.0, help="seconds a stored "
-                    "response (/v1/responses, store: true) and its KV are kept")  # fmt: skip
-    sv.add_argument("--responses-max-per-tenant", type=int, default=10000, help="stored "
-                    "responses a tenant keeps on this worker; beyond, its oldest goes")  # fmt: skip
+    add_flags(sv, ServerConfig)
     sv.set_defaults(func=_serve)
 
     rt = sub.add_parser("router", help="OpenAI-compatible front of a cluster (failover)")
-    rt.add_argument("--cluster", required=True, help="coordinator Redis URL (as the workers')")
-    rt.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    rt.add_argument("--port", type=int, default=8080, help="listen port")
-    rt.add_argument(
-        "--cluster-secret", default=None, help="as the workers' (or env KVSERVE_CLUSTER_SECRET)"
-    )
-    rt.add_argument("--health-interval", type=float, default=0.5, help="seconds between probes")
-    rt.add_argument(
-        "--stall-timeout", type=float, default=1.0, help="silence before probing a worker"
-    )
-    rt.add_argument("--probe-timeout", type=float, default=0.5, help="/health probe deadline")
-    rt.add_argument("--max-failovers", type=int, default=3, help="resume attempts per request")
-    rt.add_argument(
-        "--failover-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a failed-over request waits for a routable standby",
-    )
-    rt.add_argument(
-        "--registry-grace",
-        type=float,
-        default=10.0,
-        help="seconds to keep routing to workers while the registry cannot be read",
-    )
-    rt.add_argument(
-        "--graceful-timeout", type=float, default=30.0, help="seconds to finish streams"
-    )
-    rt.add_argument(
-        "--routing",
-        default="auto",
-        choices=ROUTING_CHOICES,
-        help="where a request without a session owner goes: prefix (the worker holding the "
-        "most of its prompt, against load; with the workers' own tokenizer, fetched from "
-        "them, or --tokenizer; least-loaded until the router has one), least-loaded, "
-        "round-robin; auto: prefix (default: auto)",
-    )
-    rt.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="DIR",
-        help="prefix routing: the model's directory (its tokenizer.json), used for the "
-        "workers with its tokenizer instead of fetching theirs (default: fetch each "
-        "model's tokenizer from its workers)",
-    )
-    rt.add_argument(
-        "--routing-load-weight",
-        type=float,
-        default=256.0,
-        help="prefix routing: prompt tokens one open request on a worker is worth "
-        "(default: %(default)s)",
-    )
-    rt.add_argument(
-        "--routing-host-weight",
-        type=float,
-        default=0.8,
-        help="prefix routing: a host-tier hit's worth against a device-pool hit, 0..1 "
-        "(default: %(default)s)",
-    )
+    add_flags(rt, RouterConfig)
     rt.set_defaults(func=_router)
 
     bn = sub.add_parser("bench", help="benchmarks against a running server")

@@ -1,36 +1,62 @@
-"""``kvserve router`` options (CLI flags map one-to-one to these fields)."""
+"""``kvserve router`` options (its flags are these fields, ``flags``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvserve.flags import flag
 
 ROUTING_CHOICES = ("auto", "prefix", "least-loaded", "round-robin")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    cluster: str  # the coordinator's Redis URL (redis://, rediss://, redis+sentinel://)
-    host: str = "127.0.0.1"
-    port: int = 8080
-    cluster_secret: str | None = None  # sent to workers' /internal/* endpoints
-    health_interval: float = 0.5  # seconds between registry reads and /health probes
-    stall_timeout: float = 1.0  # no bytes from a worker for this long → probe it
-    probe_timeout: float = 0.5  # a /health probe slower than this counts as failed
-    max_failovers: int = 3  # resume attempts per request before giving up
-    # seconds a failed-over request waits for a routable standby (one whose /ready probe
-    # failed, say, on a loaded machine) before giving up; waiting uses no attempt
-    failover_timeout: float = 10.0
-    registry_grace: float = 10.0  # keep routing to a worker missing from an unreadable registry
-    graceful_timeout: float = 30.0
-    # placement of requests without a session owner (router.scoring); auto is prefix:
-    # by prefix overlap for workers whose tokenizer the router has (--tokenizer, or taken
-    # from the workers: router.tokenizers), least-loaded until it has one
-    routing: str = "auto"
-    # a model directory: its tokenizer serves the workers with its fingerprint (no fetch
-    # from them); the others' tokenizers are still taken from the workers
-    tokenizer: str | None = None
-    routing_load_weight: float = 256.0  # tokens of prefill one open request is worth
-    routing_host_weight: float = 0.8  # a host-tier hit's worth against a device-pool hit
+    """Each field is the flag of its name, with the help text here."""
+
+    # the coordinator's Redis URL (redis://, rediss://, redis+sentinel://)
+    cluster: str = flag(help="coordinator Redis URL (as the workers')")
+    host: str = flag("127.0.0.1", "bind address")
+    port: int = flag(8080, "listen port")
+    cluster_secret: str | None = flag(
+        None, "as the workers' (or env KVSERVE_CLUSTER_SECRET)", env="KVSERVE_CLUSTER_SECRET"
+    )  # sent to workers' /internal/* endpoints
+    health_interval: float = flag(0.5, "seconds between registry reads and /health probes")
+    stall_timeout: float = flag(1.0, "silence from a worker before probing it")
+    probe_timeout: float = flag(0.5, "/health probe deadline")
+    max_failovers: int = flag(3, "resume attempts per request")
+    # a standby whose /ready probe failed (say, on a loaded machine) may come back;
+    # waiting uses no attempt
+    failover_timeout: float = flag(
+        10.0, "seconds a failed-over request waits for a routable standby"
+    )
+    registry_grace: float = flag(
+        10.0, "seconds to keep routing to workers while the registry cannot be read"
+    )
+    graceful_timeout: float = flag(30.0, "seconds to finish streams")
+    # placement of requests without a session owner (router.scoring); taken from the
+    # workers: router.tokenizers
+    routing: str = flag(
+        "auto",
+        "where a request without a session owner goes: prefix (the worker holding the "
+        "most of its prompt, against load; with the workers' own tokenizer, fetched from "
+        "them, or --tokenizer; least-loaded until the router has one), least-loaded, "
+        "round-robin; auto: prefix",
+        choices=ROUTING_CHOICES,
+    )
+    # the others' tokenizers are still taken from the workers
+    tokenizer: str | None = flag(
+        None,
+        "prefix routing: the model's directory (its tokenizer.json), used for the "
+        "workers with its tokenizer instead of fetching theirs (default: fetch each "
+        "model's tokenizer from its workers)",
+        metavar="DIR",
+    )
+    routing_load_weight: float = flag(
+        256.0, "prefix routing: prompt tokens one open request on a worker is worth"
+    )
+    routing_host_weight: float = flag(
+        0.8, "prefix routing: a host-tier hit's worth against a device-pool hit, 0..1"
+    )
 
     @property
     def routing_policy(self) -> str:

@@ -1,9 +1,10 @@
-"""``kvserve serve`` options beyond the engine's (CLI flags map one-to-one)."""
+"""``kvserve serve`` options beyond the engine's (its flags are these fields, ``flags``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.flags import flag
 from kvserve.server.tools.parsers import PARSER_NAMES
 from kvserve.tenants import TenantsConfig
 
@@ -12,31 +13,63 @@ ROLES = ("both", "prefill", "decode")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """``kvserve serve`` options beyond the engine's (CLI flags map one-to-one)."""
+    """``kvserve serve`` options beyond the engine's; each field is the flag of its name
+    (``--api-key`` for ``api_keys``) with the help text here."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_keys: tuple[str, ...] = ()
-    admin_key: str | None = None
-    max_waiting_requests: int = 1024
+    host: str = flag("127.0.0.1", "bind address")
+    port: int = flag(8000, "listen port")
+    served_model_name: str | None = flag(None, "model id in the API")
+    api_keys: tuple[str, ...] = flag(
+        (), "accepted Bearer key (repeatable; none = open)", name="--api-key", repeat=True,
+        metavar="KEY",
+    )  # fmt: skip
+    admin_key: str | None = flag(None, "Bearer key for /admin/* endpoints")
+    max_waiting_requests: int = flag(
+        1024,
+        "queue bound (with --tenants: each tenant's, unless its max_waiting_requests says); "
+        "beyond: 429 with Retry-After",
+    )
     # seconds a request may go without output (waiting, then its first prefill) before it
     # is aborted and refused with 429 (None: no deadline)
-    queue_timeout: float | None = None
-    graceful_timeout: float = 30.0
-    tenants: TenantsConfig | None = None  # API key → tenant; overrides api_keys
-    cluster_secret: str | None = None  # authenticates /internal/* (header X-Kvserve-Cluster-Secret)
-    advertise_url: str | None = None  # how other cluster members reach this worker
-    # what routers send here: both (whole requests), prefill (prompts, handed off after
-    # the first token) or decode (the continuations); any worker can serve any request
-    role: str = "both"
-    # how tool calls are read out of a chat output: auto (from the chat template), hermes,
-    # llama3_json or mistral
-    tool_call_parser: str = "auto"
+    queue_timeout: float | None = flag(
+        None,
+        "seconds a request may wait for its first output; past them it is aborted and "
+        "refused with 429 (default: no deadline)",
+        kind=float,
+    )
+    graceful_timeout: float = flag(30.0, "seconds to finish streams")
+    # API key → tenant; overrides api_keys
+    tenants: TenantsConfig | None = flag(
+        None, "tenants YAML: API key hashes → tenant", parse=TenantsConfig.load, metavar="FILE"
+    )
+    # authenticates /internal/* (header X-Kvserve-Cluster-Secret)
+    cluster_secret: str | None = flag(
+        None, "secret for /internal/* (or env KVSERVE_CLUSTER_SECRET)",
+        env="KVSERVE_CLUSTER_SECRET",
+    )  # fmt: skip
+    advertise_url: str | None = flag(None, "URL other cluster members reach this worker at")
+    # any worker can serve any request; the role says what routers send it
+    role: str = flag(
+        "both",
+        "in a cluster, what routers send here: both (whole requests), prefill (prompts, "
+        "handed to a decode worker after the first token) or decode",
+        choices=ROLES,
+    )
+    tool_call_parser: str = flag(
+        "auto",
+        "how tool calls are read out of chat outputs with tool_choice auto: hermes "
+        "(<tool_call> JSON, Qwen/Hermes), llama3_json, mistral ([TOOL_CALLS]), or auto: "
+        "chosen from the chat template",
+        choices=PARSER_NAMES,
+    )
     # stored responses (/v1/responses with store): seconds each is kept, and how many one
     # tenant may keep on this worker (beyond: its oldest is removed)
-    responses_ttl: float = 86400.0
-    responses_max_per_tenant: int = 10000
+    responses_ttl: float = flag(
+        86400.0, "seconds a stored response (/v1/responses, store: true) and its KV are kept"
+    )
+    responses_max_per_tenant: int = flag(
+        10000, "stored responses a tenant keeps on this worker; beyond, its oldest goes"
+    )
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:

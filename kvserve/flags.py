@@ -1,0 +1,97 @@
+"""Command-line flags made from a config dataclass's fields.
+
+A field made by ``flag(...)`` carries its help text, choices and how the command line
+spells it; ``add_flags(parser, Config)`` adds one ``--field-name`` per such field and
+``from_flags(Config, namespace)`` builds the config back from the parsed flags. The
+defaults live once, on the dataclass (the parser shows them), so the CLI cannot restate
+them wrongly. ``EngineArgs`` has its own generator (``EngineArgs.add_cli_args``: sizes,
+serve-only fields); ``ServerConfig`` and ``RouterConfig`` use this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_KEY = "kvserve_flag"
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """How one field appears on the command line.
+
+    ``kind``: the value's type where the default (None) does not say it; ``repeat``: the
+    flag may be given again, the field is the tuple of its values; ``env``: the variable
+    read when the flag is absent; ``parse``: turns the flag's text into the field's value
+    (applied by ``from_flags``); ``name``: the flag when it is not ``--field-name``.
+    """
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    kind: type | None = None
+    metavar: str | None = None
+    repeat: bool = False
+    env: str | None = None
+    parse: Callable[[str], Any] | None = None
+    name: str | None = None
+
+
+def flag(default: Any = dataclasses.MISSING, help: str = "", **spec: Any) -> Any:
+    """A dataclass field that is also a flag (``FlagSpec``'s keywords); no default: the
+    flag is required."""
+    return dataclasses.field(default=default, metadata={_KEY: FlagSpec(help, **spec)})
+
+
+def _spec(f: dataclasses.Field) -> FlagSpec | None:
+    return f.metadata.get(_KEY)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per ``flag(...)`` field of ``cls``, its default shown in the help."""
+    for f in dataclasses.fields(cls):
+        spec = _spec(f)
+        if spec is None:
+            continue
+        names = [spec.name or "--" + f.name.replace("_", "-")]
+        if f.default is dataclasses.MISSING:
+            parser.add_argument(*names, dest=f.name, required=True, help=spec.help)
+            continue
+        if spec.repeat:
+            parser.add_argument(
+                *names, dest=f.name, action="append", metavar=spec.metavar, help=spec.help
+            )
+            continue
+        kind = spec.kind or (str if spec.parse or f.default is None else type(f.default))
+        shown = spec.help if f.default in (None, ()) else f"{spec.help} (default: %(default)s)"
+        parser.add_argument(
+            *names,
+            dest=f.name,
+            type=kind,
+            default=None if spec.parse else f.default,
+            choices=spec.choices,
+            metavar=spec.metavar,
+            help=shown,
+        )
+
+
+def from_flags(cls: type, ns: argparse.Namespace) -> Any:
+    """``cls`` from the flags ``add_flags`` added: repeated flags as tuples, an absent
+    flag with ``env`` from that variable, ``parse`` applied to the text given."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        spec = _spec(f)
+        if spec is None:
+            continue
+        value = getattr(ns, f.name)
+        if spec.repeat:
+            value = tuple(value or ())
+        if value is None and spec.env:
+            value = os.environ.get(spec.env)
+        if value is not None and spec.parse is not None:
+            value = spec.parse(value)
+        values[f.name] = value
+    return cls(**values)
