@@ -140,7 +140,7 @@ class EngineBuilder:
         cluster_secret: str | None,
     ) -> None:
         """Everything after the model: KV manager, runner, swap, store, scheduler."""
-        # a row's result depends on nothing but its own inputs (BENCHMARKS.md,
+        # a row's result depends on nothing but its own inputs (benchmarks/history/notebook.md,
         # "Determinism"): the C++ paged attention and oneDNN GEMMs, in bf16/fp16 on CPU.
         # Then a resumed stream restores every stored block of its prompt; otherwise only
         # all of them when they cover the prompt's end, else exactly the prefix its

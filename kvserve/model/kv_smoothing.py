@@ -15,8 +15,8 @@ one forward pass into a scratch 16-bit cache (``key_means``): the same on every 
 with the same model, kvserve and device type. Blocks written under another ``μ`` are
 foreign: the KV store's block format carries a digest of it (``worker/offload.py``).
 
-On SmolLM2-135M-Instruct (BENCHMARKS.md, ninth round) it cut the mean per-token change of
-log-likelihood against a bf16 cache by 12 % for int8 and for fp8_e4m3.
+On SmolLM2-135M-Instruct (benchmarks/history/notebook.md, ninth round) it cut the mean
+per-token change of log-likelihood against a bf16 cache by 12 % for int8 and for fp8_e4m3.
 """
 
 from __future__ import annotations

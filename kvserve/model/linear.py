@@ -12,10 +12,11 @@ own GEMM (``csrc/bf16_gemm.cpp``), 1.2–1.5× oneDNN's speed at decode sizes (M
 oneDNN's call alone costs ~20 µs) and at parity for prefill. Where the CPU also has AMX,
 it runs on AMX tiles (``csrc/bf16_gemm_amx.cpp``): 1.2–1.4× oneDNN's AMX kernels at
 M = 8–256, ~0.85× at M = 2048; with the decoder stack then in one C++ call, a SmolLM2
-decode step is ~30 % shorter there (BENCHMARKS.md, "Twentieth round"). Its rows are batch
-invariant by construction (one accumulator per output, K in order); oneDNN's are not on
-AMX (its sum order there depends on M), so on AMX machines only layers the kernel cannot
-take (odd ``in_features``, float16) keep oneDNN and its last-bit batch dependence.
+decode step is ~30 % shorter there (benchmarks/history/notebook.md, "Twentieth round").
+Its rows are batch invariant by construction (one accumulator per output, K in order);
+oneDNN's are not on AMX (its sum order there depends on M), so on AMX machines only layers
+the kernel cannot take (odd ``in_features``, float16) keep oneDNN and its last-bit batch
+dependence.
 
 ``prepack_linears`` swaps each ``nn.Linear`` of a loaded model for one of the two; it
 applies only to bf16/fp16 weights on a CPU with native kernels for that dtype, and changes

@@ -84,7 +84,7 @@ struct Lines {
 // Lines [i0, i1) of c into L1 (locality 3, prefetcht0), although 4 cells of K and V are as
 // large as a Zen 5 L1 for 3 KV heads of 64 (48 KiB). Measured against locality 1 (L2) on
 // that machine: decode attention from DRAM 5-8 % faster, prefill unchanged; 2 cells ahead
-// gave the same, 6 less (BENCHMARKS.md, tenth round). Used by the rows kernel and for the
+// gave the same, 6 less (benchmarks/history/notebook.md, tenth round). Used by the rows kernel and for the
 // first cells of an item; a tiled decode span spreads its own into L2 instead (Trickle).
 inline void prefetch(const Lines& c, int64_t i0, int64_t i1) {
   for (int64_t i = i0; i < std::min(c.n, i1); ++i) {
