@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +34,7 @@ from kvserve.model.parallel import ShardingError, check_shardable
 from kvserve.model.spec import ModelSpec, load_model_spec
 from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.planner.usage import UsageRecorder
+from kvserve.request import Request
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.scheduler import Scheduler
 from kvserve.store.offloader import KVOffloader
@@ -50,6 +52,18 @@ if TYPE_CHECKING:
     from kvserve.store.serde import BlockFormat
 
 logger = logging.getLogger("kvserve")
+
+
+@dataclass(frozen=True)
+class StoreSaves:
+    """The KV store's saves after a step (``Scheduler.on_blocks_full``): the newly full
+    blocks of the step's requests, serialized by the runner and queued to the store."""
+
+    offloader: KVOffloader
+    runner: ModelRunner | MultiprocExecutor
+
+    def __call__(self, requests: list[Request]) -> None:
+        self.runner.save_blocks(self.offloader.saves_for(requests), self.offloader.store)
 
 
 class EngineBuilder:
@@ -222,6 +236,10 @@ class EngineBuilder:
             swap=self.swap,
             cost=self.cost_model,
             offloader=self.offloader,
+            max_model_len=self.max_model_len,
+            window=self.window,
+            attention_sinks=self.attention_sinks,
+            on_blocks_full=StoreSaves(self.offloader, self.runner) if self.offloader else None,
         )
         self.peak_usage = PeakTracker()
         obs = args.observability_config()

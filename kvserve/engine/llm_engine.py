@@ -25,8 +25,7 @@ from kvserve.kv.tenant_ledger import Budget
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling import SamplingParams
 from kvserve.sched.cost import attention_pairs
-from kvserve.sched.scheduler import ScheduledRequest
-from kvserve.worker.model_runner import StepResult
+from kvserve.sched.output import SchedulerOutput, StepResult, StepUpdate
 
 __all__ = ["EngineError", "LLMEngine"]
 
@@ -164,67 +163,52 @@ class LLMEngine(EngineParts):
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Run one batch. Returns a delta for every request that got a token or finished."""
+        """Run one batch: schedule → execute → update. Returns a delta for every request
+        that got a token or finished."""
         t0 = time.perf_counter()
         outputs = self._drop_fenced()
         sched = self.scheduler.schedule()
         self._observe_usage()
-        if sched.has_copies or not sched.is_empty:  # copies first, then the batch
-            t1 = time.perf_counter()
-            result = self.runner.step(sched)
-            self.forward_seconds += (dt := time.perf_counter() - t1)
-        if not sched.is_empty:
-            assert result is not None
-            chunks = [(s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
-            self.cost_model.observe_step(sched.num_tokens, attention_pairs(chunks), dt)
-            outputs += self._update(sched.scheduled, result)
+        result = self._execute(sched)
+        if result is not None:
+            outputs += self._deltas(self.scheduler.update_from_output(sched, result))
         self.step_seconds += time.perf_counter() - t0
         return outputs
 
-    def _update(
-        self, scheduled: list[ScheduledRequest], result: StepResult
-    ) -> list[EngineCoreOutput]:
-        """Advance each scheduled request by its computed tokens and its sampled token."""
-        starts = []
-        for s in scheduled:
-            starts.append(s.request.num_computed_tokens)
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.request)
-        if (off := self.offloader) is not None:  # before a sliding window frees a block
-            self.runner.save_blocks(off.saves_for([s.request for s in scheduled]), off.store)
-        outputs = []
-        for s, start in zip(scheduled, starts, strict=True):
-            req = s.request
-            self.kv.free_outside_windows(req, self.window, self.attention_sinks)
-            plp = result.prompt_logprobs.get(req.request_id)
-            if plp is not None:  # entries for positions start+1 …; a recompute overwrites
-                if not req.prompt_logprobs:
-                    req.prompt_logprobs.append(None)  # the first token has no context
-                req.prompt_logprobs[start + 1 : start + 1 + len(plp)] = plp
-            token = result.tokens.get(req.request_id)
-            if token is not None:
-                outputs.append(self._append(req, token, result.logprobs.get(req.request_id)))
-        return outputs
+    def _execute(self, sched: SchedulerOutput) -> StepResult | None:
+        """Run ``sched``'s copies and batch; its result, None when it ran no batch."""
+        if not sched.has_copies and sched.is_empty:
+            return None
+        t1 = time.perf_counter()
+        result = self.runner.step(sched)
+        self.forward_seconds += (dt := time.perf_counter() - t1)
+        if sched.is_empty:
+            return None
+        assert result is not None
+        chunks = [(s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+        self.cost_model.observe_step(sched.num_tokens, attention_pairs(chunks), dt)
+        return result
 
-    def _append(self, req: Request, token: int, lp: dict | None) -> EngineCoreOutput:
-        first = not req.output_token_ids
-        req.output_token_ids.append(token)
-        if lp is not None:
-            req.output_logprobs.append(lp)
-        status = req.stop_status(token, self.max_model_len)
-        if status is not None:
-            self.scheduler.finish(req, status)
-        self._after_token(req)
-        want_plp = first and req.params.prompt_logprobs is not None
-        return EngineCoreOutput(
-            req.request_id,
-            [token],
-            [lp] if lp is not None else None,
-            req.status.value if req.is_finished else None,
-            req.stop_reason,
-            req.num_cached_tokens,
-            req.prompt_logprobs if want_plp else None,
-        )
+    def _deltas(self, update: StepUpdate) -> list[EngineCoreOutput]:
+        """The outputs of a step's sampled tokens, after their sessions and replication
+        took note of them."""
+        outputs = []
+        for event in update.appended:
+            req = event.request
+            self._after_token(req)
+            want_plp = event.first and req.params.prompt_logprobs is not None
+            outputs.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    [event.token],
+                    [event.logprobs] if event.logprobs is not None else None,
+                    req.status.value if req.is_finished else None,
+                    req.stop_reason,
+                    req.num_cached_tokens,
+                    req.prompt_logprobs if want_plp else None,
+                )
+            )
+        return outputs
 
     def _after_token(self, req: Request) -> None:
         """Session bookkeeping after ``req`` got a token (or finished)."""

@@ -31,52 +31,26 @@ executes before the step's forward pass.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
-from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import POOL, KVCacheManager
-from kvserve.kv.swap import SwapIn, SwapOut, SwapSpace
+from kvserve.kv.swap import SwapSpace
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.cost import PreemptionCostModel
+from kvserve.sched.output import (
+    BlocksFull,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepResult,
+    StepUpdate,
+    TokenAppended,
+)
 from kvserve.sched.preemption import PreemptionPolicy
 from kvserve.store.offloader import KVLoad, KVOffloader
 
 RESERVATION = "reservation"  # preempted so a tenant below its reservation gets its blocks
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step does, as data: ``scheduled`` lists each request once with its new
-    tokens (its block table is the KV manager's); the worker first drops the host copies
-    of ``swap_drop``, copies the ``swap_out`` blocks to the host, then ``swap_in`` back,
-    copies the ``kv_loads`` fetched from the KV store into their blocks, and then runs the
-    forward pass."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    swap_out: list[SwapOut] = field(default_factory=list)
-    swap_in: list[SwapIn] = field(default_factory=list)
-    swap_drop: list[str] = field(default_factory=list)
-    kv_loads: list[KVLoad] = field(default_factory=list)  # store blocks fetched for requests
-
-    @property
-    def has_copies(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.swap_drop or self.kv_loads)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -94,8 +68,18 @@ class Scheduler:
         swap: SwapSpace | None = None,
         cost: PreemptionCostModel | None = None,
         offloader: KVOffloader | None = None,
+        max_model_len: int | None = None,
+        window: int | None = None,
+        attention_sinks: int = 0,
+        on_blocks_full: BlocksFull | None = None,
     ):
+        """``max_model_len``: the context limit a request stops at (None: none);
+        ``window`` / ``attention_sinks``: the sliding window whose blocks the update
+        frees; ``on_blocks_full``: the KV store's saves after each step (None: no store)."""
         self.config = config
+        self.max_model_len = max_model_len
+        self.window, self.attention_sinks = window, attention_sinks
+        self.on_blocks_full = on_blocks_full
         self.kv = kv
         self.swap = swap
         self.cost = cost or PreemptionCostModel(bytes_per_token=1)
@@ -374,6 +358,46 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
                 break
+
+    # ---- after a step ----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> StepUpdate:
+        """After ``out`` ran: move each scheduled request on by its computed tokens and
+        cache its full blocks; hand them to ``on_blocks_full`` (the store's saves); free
+        the blocks that left their sliding window; place prompt logprobs; append each
+        sampled token and finish the requests it stops (their blocks freed). Returns
+        what it did, for the engine's outputs, sessions and replication."""
+        starts = []
+        for s in out.scheduled:
+            starts.append(s.request.num_computed_tokens)
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.request)
+        update = StepUpdate(advanced=[s.request for s in out.scheduled])
+        if self.on_blocks_full is not None:  # before a window or a finish frees a block
+            self.on_blocks_full(update.advanced)
+        for req, start in zip(update.advanced, starts, strict=True):
+            self.kv.free_outside_windows(req, self.window, self.attention_sinks)
+            plp = result.prompt_logprobs.get(req.request_id)
+            if plp is not None:  # entries for positions start+1 …; a recompute overwrites
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)  # the first token has no context
+                req.prompt_logprobs[start + 1 : start + 1 + len(plp)] = plp
+            token = result.tokens.get(req.request_id)
+            if token is not None:
+                update.appended.append(
+                    self._append(req, token, result.logprobs.get(req.request_id))
+                )
+        return update
+
+    def _append(self, req: Request, token: int, logprobs: dict | None) -> TokenAppended:
+        """``token`` appended to ``req``'s output; finishes ``req`` when it stops it."""
+        first = not req.output_token_ids
+        req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        status = req.stop_status(token, self.max_model_len or sys.maxsize)
+        if status is not None:
+            self.finish(req, status)
+        return TokenAppended(req, token, logprobs, first)
 
     # ---- views ---------------------------------------------------------------------------
     def queue_lengths(self) -> dict[str, tuple[int, int]]:

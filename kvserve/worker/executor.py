@@ -36,14 +36,13 @@ import zmq
 from kvserve.config import ParallelConfig, host_port
 from kvserve.errors import EngineError
 from kvserve.model.kv_quant import kv_format
-from kvserve.sched.scheduler import SchedulerOutput
+from kvserve.sched.output import SchedulerOutput, StepResult
 from kvserve.store import serde
 from kvserve.store.offloader import KVSave
 from kvserve.store.tiered import TieredStore
 from kvserve.utils import format_size
 from kvserve.worker.inputs import InputBuilder, WorkerStep
 from kvserve.worker.loading import ShardInputs, rank_kv_spec
-from kvserve.worker.model_runner import StepResult
 from kvserve.worker.protocol import (
     STORE_PREFIX,
     CacheReady,

@@ -25,7 +25,7 @@ from kvserve.kv.swap import SwapIn, SwapOut
 from kvserve.model.attention import AttentionMetadata, PrefillChunk, visible
 from kvserve.request import Request
 from kvserve.sampling import SampleRow
-from kvserve.sched.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.store.offloader import KVLoad
 
 

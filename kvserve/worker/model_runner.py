@@ -10,28 +10,17 @@ the collectives inside the model keep them in lockstep, and only rank 0 samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.sampling import sample, token_logprobs
-from kvserve.sched.scheduler import SchedulerOutput
+from kvserve.sched.output import SchedulerOutput, StepResult
 from kvserve.store.offloader import KVSave
 from kvserve.store.tiered import TieredStore
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.inputs import InputBuilder, StepInputs, WorkerStep
 from kvserve.worker.offload import KVTransfer
 from kvserve.worker.swap import HostSwap
-
-
-@dataclass
-class StepResult:
-    """Sampled tokens (and optional logprobs) keyed by request id."""
-
-    tokens: dict[str, int]
-    logprobs: dict[str, dict]
-    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
 
 
 class ModelRunner:

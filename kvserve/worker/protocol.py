@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.sched.output import StepResult
 from kvserve.utils import resolve_device
-from kvserve.worker.model_runner import StepResult
 
 STORE_PREFIX = "kvserve/"  # keys the engine core sets in the rendezvous store
 

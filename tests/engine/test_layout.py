@@ -167,3 +167,16 @@ def test_wiring_checks_find_it():
     )
     assert _setattr_targets(tree) == ["self"]
     assert _deep_assignments(tree) == ["self.runner.host_swap"]
+
+
+def test_the_engine_step_reads_as_three_moves():
+    """``LLMEngine.step()`` is schedule → execute → update, at most 15 lines (docstring
+    aside); the bookkeeping is the scheduler's ``update_from_output``."""
+    tree = ast.parse((ROOT / "engine" / "llm_engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMEngine")
+    step = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    body = step.body[1:] if isinstance(step.body[0], ast.Expr) else step.body
+    assert body[-1].end_lineno - body[0].lineno + 1 <= 15
+    calls = {n.func.attr for n in ast.walk(step) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute)}  # fmt: skip
+    assert {"schedule", "update_from_output"} <= calls
