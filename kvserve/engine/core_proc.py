@@ -251,9 +251,7 @@ class CoreLoop:
             rec = e.offloader.sessions.get(call.tenant, call.session_id) if e.offloader else None
             if rec is None:
                 return None
-            return SessionInfo(
-                len(rec["tokens"]), len(rec["blocks"]), rec["updated"], rec["expires"]
-            )
+            return SessionInfo(len(rec.tokens), len(rec.blocks), rec.updated, rec.expires)
         if isinstance(call, DeleteSession):
             sessions = e.offloader.sessions if e.offloader else None
             return bool(sessions and sessions.delete(call.tenant, call.session_id, call.if_tokens))

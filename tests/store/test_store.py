@@ -184,10 +184,28 @@ def test_a_session_record_is_read_newest_first_and_never_promoted():
     other_node = SessionStore(TieredStore([HostStore(1 << 20), shared]), ttl=60)
     other_node.record("t", "s", [1, 2, 3, 4], [])
     assert other_node.store.flush(5)
-    assert sessions.get("t", "s")["tokens"] == [1, 2, 3, 4]
+    assert sessions.get("t", "s").tokens == [1, 2, 3, 4]
     key = session_key("t", "s")
-    assert b"[1, 2]" in top.get([key])[0]  # nothing promoted over the older copy
+    assert b"[1,2]" in top.get([key])[0]  # nothing promoted over the older copy
     assert sessions.get("u", "s") is None  # another tenant's session is another record
+
+
+def test_a_stored_session_that_does_not_decode_is_absent_and_deleted():
+    """A foreign or corrupt value under a session's key (an older format, a stray write)
+    reads as no session, and is removed, rather than being half-read."""
+    from kvserve.store.sessions import SessionStore, session_key
+
+    tiered = TieredStore([HostStore(1 << 20)])
+    sessions = SessionStore(tiered, ttl=60)
+    for bad in (b"not json", b'{"session": "s", "tokens": "many"}', b"[]"):
+        tiered.put([(session_key("t", "s"), bad)])
+        assert sessions.get("t", "s") is None
+        assert tiered.lookup([session_key("t", "s")]) == 0
+    sessions.record("t", "s", [5, 6], [b"\x01" * 16])
+    got = sessions.get("t", "s")
+    assert got is not None and got.tokens == [5, 6] and got.blocks == ["01" * 16]
+    assert got.expires - got.updated == 60
+    tiered.close()
 
 
 def test_write_through_and_write_back():
