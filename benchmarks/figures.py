@@ -159,6 +159,18 @@ FIGURES: tuple[Figure, ...] = (
         peer=VLLM,
         theirs=lambda d: d["summary"]["vllm c=32"]["json_schema"],
     ),
+    Figure(
+        "tensor-parallel step message per decode step, 32 streams, real SmolLM2-135M",
+        "bytes (greedy)",
+        ("step_message.json",),
+        lambda d: d["results"]["greedy"]["decode"]["mean_bytes"],
+        "python benchmarks/step_message.py --model /tmp/kvserve-bench/smollm2-135m-instruct "
+        "--out benchmarks/results/step_message.json",
+        "Corridors",
+        commit="5510a8b",
+        higher_is_better=False,
+        fmt="{:.0f}",
+    ),
     # ---- model families and quantized weights ----------------------------------------------
     _offline(
         "Gemma 3 270M shape bf16, offline 32 × 256 → 128",
