@@ -20,6 +20,7 @@ from kvserve.engine.parts import EngineParts
 from kvserve.engine.requests import RequestFactory
 from kvserve.engine.stats import EngineStats, KVStats
 from kvserve.errors import EngineError
+from kvserve.ha import resume
 from kvserve.ha.record import SessionRecord
 from kvserve.kv.tenant_ledger import Budget
 from kvserve.request import Request, RequestStatus
@@ -111,13 +112,11 @@ class LLMEngine(EngineParts):
             request_id, r.prompt_token_ids, r.params, r.seed, r.tenant, r.cache_salt, 0
         )
         req.output_token_ids = self.inputs.check_delivered(req, delivered)
-        # recompute like the primary did (Request.replay); batch-invariant kernels restore
-        # every stored block, others only what keeps it exact (see the builder)
+        # recompute like the primary did (Request.replay), restoring only what stays exact
         req.replay = True
-        if record.prefill_from is not None and not self.batch_invariant:
-            stored, prompt = record.stored_tokens, req.num_prompt_tokens
-            bs = self.kv.block_size
-            req.restore_limit = stored if stored >= prompt else record.prefill_from // bs * bs
+        req.restore_limit = resume.restore_limit(
+            record, req.num_prompt_tokens, self.kv.block_size, self.batch_invariant
+        )
         req.session_id = record.session_id
         req.session_ephemeral = record.ephemeral
         self._queue(req, seen_epoch, claim_now=True)

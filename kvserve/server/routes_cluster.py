@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import secrets
 import uuid
 
 from fastapi import APIRouter, Request
@@ -17,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.async_llm import RequestStream
 from kvserve.engine.messages import AcceptPush, ReadCheckpoint
 from kvserve.errors import EngineError
+from kvserve.ha import resume
 from kvserve.ha.record import SessionRecord
 from kvserve.ha.wire import decode_resume
 from kvserve.sampling import SamplingParams
@@ -68,7 +68,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
             if session_of(body.response_id) != session_id:
                 raise bad_request("bad resume request: response_id is not of the session")
             turn = await prepare(state, state.responses, responses, principal.tenant)
-            record = _new_record(
+            record = resume.from_request(
                 session_id, principal.tenant, responses.cache_salt, turn.prompt, turn.params,
                 body.ephemeral,
             )  # fmt: skip
@@ -133,17 +133,11 @@ def cluster_routes(state: ServerState) -> APIRouter:
                 replicated = SessionRecord.from_json(owner.state)
         if replicated is None and engine.info.has_checkpointer:  # another site's state
             replicated = await engine.call(ReadCheckpoint(session_id), SessionRecord | None)
-        if replicated is not None and (
-            replicated.prompt_token_ids == record.prompt_token_ids
-            and replicated.params == record.params
-            and replicated.tenant == record.tenant
-        ):
-            record = replicated
-        if seen is None:
-            seen = owner.epoch if owner is not None else 0
+        record = resume.choose_record(record, replicated)
+        epoch = resume.seen_epoch(seen, owner.epoch if owner is not None else None)
         rid = f"resume-{uuid.uuid4().hex[:24]}"
         try:
-            return await engine.resume(rid, record, delivered, int(seen)), record
+            return await engine.resume(rid, record, delivered, epoch), record
         except EngineError as e:
             raise APIError(409, str(e), "ConflictError") from None
 
@@ -174,28 +168,8 @@ def cluster_routes(state: ServerState) -> APIRouter:
                 raise ValueError("only single-prompt streams can be resumed")
             p = prompts[0]
             prompt_ids = engine.tokenize(p) if isinstance(p, str) else list(p)
-        return _new_record(
+        return resume.from_request(
             session_id, tenant, original.cache_salt, prompt_ids, params, request_ephemeral
-        )
-
-    def _new_record(
-        session_id: str,
-        tenant: str,
-        cache_salt: str | None,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        ephemeral: bool,
-    ) -> SessionRecord:
-        """A session record of a request as its primary started it (nothing generated)."""
-        return SessionRecord(
-            session_id=session_id,
-            tenant=tenant,
-            cache_salt=cache_salt,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            # no seed: exact only when greedy (the router always sends one)
-            seed=params.seed if params.seed is not None else secrets.randbits(63),
-            ephemeral=ephemeral,
         )
 
     @router.post("/internal/drain")
