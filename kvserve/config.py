@@ -146,7 +146,7 @@ class StoreConfig:
     ``kvserve.store.url``). Full blocks are saved to them and prefixes restored from them;
     the first tier is written synchronously, the others through a bounded queue of
     ``kv_store_queue_size`` batches, every put (``write-through``) or when the first tier
-    evicts a block (``write-back``). Session records expire after ``session_ttl`` seconds.
+    evicts a block (``write-back``). Stored sessions expire after ``session_ttl`` seconds.
     Needs prefix caching."""
 
     urls: tuple[str, ...] = ()
@@ -301,7 +301,7 @@ class EngineArgs:
         "write-through", "when full blocks go to the store", STORE_WRITE_POLICIES
     )
     kv_store_queue_size: int = _arg(1024, "blocks waiting for the store writer at most")
-    kv_store_session_ttl: float = _arg(86400.0, "seconds a stored session record lives")
+    kv_store_session_ttl: float = _arg(86400.0, "seconds a stored session (its tokens) lives")
     cluster: str | None = _arg(None, "the cluster's Redis (HA: registry, sessions)", serve=True)
     node_id: str | None = _arg(
         None, "this worker's id in the cluster (default host:pid)", serve=True

@@ -89,9 +89,9 @@ def from_flags(cls: type, ns: argparse.Namespace) -> Any:
         value = getattr(ns, f.name)
         if spec.repeat:
             value = tuple(value or ())
-        if value is None and spec.env:
-            value = os.environ.get(spec.env)
-        if value is not None and spec.parse is not None:
-            value = spec.parse(value)
+        if not value and spec.env:  # absent or empty: the environment's, if set
+            value = os.environ.get(spec.env) or None
+        if spec.parse is not None:
+            value = spec.parse(value) if value else None
         values[f.name] = value
     return cls(**values)

@@ -40,6 +40,10 @@ def test_flags_round_trip(monkeypatch):
     monkeypatch.setenv("EXAMPLE_SECRET", "from-env")
     assert _parse(["--url", "u"]).secret == "from-env"
     assert _parse(["--url", "u", "--secret", "given"]).secret == "given"
+    assert _parse(["--url", "u", "--secret", ""]).secret == "from-env"  # empty: as absent
+    monkeypatch.delenv("EXAMPLE_SECRET")
+    assert _parse(["--url", "u", "--secret", ""]).secret is None
+    assert _parse(["--url", "u", "--size", ""]).size is None  # nothing to parse
 
 
 def test_required_and_typed_flags_are_refused_wrong():

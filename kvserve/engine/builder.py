@@ -156,9 +156,7 @@ class EngineBuilder:
         """Everything after the model: KV manager, runner, swap, store, scheduler."""
         # a row's result depends on nothing but its own inputs (benchmarks/history/notebook.md,
         # "Determinism"): the C++ paged attention and oneDNN GEMMs, in bf16/fp16 on CPU.
-        # Then a resumed stream restores every stored block of its prompt; otherwise only
-        # all of them when they cover the prompt's end, else exactly the prefix its
-        # primary had from its cache (a cached prompt's tail went through other kernels)
+        # A resumed stream then restores every stored block (ha/resume.restore_limit)
         self.batch_invariant = self.model_config.batch_invariant or (
             self.device.type == "cpu"
             and not dense
@@ -170,15 +168,16 @@ class EngineBuilder:
                 f"prewarm_device_fraction must be in [0, 1], got {args.prewarm_device_fraction}"
             )
         self.kv_events = self._kv_events(args)
+        reserve_null = self.window is not None or self.kv_spec.groups is not None
         self.kv = KVCacheManager(
             num_blocks,
             self.cache_config.block_size,
             enable_caching=self.cache_config.enable_prefix_caching,
             cache_keys=(self.model_fingerprint, f"kv={self.kv_format.name}"),
-            reserve_null_block=self.window is not None or self.kv_spec.groups is not None,
+            reserve_null_block=reserve_null,
             groups=self.kv_spec.groups,
             max_step_tokens=self.scheduler_config.max_num_batched_tokens,
-            warm_limit=int(args.prewarm_device_fraction * num_blocks),
+            warm_limit=int(args.prewarm_device_fraction * (num_blocks - reserve_null)),
             events=self.kv_events,
         )
         if not self.kv.can_ever_fit(self.max_model_len):
@@ -239,7 +238,9 @@ class EngineBuilder:
             max_model_len=self.max_model_len,
             window=self.window,
             attention_sinks=self.attention_sinks,
-            on_blocks_full=StoreSaves(self.offloader, self.runner) if self.offloader else None,
+            on_blocks_full=(
+                StoreSaves(self.offloader, self.runner) if self.offloader is not None else None
+            ),
         )
         self.peak_usage = PeakTracker()
         obs = args.observability_config()

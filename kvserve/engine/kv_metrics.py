@@ -1,9 +1,9 @@
-"""KV-memory observations the engine keeps for its metrics: the peak-usage watermark over
-sliding windows, fragmentation, per-tenant usage and queues, preemptions and swap space.
+"""KV-memory observations the engine reports for its metrics: peak usage (kept by
+``engine.peak.PeakTracker``), fragmentation, per-tenant usage and queues, preemptions and
+swap space, read from an engine's ``EngineParts``.
 
 ``snapshot`` is computed on the engine thread (the server asks for one per scrape), so it
-reads a consistent state; nothing here is on the per-token path except
-``PeakTracker.record``, which is O(1).
+reads a consistent state; nothing here is on the per-token path.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ class LLMEngine(EngineParts):
     def finish_request(self, request_id: str, num_output_tokens: int) -> None:
         """A stop string ended the request after ``num_output_tokens`` output tokens (the
         client saw it in the text): drop any tokens generated past them and finish it as
-        stopped — its session record and replication end as for a stop token. No-op for
+        stopped — its stored session and replication end as for a stop token. No-op for
         unknown or finished ids."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:

@@ -10,7 +10,7 @@ cache and the KV store use — in two tiers:
   ``BlocksRemoved`` when its hash is dropped (the block was reused, or the prefix cache
   reset).
 - ``host``: the first KV store tier (host memory; a hit costs one copy). Its keys include
-  session records' keys, which never match a block chain, so they are harmless noise.
+  stored sessions' keys, which never match a block chain, so they are harmless noise.
 
 The engine collects events in a ``KVEventLog`` (thread-safe: the host tier is written
 from the replication and pre-warm threads too) and drains it once per loop iteration into

@@ -33,8 +33,8 @@ class RouterConfig:
         10.0, "seconds to keep routing to workers while the registry cannot be read"
     )
     graceful_timeout: float = flag(30.0, "seconds to finish streams")
-    # placement of requests without a session owner (router.scoring); taken from the
-    # workers: router.tokenizers
+    # placement of requests without a session owner (router.scoring); the workers'
+    # tokenizers come from router.tokenizers
     routing: str = flag(
         "auto",
         "where a request without a session owner goes: prefix (the worker holding the "
@@ -43,7 +43,8 @@ class RouterConfig:
         "round-robin; auto: prefix",
         choices=ROUTING_CHOICES,
     )
-    # the others' tokenizers are still taken from the workers
+    # a model directory: its tokenizer serves the workers with its fingerprint; the
+    # others' tokenizers are still taken from the workers
     tokenizer: str | None = flag(
         None,
         "prefix routing: the model's directory (its tokenizer.json), used for the "

@@ -30,9 +30,9 @@ import msgspec
 from kvserve.store.tiered import TieredStore
 
 
-class StoredSession(msgspec.Struct, forbid_unknown_fields=True):
+class StoredSession(msgspec.Struct):
     """One session's record: its tokens, the hashes of its full blocks (hex), when it was
-    written and when it expires (Unix seconds)."""
+    written and when it expires (Unix seconds). Fields a later version adds are ignored."""
 
     session: str
     tenant: str
@@ -70,7 +70,7 @@ class SessionStore:
         self.store.put([(session_key(tenant, session_id), msgspec.json.encode(value))])
 
     def get(self, tenant: str, session_id: str) -> StoredSession | None:
-        """The session's record — the newest copy in any tier (another node may have
+        """The stored session — the newest copy in any tier (another node may have
         recorded a later turn in the shared tier than this node's own tier holds) — or
         None when there is none, or it expired or is unreadable (then it is deleted)."""
         key = session_key(tenant, session_id)

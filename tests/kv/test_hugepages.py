@@ -2,7 +2,7 @@
 as long as the tensor, copied exactly into an arena, and plain allocations where they do
 not apply (small, another device, ``KVSERVE_HUGEPAGES=0``). Whether the kernel really backs
 them with 2 MiB pages depends on its THP settings and free memory, so that is not asserted;
-BENCHMARKS.md measures what it gives."""
+benchmarks/history/notebook.md measures what it gives."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Quality bounds (teacher-forced logits over a 400-token prompt vs. the unquantize
 - the bundled default model: greedy top-1 agreement ≥ 99% of positions for int8 and
   ≥ 96.5% for fp8_e4m3 (measured over 12k held-out positions: 99.5% and 97.6%; fp8's 3
   mantissa bits flip many near-ties of this small model, while its perplexity stays
-  within 0.1%, see BENCHMARKS.md), mean KL below 1e-3 (int8) and 1e-2 (fp8_e4m3).
+  within 0.1%, see benchmarks/history/notebook.md), mean KL below 1e-3 (int8) and 1e-2 (fp8_e4m3).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from kvserve.default_model import HELDOUT_FILES, corpus_files, default_model_pat
 from kvserve.evaluation import perplexity
 from kvserve.sampling import SamplingParams
 
-# measured 2026-11-29 (BENCHMARKS.md); a random model scores about the vocab size (8192)
+# measured 2026-11-29 (benchmarks/history/notebook.md); a random model scores about the
+# vocab size (8192)
 PERPLEXITY_BOUND = 150.0
 
 

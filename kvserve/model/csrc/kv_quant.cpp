@@ -11,7 +11,7 @@
 // shifting the whole vector by a fraction of a binade picks the placement that rounds it
 // best; the stored meaning (value = code * scale) is the same as with the plain scale.
 //
-// With a shift ([H, D] float32, K smoothing: kvserve/kv/smoothing.py) each vector is
+// With a shift ([H, D] float32, K smoothing: kvserve/model/kv_smoothing.py) each vector is
 // quantized as x - shift[h], the difference taken in float.
 //
 // Each (token, head) vector is quantized on its own: the result never depends on the

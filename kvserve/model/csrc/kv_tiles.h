@@ -11,7 +11,7 @@
 // float16 scales per part as [slots / TILE, H, TILE] (scale_index).
 // Whole blocks move as opaque bytes (swap, host tier, KV store) exactly as rows do; only the
 // writer (put_k, put_v) and the reader (attention_tiles, paged_attention_tiles.cpp) know the
-// order. kvserve/kv/cache.py's tiles_from_rows / rows_from_tiles are the same permutation
+// order. kvserve/model/kv_cache.py's tiles_from_rows / rows_from_tiles are the same permutation
 // in PyTorch.
 #pragma once
 
