@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=levels, help=log_help)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline from one or more prompts")
-    EngineArgs.add_cli_args(gen, model_default=None)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable; else stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
     gen.add_argument("--echo", action="store_true", help="print the prompt before the output")
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    EngineArgs.add_cli_args(sv, model_default=None, serve=True)
+    EngineArgs.add_cli_args(sv, serve=True)
     add_flags(sv, ServerConfig)
     sv.set_defaults(func=_serve)
 
@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = ev_sub.add_parser(
         "perplexity", help="held-out perplexity with the given KV options (dtype, window)"
     )
-    EngineArgs.add_cli_args(ppl, model_default=None)
+    EngineArgs.add_cli_args(ppl)
     ppl.add_argument(
         "--files",
         nargs="+",

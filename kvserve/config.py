@@ -8,10 +8,10 @@ and splits itself into the per-concern configs. Validation raises ``ValueError``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.flags import add_flags, flag, from_flags
 from kvserve.model.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALES
 from kvserve.model_config import ATTENTION_BACKENDS, QUANTIZATION_MODES, ModelConfig, check_choice
 from kvserve.parallel_config import ParallelConfig, host_port, torchrun_env
@@ -194,19 +194,17 @@ class ReplicationConfig:
 STORE_WRITE_POLICIES = ("write-through", "write-back")
 
 
-def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None, serve: bool = False):
-    """An ``EngineArgs`` field with its CLI help, choices, and whether only ``kvserve
-    serve`` takes it (cluster flags mean nothing to ``generate``/``eval``)."""
-    meta = {"help": help, "choices": choices, "serve_only": serve}
-    return dataclasses.field(default=default, metadata=meta)
-
-
-_SIZE_FIELDS = {"kv_cache_memory", "swap_space"}
-_LIST_FIELDS = {"kv_store", "replicate_to"}
-_STR_FIELDS = {
-    "kv_usage_log", "cluster", "node_id", "distributed_init_method", "prefix_cache_isolation"
-}
-_ALIASES = {"enable_prefix_caching": "--no-prefix-caching"}  # extra flag that sets False
+def _arg(
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    serve: bool = False,
+    **spec: Any,
+) -> Any:
+    """An ``EngineArgs`` field that is a flag (``kvserve.flags``): its help, choices,
+    whether only ``kvserve serve`` takes it (cluster flags mean nothing to
+    ``generate``/``eval``) and ``FlagSpec``'s other keywords."""
+    return flag(default, help, choices=choices, serve_only=serve, **spec)
 
 
 @dataclass(frozen=True)
@@ -216,13 +214,17 @@ class EngineArgs:
     ``kv_cache_memory`` accepts a size string (``4GiB``) or bytes.
     """
 
-    model: str = dataclasses.field(
-        metadata={"help": "HF model directory (config.json + safetensors) or a .gguf file"}
+    model: str = flag(
+        help="HF model directory (config.json + safetensors) or a .gguf file",
+        metavar="DIR",
+        required=False,
     )
     dtype: str = _arg(
         "auto", "weights and activations; auto takes the checkpoint's", ("auto", *DTYPE_NAMES)
     )
-    max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
+    max_model_len: int | None = _arg(
+        None, "longest prompt + output (default: the model's)", kind=int
+    )
     device: str = _arg("auto", "auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     seed: int = _arg(0, "seed of the weights' random init (tests) and of default seeds")
     attention_backend: str = _arg(
@@ -246,6 +248,7 @@ class EngineArgs:
         None,
         "KV cache size (e.g. 4GiB); default: on CPU room for 32 sequences of max_model_len "
         "(at most 4 GiB), on CUDA what --gpu-memory-utilization leaves",
+        kind=str,
     )
     gpu_memory_utilization: float = _arg(
         0.9, "on CUDA without --kv-cache-memory: the share of GPU memory to use"
@@ -263,7 +266,9 @@ class EngineArgs:
         "int8 / token-scale fp8 KV: store keys less their layer's mean key (calibrated at "
         "start on a text shipped with kvserve; softmax ignores the shift)",
     )
-    enable_prefix_caching: bool = _arg(True, "share full KV blocks between equal prefixes")
+    enable_prefix_caching: bool = _arg(
+        True, "share full KV blocks between equal prefixes", negative="--no-prefix-caching"
+    )
     prefix_cache_isolation: str | None = _arg(
         None,
         "tenant: share prefix blocks only within a tenant; none: across tenants too (a "
@@ -271,9 +276,13 @@ class EngineArgs:
         "tenant with --tenants, else none",
         PREFIX_CACHE_ISOLATION,
     )
-    sliding_window: int | None = _arg(None, "attend to the last N tokens only (frees blocks)")
+    sliding_window: int | None = _arg(
+        None, "attend to the last N tokens only (frees blocks)", kind=int
+    )
     attention_sinks: int | None = _arg(
-        None, "with a sliding window: first tokens always attended (default 4 with the flag)"
+        None,
+        "with a sliding window: first tokens always attended (default 4 with the flag)",
+        kind=int,
     )
     swap_space: int | str = _arg("4GiB", "host memory for swapped-out KV (0: off)")
     kv_layout: str = _arg(
@@ -295,7 +304,10 @@ class EngineArgs:
     kv_usage_log: str | None = _arg(None, "append KV usage samples (JSONL) for kvserve plan")
     kv_usage_interval: float = _arg(10.0, "seconds between KV usage samples")
     kv_store: tuple[str, ...] = _arg(
-        (), "a KV store tier (host://, file://, redis://, s3://); repeat in tier order"
+        (),
+        "a KV store tier (host://, file://, redis://, s3://); repeat in tier order",
+        repeat=True,
+        metavar="URL",
     )
     kv_store_write_policy: str = _arg(
         "write-through", "when full blocks go to the store", STORE_WRITE_POLICIES
@@ -308,7 +320,11 @@ class EngineArgs:
     )
     replicate_every: int = _arg(16, "tokens between session state replications", serve=True)
     replicate_to: tuple[str, ...] = _arg(
-        (), "extra replication targets: standby, s3 (store is always on); repeat", serve=True
+        (),
+        "extra replication targets: standby, s3 (store is always on); repeat",
+        serve=True,
+        repeat=True,
+        metavar="URL",
     )
     checkpoint_interval: float = _arg(30.0, "seconds between S3 checkpoints", serve=True)
     prewarm_device_fraction: float = _arg(
@@ -323,6 +339,7 @@ class EngineArgs:
         "publish KV events (block hashes stored/removed) on this ZeroMQ port, 0: any free "
         "one (default: any free one with --cluster, else off)",
         serve=True,
+        kind=int,
     )
     tensor_parallel_size: int = _arg(1, "ranks (worker processes) that each hold a shard")
     distributed_init_method: str | None = _arg(
@@ -415,51 +432,14 @@ class EngineArgs:
         return ObservabilityConfig(self.kv_usage_log, self.kv_usage_interval)
 
     @classmethod
-    def add_cli_args(
-        cls, parser: argparse.ArgumentParser, *, model_default: str | None, serve: bool = False
-    ) -> None:
-        """Add one ``--flag`` per field (``max_num_seqs`` → ``--max-num-seqs``) with the
-        field's help, default and choices; serve-only fields (the cluster's) only when
-        ``serve``."""
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            if meta.get("serve_only") and not serve:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            help_ = meta.get("help", "")
-            if f.name == "model":
-                parser.add_argument(flag, default=model_default, help=help_, metavar="DIR")
-                continue
-            default = f.default
-            if f.name in _LIST_FIELDS:
-                parser.add_argument(flag, action="append", default=[], metavar="URL", help=help_)
-                continue
-            shown = help_ if default is None else f"{help_} (default: %(default)s)"
-            if isinstance(default, bool):
-                parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_
-                )
-                if f.name in _ALIASES:
-                    parser.add_argument(
-                        _ALIASES[f.name],
-                        dest=f.name,
-                        action="store_false",
-                        help=f"same as --no-{f.name.replace('_', '-')}",
-                    )
-                continue
-            if f.name in _SIZE_FIELDS | _STR_FIELDS or default is None:
-                conv: Any = str if f.name in _SIZE_FIELDS | _STR_FIELDS else int
-            else:
-                conv = type(default)
-            parser.add_argument(
-                flag, type=conv, default=default, choices=meta.get("choices"), help=shown
-            )
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, serve: bool = False) -> None:
+        """One ``--flag`` per field (``max_num_seqs`` → ``--max-num-seqs``) with its help,
+        default and choices (``kvserve.flags``); serve-only fields (the cluster's) only
+        when ``serve``."""
+        add_flags(parser, cls, serve=serve)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        # a subcommand without the serve-only flags keeps their defaults
-        values = {n: getattr(ns, n, f.default) for n, f in fields.items()}
-        for n in _LIST_FIELDS:
-            values[n] = tuple(values[n] or ())
-        return cls(**values)
+        """The engine options of parsed flags (a command without the serve-only flags
+        keeps their defaults)."""
+        return from_flags(cls, ns)

@@ -4,8 +4,7 @@ A field made by ``flag(...)`` carries its help text, choices and how the command
 spells it; ``add_flags(parser, Config)`` adds one ``--field-name`` per such field and
 ``from_flags(Config, namespace)`` builds the config back from the parsed flags. The
 defaults live once, on the dataclass (the parser shows them), so the CLI cannot restate
-them wrongly. ``EngineArgs`` has its own generator (``EngineArgs.add_cli_args``: sizes,
-serve-only fields); ``ServerConfig`` and ``RouterConfig`` use this one.
+them wrongly. ``EngineArgs``, ``ServerConfig`` and ``RouterConfig`` are made this way.
 """
 
 from __future__ import annotations
@@ -27,7 +26,10 @@ class FlagSpec:
     ``kind``: the value's type where the default (None) does not say it; ``repeat``: the
     flag may be given again, the field is the tuple of its values; ``env``: the variable
     read when the flag is absent; ``parse``: turns the flag's text into the field's value
-    (applied by ``from_flags``); ``name``: the flag when it is not ``--field-name``.
+    (applied by ``from_flags``); ``name``: the flag when it is not ``--field-name``;
+    ``serve_only``: only ``kvserve serve`` has it; ``negative``: a second flag that sets a
+    boolean False (``--no-prefix-caching``); ``required``: whether a field without a
+    default must be given (else it is None when absent).
     """
 
     help: str
@@ -38,6 +40,9 @@ class FlagSpec:
     env: str | None = None
     parse: Callable[[str], Any] | None = None
     name: str | None = None
+    serve_only: bool = False
+    negative: str | None = None
+    required: bool = True
 
 
 def flag(default: Any = dataclasses.MISSING, help: str = "", **spec: Any) -> Any:
@@ -50,15 +55,36 @@ def _spec(f: dataclasses.Field) -> FlagSpec | None:
     return f.metadata.get(_KEY)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per ``flag(...)`` field of ``cls``, its default shown in the help."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, serve: bool = True) -> None:
+    """One flag per ``flag(...)`` field of ``cls``, its default shown in the help; the
+    serve-only ones only when ``serve``."""
     for f in dataclasses.fields(cls):
         spec = _spec(f)
-        if spec is None:
+        if spec is None or (spec.serve_only and not serve):
             continue
-        names = [spec.name or "--" + f.name.replace("_", "-")]
+        flag_name = spec.name or "--" + f.name.replace("_", "-")
+        names = [flag_name]
         if f.default is dataclasses.MISSING:
-            parser.add_argument(*names, dest=f.name, required=True, help=spec.help)
+            parser.add_argument(
+                *names,
+                dest=f.name,
+                required=spec.required,
+                metavar=spec.metavar,
+                help=spec.help,
+            )
+            continue
+        if isinstance(f.default, bool):
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(
+                *names, dest=f.name, action=action, default=f.default, help=spec.help
+            )
+            if spec.negative:
+                parser.add_argument(
+                    spec.negative,
+                    dest=f.name,
+                    action="store_false",
+                    help=f"same as --no-{flag_name.removeprefix('--')}",
+                )
             continue
         if spec.repeat:
             parser.add_argument(
@@ -84,7 +110,7 @@ def from_flags(cls: type, ns: argparse.Namespace) -> Any:
     values = {}
     for f in dataclasses.fields(cls):
         spec = _spec(f)
-        if spec is None:
+        if spec is None or not hasattr(ns, f.name):  # not this command's: the default
             continue
         value = getattr(ns, f.name)
         if spec.repeat:

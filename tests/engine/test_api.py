@@ -100,7 +100,7 @@ def test_parse_size_rejects_garbage():
 
 def test_cli_flags_map_one_to_one_to_engine_args():
     parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser, model_default=None, serve=True)  # every field
+    EngineArgs.add_cli_args(parser, serve=True)  # every field
     ns = parser.parse_args(
         [
             "--model",
