@@ -63,10 +63,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, serve: bool = True)
         if spec is None or (spec.serve_only and not serve):
             continue
         flag_name = spec.name or "--" + f.name.replace("_", "-")
-        names = [flag_name]
         if f.default is dataclasses.MISSING:
             parser.add_argument(
-                *names,
+                flag_name,
                 dest=f.name,
                 required=spec.required,
                 metavar=spec.metavar,
@@ -76,7 +75,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, serve: bool = True)
         if isinstance(f.default, bool):
             action = argparse.BooleanOptionalAction
             parser.add_argument(
-                *names, dest=f.name, action=action, default=f.default, help=spec.help
+                flag_name, dest=f.name, action=action, default=f.default, help=spec.help
             )
             if spec.negative:
                 parser.add_argument(
@@ -88,13 +87,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, serve: bool = True)
             continue
         if spec.repeat:
             parser.add_argument(
-                *names, dest=f.name, action="append", metavar=spec.metavar, help=spec.help
+                flag_name, dest=f.name, action="append", metavar=spec.metavar, help=spec.help
             )
             continue
         kind = spec.kind or (str if spec.parse or f.default is None else type(f.default))
         shown = spec.help if f.default in (None, ()) else f"{spec.help} (default: %(default)s)"
         parser.add_argument(
-            *names,
+            flag_name,
             dest=f.name,
             type=kind,
             default=None if spec.parse else f.default,

@@ -72,12 +72,9 @@ class TokenAppended:
 
 @dataclass
 class StepUpdate:
-    """What the update after a step did: ``advanced``, the scheduled requests, each moved
-    on by its computed tokens (their full blocks cached, handed to the scheduler's
-    ``on_blocks_full`` before any block was freed); then ``appended``, one event per
-    sampled token, in batch order."""
+    """What the update after a step did beyond moving the scheduled requests on:
+    ``appended``, one event per sampled token, in batch order."""
 
-    advanced: list[Request] = field(default_factory=list)
     appended: list[TokenAppended] = field(default_factory=list)
 
 

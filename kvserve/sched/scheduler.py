@@ -77,7 +77,7 @@ class Scheduler:
         ``window`` / ``attention_sinks``: the sliding window whose blocks the update
         frees; ``on_blocks_full``: the KV store's saves after each step (None: no store)."""
         self.config = config
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len or sys.maxsize  # None: no context limit
         self.window, self.attention_sinks = window, attention_sinks
         self.on_blocks_full = on_blocks_full
         self.kv = kv
@@ -371,10 +371,11 @@ class Scheduler:
             starts.append(s.request.num_computed_tokens)
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
-        update = StepUpdate(advanced=[s.request for s in out.scheduled])
+        advanced = [s.request for s in out.scheduled]
         if self.on_blocks_full is not None:  # before a window or a finish frees a block
-            self.on_blocks_full(update.advanced)
-        for req, start in zip(update.advanced, starts, strict=True):
+            self.on_blocks_full(advanced)
+        update = StepUpdate()
+        for req, start in zip(advanced, starts, strict=True):
             self.kv.free_outside_windows(req, self.window, self.attention_sinks)
             plp = result.prompt_logprobs.get(req.request_id)
             if plp is not None:  # entries for positions start+1 …; a recompute overwrites
@@ -394,7 +395,7 @@ class Scheduler:
         req.output_token_ids.append(token)
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
-        status = req.stop_status(token, self.max_model_len or sys.maxsize)
+        status = req.stop_status(token, self.max_model_len)
         if status is not None:
             self.finish(req, status)
         return TokenAppended(req, token, logprobs, first)

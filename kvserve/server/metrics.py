@@ -69,19 +69,20 @@ class _EngineCollector:
     ) -> Iterator[Metric]:
         """One family per stat of ``table``: per row, the label values it adds (under
         ``label``) and the getter's arguments."""
-        names = [*self.labels, label] if label else list(self.labels)
+        labels = [label] if label else []
         base = list(self.labels.values())
         for stat in table:
-            family = (CounterMetricFamily if stat.counter else GaugeMetricFamily)(
-                stat.name, stat.help, labels=names
-            )
+            family = self._labelled(stat.name, stat.help, *labels, counter=stat.counter)
             for extra, args in rows:
                 family.add_metric([*base, *extra], stat.get(*args))
             yield family
 
-    def _labelled(self, name: str, doc: str, label: str, counter: bool = False):
-        names = [*self.labels, *label.split(",")]
-        return (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=names)
+    def _labelled(
+        self, name: str, doc: str, *labels: str, counter: bool = False
+    ) -> GaugeMetricFamily | CounterMetricFamily:
+        """An empty family labelled with the model and ``labels``."""
+        kind = CounterMetricFamily if counter else GaugeMetricFamily
+        return kind(name, doc, labels=[*self.labels, *labels])
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
@@ -101,7 +102,9 @@ class _EngineCollector:
             "kvserve_num_preemptions",
             "Requests preempted, by mode (swap|recompute), tenant and reason "
             "(pool|tenant_limit|reservation).",
-            "mode,tenant,reason",
+            "mode",
+            "tenant",
+            "reason",
             counter=True,
         )
         for p in snap.preemptions:
