@@ -65,12 +65,13 @@ def _offline(
     metric: str = "output tok/s",
     **kw,
 ) -> Figure:
-    """A ``benchmarks/offline.py`` figure: ``engine``'s output tok/s beside vLLM-CPU's."""
+    """A ``benchmarks/offline.py`` figure: ``engine``'s output tok/s beside vLLM-CPU's
+    (or the ``peer`` / ``theirs`` given)."""
     kw.setdefault("peer", VLLM)
+    kw.setdefault("theirs", lambda d: _r(d, "vllm"))
     return Figure(
         capability, metric, (result,), lambda d: _r(d, engine),
-        f"python benchmarks/offline.py {args} --out benchmarks/results/{result}", section,
-        theirs=lambda d: _r(d, "vllm"), **kw,
+        f"python benchmarks/offline.py {args} --out benchmarks/results/{result}", section, **kw,
     )  # fmt: skip
 
 
@@ -163,6 +164,28 @@ FIGURES: tuple[Figure, ...] = (
         commit="5dcd5e8",
         peer=VLLM,
         theirs=lambda d: d["summary"]["vllm c=32"]["json_schema"],
+    ),
+    _offline(
+        "issue 51's restructuring: offline, real SmolLM2-135M bf16, 32 × 256 → 128",
+        "offline_corridors.json",
+        "kvserve",
+        "--real --engines kvserve,baseline --baseline /tmp/old --repeat 3",
+        "Corridors",
+        commit="5510a8b",
+        peer="kvserve before it (2f5ea5b)",
+        theirs=lambda d: _r(d, "baseline"),
+    ),
+    Figure(
+        "issue 51's restructuring: OpenAI server, real SmolLM2-135M, 32 concurrent",
+        "output tok/s",
+        ("serving_corridors.json",),
+        lambda d: d["summary"]["32"]["after"],
+        "python benchmarks/serving.py --real --skip-vllm --rounds 1, twice, interleaved with "
+        "the tree at 2f5ea5b",
+        "Corridors",
+        commit="5510a8b",
+        peer="kvserve before it (2f5ea5b)",
+        theirs=lambda d: d["summary"]["32"]["before"],
     ),
     Figure(
         "tensor-parallel step message per decode step, 32 streams, real SmolLM2-135M",
