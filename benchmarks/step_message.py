@@ -1,15 +1,18 @@
 """The size of the step message tensor-parallel ranks receive, per step.
 
-Under ``--tensor-parallel-size > 1`` the engine core pickles one ``WorkerStep`` (the step's
-copy lists and its ``StepInputs``: ids, positions, attention metadata with block tables,
-``SampleRow``s) to every rank each step. This measures those bytes on an in-process engine
-— the same message the executor would send, built by the same ``InputBuilder`` — for
-decode steps and for steps with prefill, greedy and with a repetition penalty (whose
-sampler rows carry the request's prompt and output ids every step). It is the "before"
-of issue 51's per-rank input building, where the message carries deltas only.
+Under ``--tensor-parallel-size > 1`` the engine core pickles the step's
+``SchedulerOutput`` to every rank: plain data, the deltas of the requests each rank keeps
+a copy of (new requests whole, then each known request's new tokens and blocks), plus the
+copy lists and grammar masks; each rank builds its own inputs. This measures those bytes
+on an in-process engine — the same object the executor publishes — for decode steps and
+for steps with prefill, greedy and with a repetition penalty.
 
-    python benchmarks/step_message.py --model /tmp/kvserve-bench/smollm2-135m-instruct \\
-        --out benchmarks/results/step_message.json
+Before issue 51's per-rank input building (7db6425) the message was a ``WorkerStep`` with
+the inputs built on the engine's side (``results/step_message.json``); its sampler rows
+carried every penalized request's prompt and output ids each step.
+
+    python benchmarks/step_message.py --model /tmp/kvserve-bench/smollm2-135m-instruct \
+        --out benchmarks/results/step_message_deltas.json
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from offline import prompts, vocab_of
 
 def measure(model: str, penalty: float, num: int, input_len: int, output_len: int) -> dict:
     from kvserve import LLM, SamplingParams
-    from kvserve.worker.inputs import WorkerStep
 
     llm = LLM(
         model,
@@ -43,9 +45,8 @@ def measure(model: str, penalty: float, num: int, input_len: int, output_len: in
     inner = runner.step
 
     def step(out):
-        inputs = runner.builder.build(out.scheduled) if out.scheduled else None
-        size = len(pickle.dumps(WorkerStep.of(out, inputs), protocol=pickle.HIGHEST_PROTOCOL))
-        decode = all(s.num_new_tokens == 1 for s in out.scheduled)
+        size = len(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+        decode = all(n == 1 for n in out.num_scheduled_tokens.values())
         sizes["decode" if decode else "prefill"].append(size)
         return inner(out)
 

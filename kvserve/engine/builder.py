@@ -197,10 +197,8 @@ class EngineBuilder:
         store_names = (
             (self.model_fingerprint, self.kv_format.name) if self._store_on(args) else None
         )
-        inputs_device = self.device if executor is None else torch.device("cpu")
-        inputs = InputBuilder(self.kv, inputs_device, self.window, self.attention_sinks, dense)
-        if executor is not None:  # the ranks make their own swap and transfer
-            executor.start_cache(num_blocks, swap_on, inputs, store_names)
+        if executor is not None:  # the ranks make their own inputs, swap and transfer
+            executor.start_cache(num_blocks, swap_on, store_names)
             self.runner: ModelRunner | MultiprocExecutor = executor
             block_format = executor.block_format if store_names is not None else None
         else:
@@ -223,6 +221,9 @@ class EngineBuilder:
                     groups.layer_group if groups is not None else None,
                 )
             graphs = shard.decode_graphs(caches)
+            inputs = InputBuilder(
+                self.kv.block_size, self.device, self.window, self.attention_sinks, dense
+            )
             self.runner = ModelRunner(
                 self.model, caches, self.device, inputs, graphs, host_swap, transfer
             )

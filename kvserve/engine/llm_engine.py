@@ -49,7 +49,11 @@ class LLMEngine(EngineParts):
             self.cache_config.prefix_cache_isolation == "tenant",
             self.rng,
         )
-        self.requests: dict[str, Request] = {}
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished request by id (the scheduler's; read only)."""
+        return self.scheduler.requests
 
     def close(self) -> None:
         """Flush the KV store and replication (if any), stop the workers; the end."""
@@ -134,12 +138,11 @@ class LLMEngine(EngineParts):
                 raise EngineError(f"cannot take session {req.session_id!r} over: {e}") from None
             if not won:
                 raise EngineError(f"session {req.session_id!r} was taken over by another node")
-        self.requests[req.request_id] = req
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks at once; no-op for unknown/finished ids."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
@@ -176,7 +179,7 @@ class LLMEngine(EngineParts):
 
     def _execute(self, sched: SchedulerOutput) -> StepResult | None:
         """Run ``sched``'s copies and batch; its result, None when it ran no batch."""
-        if not sched.has_copies and sched.is_empty:
+        if not sched.for_ranks:
             return None
         t1 = time.perf_counter()
         result = self.runner.step(sched)
@@ -184,7 +187,8 @@ class LLMEngine(EngineParts):
         if sched.is_empty:
             return None
         assert result is not None
-        chunks = [(s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+        done = sched.computed()
+        chunks = [(done[r], n) for r, n in sched.num_scheduled_tokens.items()]
         self.cost_model.observe_step(sched.num_tokens, attention_pairs(chunks), dt)
         return result
 
@@ -215,8 +219,6 @@ class LLMEngine(EngineParts):
             self.offloader.record_session(req)
         if self.replicator is not None and req.session_id is not None:
             self.replicator.after_step(req)
-        if req.is_finished:
-            self.requests.pop(req.request_id, None)
 
     def _drop_fenced(self) -> list[EngineCoreOutput]:
         """Abort requests whose session another node took over; their final deltas."""
@@ -229,7 +231,6 @@ class LLMEngine(EngineParts):
                     "request %s: session %s fenced; dropped", req.request_id, req.session_id
                 )
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                self.requests.pop(req.request_id, None)
                 out.append(EngineCoreOutput(req.request_id, [], finish_reason=FINISH_ABORT))
         return out
 
@@ -262,6 +263,12 @@ class LLMEngine(EngineParts):
             held = self.runner.swap_held() - set(self.scheduler.pending_drops)
             if held != self.swap.held():  # right after a step the worker holds the same
                 raise AssertionError(f"host copies {held} != swapped {self.swap.held()}")
+        known = self.runner.known_requests()
+        if known is not None and known != self.scheduler.ranks.held_ids():
+            raise AssertionError(
+                f"the runner keeps {sorted(known)}, the scheduler thinks "
+                f"{sorted(self.scheduler.ranks.held_ids())}"
+            )
         live = {r.request_id for r in self.scheduler.running + self.scheduler.loading}
         if self.kv.num_requests() > len(live):
             raise AssertionError("blocks are held by requests that are not running")

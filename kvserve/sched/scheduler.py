@@ -41,23 +41,26 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sched.cost import PreemptionCostModel
 from kvserve.sched.output import (
     BlocksFull,
-    ScheduledRequest,
     SchedulerOutput,
     StepResult,
     StepUpdate,
     TokenAppended,
 )
 from kvserve.sched.preemption import PreemptionPolicy
+from kvserve.sched.rank_view import RankView
 from kvserve.store.offloader import KVLoad, KVOffloader
 
 RESERVATION = "reservation"  # preempted so a tenant below its reservation gets its blocks
+
+Batch = dict[str, tuple[Request, int]]  # a step's requests and their new tokens, in order
 
 
 class Scheduler:
     """Owns the waiting and running queues; mutates request status and KV blocks.
 
-    ``preemptions`` counts preemptions by (mode, tenant, reason) with reason ``pool``,
-    ``tenant_limit`` or ``reservation``.
+    ``requests``: every unfinished request by id. ``preemptions`` counts preemptions by
+    (mode, tenant, reason) with reason ``pool``, ``tenant_limit`` or ``reservation``.
+    ``ranks``: what the ranks know of each request (each step's output carries deltas).
     """
 
     def __init__(
@@ -90,6 +93,8 @@ class Scheduler:
         self._dropped: list[str] = []  # swapped requests finished since the last step
         self._pending_loads: list[KVLoad] = []  # pre-warm copies for the next step
         self._returning: dict[str, list[bool]] = {}  # swapped in this step: live entries
+        self.ranks = RankView(kv)
+        self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loading: list[Request] = []  # admitted, their prefix loading from the store
@@ -100,7 +105,9 @@ class Scheduler:
         return sum(self.preemptions.values())
 
     def add(self, request: Request) -> None:
+        """Queue ``request`` (its id must not be in ``requests``)."""
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     @property
@@ -120,11 +127,14 @@ class Scheduler:
             self._pending_loads.append(load)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step: which requests compute how many tokens, the copies before it,
+        and the deltas the ranks need (``RankView.fill``). Changes the queues, the
+        requests' states and blocks."""
         out = SchedulerOutput(swap_drop=self._dropped, kv_loads=self._pending_loads)
         self._dropped = []
         self._pending_loads = []
         self._returning = {}
-        scheduled: dict[str, ScheduledRequest] = {}
+        scheduled: Batch = {}
         budget = self.config.max_num_batched_tokens
         if self.loading:
             self._finish_loads(out, wait=not self.running)
@@ -144,15 +154,13 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                s = scheduled[req.request_id] = ScheduledRequest(req, n)
-                out.scheduled.append(s)
+                scheduled[req.request_id] = (req, n)
                 budget -= n
         self._admit(out, scheduled, budget)
+        self.ranks.fill(out, list(scheduled.values()))
         return out
 
-    def _admit(
-        self, out: SchedulerOutput, scheduled: dict[str, ScheduledRequest], budget: int
-    ) -> None:
+    def _admit(self, out: SchedulerOutput, scheduled: Batch, budget: int) -> None:
         ledger = self.kv.ledger
         skip: set[str] = set()  # tenants that admit nothing more this step
         passed: set[str] = set()  # requests passed over this step
@@ -205,8 +213,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            s = scheduled[req.request_id] = ScheduledRequest(req, n)
-            out.scheduled.append(s)
+            scheduled[req.request_id] = (req, n)
             budget -= n
 
     def _reservation_victim(self, req: Request) -> Request | None:
@@ -308,7 +315,7 @@ class Scheduler:
         req: Request,
         reason: str,
         out: SchedulerOutput,
-        scheduled: dict[str, ScheduledRequest],
+        scheduled: Batch,
     ) -> int:
         """Swap out or free ``req``'s blocks and send it back to the waiting queue. Returns
         the tokens it gives back to this step's budget (it may already be scheduled)."""
@@ -338,12 +345,9 @@ class Scheduler:
         self.preemptions[(mode, req.tenant, reason)] += 1
         self.running.remove(req)
         self.waiting.append(req)
-        out.preempted.append(req)
+        out.preempted.append(req.request_id)
         s = scheduled.pop(req.request_id, None)
-        if s is None:
-            return 0
-        out.scheduled.remove(s)
-        return s.num_new_tokens
+        return 0 if s is None else s[1]
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark ``req`` finished with ``status``, free its blocks (and swap space), drop it
@@ -353,6 +357,8 @@ class Scheduler:
         if self.offloader is not None:
             self.offloader.forget(req)
         req.status = status
+        self.requests.pop(req.request_id, None)
+        self.ranks.forget(req.request_id)
         self.kv.free(req)
         for queue in (self.running, self.waiting, self.loading):
             if req in queue:
@@ -367,11 +373,13 @@ class Scheduler:
         sampled token and finish the requests it stops (their blocks freed). Returns
         what it did, for the engine's outputs, sessions and replication."""
         starts = []
-        for s in out.scheduled:
-            starts.append(s.request.num_computed_tokens)
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.request)
-        advanced = [s.request for s in out.scheduled]
+        advanced = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            starts.append(req.num_computed_tokens)
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+            advanced.append(req)
         if self.on_blocks_full is not None:  # before a window or a finish frees a block
             self.on_blocks_full(advanced)
         update = StepUpdate()

@@ -8,8 +8,9 @@ waits until every rank has loaded its shard. The KV pool is one (the engine core
 block manager) and holds as many blocks as the fullest rank can (``num_blocks``, the
 minimum over the ranks).
 
-``step`` has the in-process ``ModelRunner.step`` contract: it builds the step's
-``StepInputs``, publishes one ``WorkerStep`` to all ranks and returns rank 0's result.
+``step`` has the in-process ``ModelRunner.step`` contract: it publishes the step's
+``SchedulerOutput`` (plain data: deltas of the requests every rank keeps a copy of) to all
+ranks, each builds its own inputs, and it returns rank 0's result.
 Failure is fast and bounded: a rank that reports ``WorkerFailed``, a local rank process
 that exits, or no answer within ``distributed_timeout`` (+ a margin) raises
 ``EngineError``; the engine core then exits non-zero and the server reports unhealthy.
@@ -41,7 +42,6 @@ from kvserve.store import serde
 from kvserve.store.offloader import KVSave
 from kvserve.store.tiered import TieredStore
 from kvserve.utils import format_size
-from kvserve.worker.inputs import InputBuilder, WorkerStep
 from kvserve.worker.loading import ShardInputs, rank_kv_spec
 from kvserve.worker.protocol import (
     STORE_PREFIX,
@@ -81,7 +81,7 @@ class MultiprocExecutor:
     def __init__(self, inp: ShardInputs, config: ParallelConfig):
         self.config = config
         self.size = config.tensor_parallel_size
-        self.builder: InputBuilder | None = None  # set by start_cache
+        self._started = False  # start_cache
         self.procs: list[subprocess.Popen] = []
         self._held: set[str] = set()
         self._parts: list[tuple] = []  # each rank's block parts (start_cache)
@@ -182,13 +182,12 @@ class MultiprocExecutor:
         self,
         num_blocks: int,
         swap: bool,
-        builder: InputBuilder,
         store_names: tuple[str, str] | None = None,
     ) -> None:
         """Every rank allocates ``num_blocks`` KV blocks (and a host swap when ``swap``,
         and moves blocks to and from a KV store when ``store_names`` — the stored blocks'
         model fingerprint and KV dtype, see ``block_format``); returns when all have."""
-        self.builder = builder
+        self._started = True
         self._store_names = store_names
         self._send(InitCache(num_blocks, swap, store_names is not None))
         parts: dict[int, tuple] = {}
@@ -243,9 +242,8 @@ class MultiprocExecutor:
     def step(self, out: SchedulerOutput) -> StepResult | None:
         """Execute ``out``'s copies and batch on every rank; rank 0's result (None when
         it schedules no tokens). Raises ``EngineError`` when a rank failed."""
-        assert self.builder is not None, "start_cache() first"
-        inputs = self.builder.build(out.scheduled) if out.scheduled else None
-        self._send(WorkerStep.of(out, inputs))
+        assert self._started, "start_cache() first"
+        self._send(out)
         deadline = time.monotonic() + self._timeout + _MARGIN_S
         while True:
             msg = self._recv(deadline, "answering a step")
@@ -257,6 +255,11 @@ class MultiprocExecutor:
     def swap_held(self) -> set[str]:
         """Request ids whose KV rank 0 held host copies of after the last step."""
         return set(self._held)
+
+    def known_requests(self) -> set[str] | None:
+        """None: the ranks' request copies stay in their processes (the in-process
+        runner answers ``check_integrity`` with its ids)."""
+        return None
 
     def check_health(self) -> None:
         """Raise ``EngineError`` when a local rank's process has exited or a rank reported

@@ -1,11 +1,10 @@
-"""One step's model inputs as plain data, built on the engine's side of the worker door.
+"""One step's model inputs, built by each rank from its own copy of the requests.
 
-``InputBuilder.build`` turns a scheduled batch (requests and their KV block tables) into a
+``InputBuilder.build`` turns a step's ``SchedulerOutput`` (which requests compute how
+many tokens) and the rank's ``RankRequests`` (their tokens and block tables) into a
 ``StepInputs``: token ids, positions, attention metadata and which hidden rows need
-logits, with every per-request detail the sampler needs as plain values (request ids,
-``SampleRow``s, prompt-logprob targets). Nothing in it refers to a ``Request``, so it can
-be pickled to tensor-parallel ranks in other processes; ``WorkerStep`` is what a rank
-executes in one step (its swap lists, then the forward pass).
+logits, with every per-request detail the sampler needs (request ids, ``SampleRow``s,
+prompt-logprob targets). Every rank builds the same inputs from the same outputs.
 
 Batch token order: every request with exactly one new token (decodes) first, then the
 prefill chunks. A request is sampled when its chunk reaches the end of its known tokens;
@@ -14,19 +13,15 @@ a partial prefill chunk samples nothing.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.swap import SwapIn, SwapOut
 from kvserve.model.attention import AttentionMetadata, PrefillChunk, visible
-from kvserve.request import Request
 from kvserve.sampling import SampleRow
-from kvserve.sched.output import ScheduledRequest, SchedulerOutput
-from kvserve.store.offloader import KVLoad
+from kvserve.sched.output import SchedulerOutput
+from kvserve.worker.requests import RankRequests
 
 
 @dataclass
@@ -52,56 +47,6 @@ class StepInputs:
     sampled: list[str]  # request ids of the last len(sampled) logit rows
     rows: list[SampleRow]  # the sampler's view of each of them
 
-    def to(self, device: torch.device) -> StepInputs:
-        """A copy with every tensor on ``device`` (itself when already there)."""
-        if self.input_ids.device == device:
-            return self
-        return dataclasses.replace(
-            self,
-            input_ids=self.input_ids.to(device),
-            positions=self.positions.to(device),
-            meta=_meta_to(self.meta, device),
-        )
-
-
-def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    """A copy of ``meta`` (and its groups') with every tensor on ``device``."""
-    moved = {
-        f.name: getattr(meta, f.name).to(device)
-        for f in dataclasses.fields(meta)
-        if isinstance(getattr(meta, f.name), torch.Tensor)
-    }
-    prefills = [
-        dataclasses.replace(
-            p,
-            block_table=None if p.block_table is None else p.block_table.to(device),
-            mask=None if p.mask is None else p.mask.to(device),
-        )
-        for p in meta.prefills
-    ]
-    groups = [_meta_to(g, device) for g in meta.groups]
-    return dataclasses.replace(meta, prefills=prefills, groups=groups, **moved)
-
-
-@dataclass
-class WorkerStep:
-    """One step for a worker: drop, swap out, swap in, load from the store (the field
-    names of ``SchedulerOutput``'s copy lists), then run ``inputs`` when not None."""
-
-    swap_out: list[SwapOut] = field(default_factory=list)
-    swap_in: list[SwapIn] = field(default_factory=list)
-    swap_drop: list[str] = field(default_factory=list)
-    kv_loads: list[KVLoad] = field(default_factory=list)
-    inputs: StepInputs | None = None
-
-    @property
-    def has_copies(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.swap_drop or self.kv_loads)
-
-    @classmethod
-    def of(cls, out: SchedulerOutput, inputs: StepInputs | None) -> WorkerStep:
-        return cls(out.swap_out, out.swap_in, out.swap_drop, out.kv_loads, inputs)
-
 
 @dataclass
 class _SharedMeta:
@@ -116,19 +61,18 @@ class _SharedMeta:
 
 
 class InputBuilder:
-    """Builds ``StepInputs`` from the KV manager's block tables (engine side)."""
+    """Builds ``StepInputs`` on ``device`` (a rank's side of the door)."""
 
     def __init__(
         self,
-        kv: KVCacheManager,
+        block_size: int,
         device: torch.device,
         sliding_window: int | None,
         attention_sinks: int,
         dense_masks: bool,
     ):
-        self.kv = kv
         self.device = device
-        self.block_size = kv.block_size
+        self.block_size = block_size
         self.window = sliding_window
         self.sinks = attention_sinks if sliding_window is not None else 0
         # dense masks for the SDPA backend; the paged kernel reads the sequence fields only
@@ -145,19 +89,24 @@ class InputBuilder:
         mask = visible(q_pos, torch.arange(computed + n).unsqueeze(0), self.window, self.sinks)
         return mask.view(1, 1, n, computed + n).to(self.device)
 
-    def build(self, batch: list[ScheduledRequest]) -> StepInputs:
-        """Inputs for ``batch`` (any order; decodes are put first). In the hybrid KV layout
-        the metadata has one copy per group (``AttentionMetadata.groups``), each over that
-        group's block tables; masks and lengths are shared."""
-        batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)
-        groups = len(self.kv.windows)
+    def build(
+        self, out: SchedulerOutput, requests: RankRequests, sample_rows: bool = True
+    ) -> StepInputs:
+        """Inputs for ``out``'s scheduled requests, as ``requests`` knows them (decodes
+        first); ``sample_rows``: build the sampler's rows (rank 0; others leave them
+        empty). In the hybrid KV layout the metadata has one copy per group
+        (``AttentionMetadata.groups``), each over that group's block tables; masks and
+        lengths are shared."""
+        batch = sorted(out.num_scheduled_tokens.items(), key=lambda s: s[1] != 1)
+        groups = len(requests[batch[0][0]].block_ids)
         ids: list[int] = []
         decode_pos: list[int] = []
         prefill_pos: list[torch.Tensor] = []
         seq_lens: list[int] = []
         query_start = [0]
-        sample_rows: list[int] = []
-        sampled: list[Request] = []
+        logit_rows: list[int] = []
+        sampled: list[str] = []
+        rows: list[SampleRow] = []
         prompt_rows: list[int] = []
         prompt: list[PromptRows] = []
         # per group: every sequence's table (decodes first, the batch order) and slots
@@ -166,12 +115,12 @@ class InputBuilder:
         prefill_slots: list[list[torch.Tensor]] = [[] for _ in range(groups)]
         prefills: list[list[PrefillChunk]] = [[] for _ in range(groups)]
         bs = self.block_size
-        for s in batch:
-            req, n = s.request, s.num_new_tokens
+        for rid, n in batch:
+            req = requests[rid]
             start = req.num_computed_tokens
-            group_tables = self.kv.block_tables(req.request_id)
+            group_tables = req.block_ids
             tok_start = len(ids)
-            ids.extend(req.token_slice(start, start + n))
+            ids.extend(req.token_ids[start : start + n])
             seq_lens.append(start + n)
             query_start.append(len(ids))
             for g, table_list in enumerate(group_tables):
@@ -194,12 +143,14 @@ class InputBuilder:
             k = req.params.prompt_logprobs
             if k is not None and start < req.num_prompt_tokens - 1:
                 last = min(start + n, req.num_prompt_tokens - 1)
-                targets = req.prompt_token_ids[start + 1 : last + 1]
-                prompt.append(PromptRows(req.request_id, len(prompt_rows), targets, k))
+                targets = req.token_ids[start + 1 : last + 1]
+                prompt.append(PromptRows(rid, len(prompt_rows), targets, k))
                 prompt_rows.extend(range(tok_start, tok_start + len(targets)))
             if start + n == req.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                sampled.append(req)
+                logit_rows.append(len(ids) - 1)
+                sampled.append(rid)
+                if sample_rows:
+                    rows.append(req.sample_row(out.grammar_masks.get(rid)))
         positions = torch.cat([torch.tensor(decode_pos, dtype=torch.long), *prefill_pos])
         decode_lens = [p + 1 for p in decode_pos]
         decode_mask = None
@@ -226,10 +177,10 @@ class InputBuilder:
             torch.tensor(ids, dtype=torch.long, device=self.device),
             positions.to(self.device),
             meta,
-            torch.tensor(prompt_rows + sample_rows, dtype=torch.long, device=self.device),
+            torch.tensor(prompt_rows + logit_rows, dtype=torch.long, device=self.device),
             prompt,
-            [r.request_id for r in sampled],
-            [self._row(r) for r in sampled],
+            sampled,
+            rows,
         )
 
     def _meta(
@@ -278,28 +229,3 @@ class InputBuilder:
         mask = visible(lens_t - 1, pos, self.window, self.sinks)  # a decode sits at len - 1
         need_mask = self.window is not None or any(n != max_len for n in lens)
         return mask.view(len(lens), 1, 1, max_len).to(self.device) if need_mask else None
-
-    @staticmethod
-    def _row(req: Request) -> SampleRow:
-        """The sampler's view of ``req``'s next token: forbidden ids (EOS and stop ids
-        under ``min_tokens``, bad words whose other tokens end the output), its grammar's
-        mask, and its tokens when a penalty needs them."""
-        params = req.params
-        out = req.output_token_ids
-        suppress: set[int] = set()
-        if len(out) < params.min_tokens:
-            eos = () if params.ignore_eos else req.eos_token_ids
-            suppress = set(eos) | set(params.stop_token_ids or ())
-        for word in req.bad_words_ids:
-            head = word[:-1]
-            if not head or out[len(out) - len(head) :] == head:
-                suppress.add(word[-1])
-        return SampleRow(
-            params,
-            req.seed,
-            req.num_tokens,
-            tuple(sorted(suppress)),
-            mask=None if req.guide is None else req.guide.mask(),
-            output_ids=out if params.penalized else None,
-            prompt_ids=req.prompt_token_ids if params.repetition_penalty != 1.0 else None,
-        )

@@ -1,11 +1,12 @@
-"""Runs one ``WorkerStep`` on a rank: its copies, the forward pass over the paged cache, the
-logits, and (on rank 0) sampling.
+"""Runs one step on a rank: its request deltas, its copies, the forward pass over the
+paged cache, the logits, and (on rank 0) sampling.
 
-``ModelRunner`` is the worker side of the door; ``step`` (used in-process, without
-tensor parallelism) is the engine side too: it builds the ``StepInputs`` of a
-``SchedulerOutput`` (``worker.inputs``) and executes them at once. Under tensor
-parallelism every rank's runner executes the same ``WorkerStep`` (``worker.executor``);
-the collectives inside the model keep them in lockstep, and only rank 0 samples.
+``ModelRunner`` is a rank's side of the door: it keeps its own copy of the requests
+(``worker.requests``), applies each ``SchedulerOutput``'s deltas to it, and builds its
+inputs from it (``worker.inputs``). In-process (without tensor parallelism) the engine
+calls ``step`` directly; under tensor parallelism every rank's runner executes the same
+published ``SchedulerOutput`` (``worker.executor``); the collectives inside the model
+keep them in lockstep, and only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from kvserve.sched.output import SchedulerOutput, StepResult
 from kvserve.store.offloader import KVSave
 from kvserve.store.tiered import TieredStore
 from kvserve.worker.cuda_graphs import DecodeGraphs
-from kvserve.worker.inputs import InputBuilder, StepInputs, WorkerStep
+from kvserve.worker.inputs import InputBuilder, StepInputs
 from kvserve.worker.offload import KVTransfer
+from kvserve.worker.requests import RankRequests
 from kvserve.worker.swap import HostSwap
 
 
 class ModelRunner:
-    """Owns the KV tensors (and, through ``host_swap``, their host copies); executes
-    ``WorkerStep``s: swaps and KV store loads, then the forward pass and sampling; after
-    the step, ``save_blocks``. ``builder`` (the engine side) is set for in-process use;
+    """Owns the KV tensors (and, through ``host_swap``, their host copies) and this
+    rank's copy of the requests; executes ``SchedulerOutput``s: deltas, swaps and KV store
+    loads, then the forward pass and sampling; after the step, ``save_blocks``.
     ``graphs`` runs the decode steps it can replay (``worker.cuda_graphs``)."""
 
     def __init__(
@@ -34,17 +36,19 @@ class ModelRunner:
         model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         device: torch.device,
-        builder: InputBuilder | None = None,
+        builder: InputBuilder,
         graphs: DecodeGraphs | None = None,
         host_swap: HostSwap | None = None,
         kv_transfer: KVTransfer | None = None,
     ):
-        """``host_swap``: copies of swapped-out blocks (with a swap space);
-        ``kv_transfer``: block bytes to and from the KV store (with one)."""
+        """``builder``: this rank's inputs (on ``device``); ``host_swap``: copies of
+        swapped-out blocks (with a swap space); ``kv_transfer``: block bytes to and from
+        the KV store (with one)."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.builder = builder
+        self.requests = RankRequests()
         self.graphs = graphs  # captured decode steps over kv_caches (CUDA)
         self.is_driver = model.tp is None or model.tp.rank == 0  # samples, returns results
         self.host_swap = host_swap
@@ -55,14 +59,16 @@ class ModelRunner:
 
     # ---- the engine side (in-process) -----------------------------------------------
     def step(self, out: SchedulerOutput) -> StepResult | None:
-        """Execute ``out``'s copies and batch; None when it schedules no tokens."""
-        assert self.builder is not None, "step() needs the engine-side InputBuilder"
-        inputs = self.builder.build(out.scheduled) if out.scheduled else None
-        return self.execute(WorkerStep.of(out, inputs))
+        """Execute ``out`` here (the in-process door); None when it schedules no tokens."""
+        return self.execute(out)
 
     def swap_held(self) -> set[str]:
         """Request ids whose KV has a host copy here."""
         return set() if self.host_swap is None else self.host_swap.held()
+
+    def known_requests(self) -> set[str] | None:
+        """The ids of the requests this rank keeps a copy of (``check_integrity``)."""
+        return self.requests.ids()
 
     def close(self) -> None:
         """Nothing to release in-process (the executor's counterpart stops processes)."""
@@ -72,21 +78,23 @@ class ModelRunner:
 
     # ---- the worker side --------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, step: WorkerStep) -> StepResult | None:
-        """The step's swap lists (``worker.swap.HostSwap``) and KV store loads
-        (``worker.offload.KVTransfer``), then its inputs' forward pass. Returns the sampled
-        tokens on the driver (rank 0); None on other ranks or without inputs."""
-        if step.swap_out or step.swap_in or step.swap_drop:
+    def execute(self, out: SchedulerOutput) -> StepResult | None:
+        """The step's request deltas (``RankRequests.apply``), swap lists
+        (``worker.swap.HostSwap``) and KV store loads (``worker.offload.KVTransfer``),
+        then the forward pass of the inputs this rank builds. Returns the sampled tokens
+        on the driver (rank 0); None on other ranks or when no tokens are scheduled."""
+        self.requests.apply(out)
+        if out.swap_out or out.swap_in or out.swap_drop:
             if self.host_swap is None:
                 raise RuntimeError("swaps scheduled without a swap space")
-            self.host_swap.apply(step)
-        if step.kv_loads:
+            self.host_swap.apply(out)
+        if out.kv_loads:
             if self.kv_transfer is None:
                 raise RuntimeError("KV store loads scheduled without a KV store")
-            self.kv_transfer.load(step.kv_loads)
-        if step.inputs is None:
+            self.kv_transfer.load(out.kv_loads)
+        if out.is_empty:
             return None
-        return self.run(step.inputs)
+        return self.run(self.builder.build(out, self.requests, self.is_driver))
 
     @torch.inference_mode()
     def save_blocks(self, saves: list[KVSave], store: TieredStore) -> int:
@@ -98,7 +106,6 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> StepResult | None:
         """Forward ``inputs`` and sample (on the driver); does not modify any request."""
-        inputs = inputs.to(self.device)
         if self.graphs is not None and self.graphs.eligible(inputs.input_ids, inputs.meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:

@@ -1,7 +1,8 @@
 """Messages between the engine core and its tensor-parallel worker processes.
 
-The engine publishes one message per step to every rank (``WorkerStep``, on a ZeroMQ
-XPUB socket; pickled, since steps carry tensors); ranks answer on one PULL socket: rank 0
+The engine publishes one message per step to every rank (the step's ``SchedulerOutput``:
+plain data, the deltas of the requests each rank keeps a copy of, on a ZeroMQ XPUB
+socket; pickled, since copy lists carry tensors); ranks answer on one PULL socket: rank 0
 with the step's ``StepDone`` (sampled tokens), any rank with ``WorkerFailed`` before it
 exits. Start-up: every rank loads its shard and sends ``WorkerReady`` (its block capacity
 and weight bytes); the engine publishes ``InitCache`` with the smallest capacity, each
@@ -52,7 +53,7 @@ class WorkerReady:
 class InitCache:
     num_blocks: int
     swap: bool  # keep host copies for swap preemption
-    store: bool  # blocks move to and from a KV store (SaveBlocks, WorkerStep.kv_loads)
+    store: bool  # blocks move to and from a KV store (SaveBlocks, SchedulerOutput.kv_loads)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class SavedRows:
 
 @dataclass
 class StepDone:
-    """Rank 0's answer to a ``WorkerStep``: its result (None without inputs) and the
+    """Rank 0's answer to a step: its result (None when no tokens were scheduled) and the
     requests whose KV it holds host copies of (for ``check_integrity``)."""
 
     result: StepResult | None

@@ -20,7 +20,7 @@ import torch
 from kvserve.model.kv_cache import block_tensors
 
 if TYPE_CHECKING:
-    from kvserve.worker.inputs import WorkerStep
+    from kvserve.sched.output import SchedulerOutput
 
 
 class HostSwap:
@@ -43,7 +43,7 @@ class HostSwap:
     def held(self) -> set[str]:
         return set(self._host)
 
-    def apply(self, out: WorkerStep) -> None:
+    def apply(self, out: SchedulerOutput) -> None:
         for rid in out.swap_drop:
             self._host.pop(rid, None)
         for so in out.swap_out:

@@ -34,6 +34,7 @@ import zmq
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.parallel import ShardPlan, TPGroup
 from kvserve.model.shm import ShmChannel
+from kvserve.worker.inputs import InputBuilder
 from kvserve.worker.loading import ShardBuilder, ShardInputs, rank_kv_spec
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.offload import KVTransfer
@@ -154,8 +155,15 @@ def _loop(wa: WorkerArgs, store, sub: zmq.Socket, push: zmq.Socket, shard: Shard
             layer_group = groups.layer_group if groups is not None else None
             row_slice = _row_slice(shard, wa.rank, wa.world_size) if msg.store else None
             transfer = KVTransfer(caches, bs, "", "", layer_group, row_slice)
+            inp, dense = shard.inp, shard.backend.dense_masks
+            inputs = InputBuilder(bs, shard.device, inp.window, inp.attention_sinks, dense)
             runner = ModelRunner(
-                shard.model, caches, shard.device, None, None, swap, transfer if msg.store else None
+                shard.model,
+                caches,
+                shard.device,
+                inputs,
+                host_swap=swap,
+                kv_transfer=transfer if msg.store else None,
             )
             digest = transfer.block_format().scales_digest
             push.send(pickle.dumps(CacheReady(wa.rank, transfer.parts, digest)))

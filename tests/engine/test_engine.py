@@ -37,7 +37,7 @@ def test_without_chunked_prefill_whole_prompts_are_scheduled(llama_dir):
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(2))
     first = engine.scheduler.schedule()
-    assert [s.num_new_tokens for s in first.scheduled] == [40]  # second waits for budget
+    assert list(first.num_scheduled_tokens.values()) == [40]  # second waits for budget
 
 
 def test_preemption_by_recompute_gives_identical_tokens(llama_dir):

@@ -56,17 +56,18 @@ class Sim:
         self.host.apply(out)  # as the worker does, before the forward pass
         self.check_reservations()
         self.steps += 1
-        for s in out.scheduled:
-            req, start = s.request, s.request.num_computed_tokens
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            start = req.num_computed_tokens
             for pos in range(start):  # what is already there: written, swapped, shared
                 want = _value(req.token_slice(pos, pos + 1)[0], pos)
                 got = self.cache[0, self._slot(req, pos), 0, 0].item()
                 assert got == want, f"{req.request_id} pos {pos}: K/V {got} != {want}"
-            for pos in range(start, start + s.num_new_tokens):
+            for pos in range(start, start + n):
                 self.cache[0, self._slot(req, pos), 0, 0] = _value(
                     req.token_slice(pos, pos + 1)[0], pos
                 )
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
             if req.num_computed_tokens == req.num_tokens:  # sampled: a known next token
                 req.output_token_ids.append((req.num_tokens * 7 + len(req.request_id)) % 97)

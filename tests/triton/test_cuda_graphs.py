@@ -6,6 +6,8 @@ replay computes); the Triton backend runs under its interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import greedy, make_engine, random_prompts, run_to_end
@@ -99,9 +101,10 @@ def test_padding_rows_write_nothing_and_rows_match_eager(model_dirs):
     for _ in range(3):  # prefill, then a first decode step
         engine.step()
     out = engine.scheduler.schedule()
-    assert all(s.num_new_tokens == 1 for s in out.scheduled) and len(out.scheduled) == 3
-    inputs = engine.runner.builder.build(out.scheduled)
+    assert list(out.num_scheduled_tokens.values()) == [1, 1, 1]
     runner = engine.runner
+    runner.requests.apply(out)  # as the runner does first
+    inputs = runner.builder.build(out, runner.requests)
     eager_caches = [c.clone() for c in runner.kv_caches]
     graphs = _graphs(engine, CudaCapture(torch.device(DEV)) if CUDA else ReplayByCall())
     assert graphs.eligible(inputs.input_ids, inputs.meta)
@@ -112,6 +115,8 @@ def test_padding_rows_write_nothing_and_rows_match_eager(model_dirs):
     assert same(got, want)
     for a, b in zip(runner.kv_caches, eager_caches, strict=True):
         assert same(a, b)
-    prefill = engine.runner.builder.build([*out.scheduled[:1]])
+    first = next(iter(out.num_scheduled_tokens))
+    one = dataclasses.replace(out, num_scheduled_tokens={first: 1})
+    prefill = runner.builder.build(one, runner.requests)
     prefill.meta.num_decodes = 0  # a prefill row is never replayed
     assert not graphs.eligible(prefill.input_ids, prefill.meta)
