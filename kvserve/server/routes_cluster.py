@@ -29,7 +29,7 @@ from kvserve.server.responses.routes import prepare
 from kvserve.server.responses.routes import respond as respond_response
 from kvserve.server.responses.run import ResponseRun
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import respond
+from kvserve.server.streaming import ReplyPlan, respond
 
 
 def cluster_routes(state: ServerState) -> APIRouter:
@@ -100,18 +100,16 @@ def cluster_routes(state: ServerState) -> APIRouter:
         stream, record = await _continue(record, delivered, body.seen_epoch)
         kind = "chat.completion" if chat else "text_completion"
         resp_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        return await respond(
-            state,
+        plan = ReplyPlan.of(
             original,
-            [stream],
-            record.params,
             kind,
             resp_id,
-            request,
+            record.params,
             resume=(delivered, body.delivered_text_chars),
             echo=[_echo_text(original)],
             tools=tools,
         )
+        return await respond(state, plan, [stream], request)
 
     async def _continue(
         record: SessionRecord, delivered: list[int], seen: int | None

@@ -13,7 +13,7 @@ from kvserve.server.auth import authenticate
 from kvserve.server.errors import bad_request, field_error
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import respond
+from kvserve.server.streaming import ReplyPlan, respond
 
 
 def openai_routes(state: ServerState) -> APIRouter:
@@ -62,7 +62,8 @@ def openai_routes(state: ServerState) -> APIRouter:
         echo = None
         if body.echo:
             echo = [state.prompt_text(p) for p in prompts for _ in range(params.n)]
-        return await respond(state, body, streams, params, kind, rid, request, echo=echo)
+        plan = ReplyPlan.of(body, kind, rid, params, echo=echo)
+        return await respond(state, plan, streams, request)
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest) -> Response:
@@ -82,8 +83,7 @@ def openai_routes(state: ServerState) -> APIRouter:
             state, [prompt], params, principal, _placement(body, request), request
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await respond(
-            state, body, streams, params, "chat.completion", rid, request, tools=tools
-        )
+        plan = ReplyPlan.of(body, "chat.completion", rid, params, tools=tools)
+        return await respond(state, plan, streams, request)
 
     return router
