@@ -34,14 +34,18 @@ class SwapIn:
 
 class SwapSpace:
     """Which requests are swapped out, with which live entries; at most
-    ``capacity_bytes`` of host copies in all."""
+    ``capacity_bytes`` of host copies in all, at every point of a step: the room of a
+    request coming back (``release``) is free only from the next step on (``settle``),
+    since its host copy lives until the worker ran the step's swap-ins, and a swap-in
+    cancelled in its own step (``restore``) keeps that copy."""
 
     def __init__(self, bytes_per_block: int, capacity_bytes: int):
         self.bytes_per_block = bytes_per_block
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = capacity_bytes // bytes_per_block
-        self.used_blocks = 0
+        self.used_blocks = 0  # held and still returning
         self._live: dict[str, list[bool]] = {}
+        self._returning: dict[str, int] = {}  # released this step: blocks still held
 
     @property
     def used_bytes(self) -> int:
@@ -72,22 +76,29 @@ class SwapSpace:
     def release(self, request_id: str, blocks: list[int], skip: int) -> SwapIn:
         """The request comes back into ``blocks`` (one per live entry after the first
         ``skip``); its room is free again."""
-        live = self._live.pop(request_id)
+        live = self._live[request_id]
         n = sum(live)
         if len(blocks) != n - skip:
             raise ValueError(
                 f"swap_in of {request_id!r}: {n} blocks saved, {skip} shared, {len(blocks)} given"
             )
-        self.used_blocks -= n
+        del self._live[request_id]
+        self._returning[request_id] = n  # its room is free at the next settle()
         return SwapIn(request_id, blocks, skip)
 
     def restore(self, request_id: str, live: list[bool]) -> None:
         """Undo a ``release`` of this step whose ``SwapIn`` the worker never ran: the host
-        copy (``live`` entries) is held again."""
-        if request_id in self._live:
-            raise ValueError(f"request {request_id!r} is already swapped out")
+        copy (``live`` entries) is held again (its room never left)."""
+        if request_id in self._live or request_id not in self._returning:
+            raise ValueError(f"request {request_id!r} was not released in this step")
+        del self._returning[request_id]
         self._live[request_id] = list(live)
-        self.used_blocks += sum(live)
+
+    def settle(self) -> None:
+        """A new step: the room of the requests released in the last one is free (the
+        worker ran their swap-ins, which dropped the host copies)."""
+        self.used_blocks -= sum(self._returning.values())
+        self._returning.clear()
 
     def discard(self, request_id: str) -> bool:
         """Forget a swapped request (finished or aborted); True if it had a host copy."""
@@ -98,7 +109,7 @@ class SwapSpace:
         return True
 
     def check_integrity(self) -> None:
-        used = sum(sum(live) for live in self._live.values())
+        used = sum(sum(live) for live in self._live.values()) + sum(self._returning.values())
         if used != self.used_blocks or used > self.capacity_blocks:
             raise AssertionError(
                 f"swap space: {used} blocks held, counter {self.used_blocks}, "

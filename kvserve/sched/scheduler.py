@@ -134,6 +134,8 @@ class Scheduler:
         self._dropped = []
         self._pending_loads = []
         self._returning = {}
+        if self.swap is not None:  # (no update ran when no tokens were scheduled)
+            self.swap.settle()
         scheduled: Batch = {}
         budget = self.config.max_num_batched_tokens
         if self.loading:
@@ -367,11 +369,14 @@ class Scheduler:
 
     # ---- after a step ----------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> StepUpdate:
-        """After ``out`` ran: move each scheduled request on by its computed tokens and
+        """After ``out`` ran: free the swap room of the requests it swapped in
+        (``SwapSpace.settle``); move each scheduled request on by its computed tokens and
         cache its full blocks; hand them to ``on_blocks_full`` (the store's saves); free
         the blocks that left their sliding window; place prompt logprobs; append each
         sampled token and finish the requests it stops (their blocks freed). Returns
         what it did, for the engine's outputs, sessions and replication."""
+        if self.swap is not None:  # the step's swap-ins ran: their host copies are gone
+            self.swap.settle()
         starts = []
         advanced = []
         for rid, n in out.num_scheduled_tokens.items():

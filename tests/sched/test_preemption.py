@@ -94,6 +94,8 @@ def test_swap_preserves_kv_bytes_and_the_null_blocks():
         for src, dst in ((5, 8), (7, 2)):
             assert torch.equal(c.data[:, dst * 4 : dst * 4 + 4], d[:, src * 4 : src * 4 + 4])
             assert torch.equal(c.scale[:, dst * 4 : dst * 4 + 4], s[:, src * 4 : src * 4 + 4])
+    assert swap.used_blocks == 2  # its room is free once the step ran
+    swap.settle()
     assert swap.used_blocks == 0
     swap.check_integrity()
 

@@ -54,6 +54,7 @@ class Sim:
     def step(self):
         out = self.sched.schedule()
         self.host.apply(out)  # as the worker does, before the forward pass
+        self.swap.settle()  # as update_from_output does once the step ran
         self.check_reservations()
         self.steps += 1
         for rid, n in out.num_scheduled_tokens.items():
@@ -173,6 +174,41 @@ def test_a_victim_is_not_swapped_back_in_within_the_step_that_swapped_it_out():
                 ("r12", "gold", flat[:9], 5, 2),
                 ("r0", "silver", flat[:9], 3, 4),
                 ("r8", "free", flat[:9], 1, 6),
+            ],
+        )
+    )
+
+
+def test_a_cancelled_swap_in_never_overfills_the_swap_space():
+    """Found by the property test (2026-12-06): a request swapped in frees its host room,
+    a victim is swapped out into that room, and then the first request is preempted again
+    in the same step — its swap-in cancelled, its host copy kept: 9 blocks held in a space
+    of 5. The room of a returning request is now free only once the step ran."""
+    one, many = [2], [2] * 13
+    _run(
+        dict(
+            num_blocks=16,
+            budgets={
+                "bronze": Budget(1, 6),
+                "free": Budget(0, 6),
+                "gold": Budget(4, 6),
+                "silver": Budget(1, 6),
+            },
+            mode="swap",
+            victim="cost",
+            swap_blocks=5,
+            caching=True,
+            seats=2,
+            requests=[
+                ("r0", "silver", one, 8, 0),
+                ("r1", "silver", one, 1, 1),
+                ("r2", "gold", one, 1, 0),
+                ("r3", "gold", many, 5, 0),
+                ("r4", "gold", one, 1, 1),
+                ("r5", "bronze", many, 1, 0),
+                ("r6", "gold", one, 1, 0),
+                ("r7", "gold", one, 2, 0),
+                ("r8", "gold", many, 1, 0),
             ],
         )
     )
