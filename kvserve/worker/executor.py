@@ -84,6 +84,7 @@ class MultiprocExecutor:
         self._started = False  # start_cache
         self.procs: list[subprocess.Popen] = []
         self._held: set[str] = set()
+        self._copies = 0  # rank 0's request copies after the last step
         self._parts: list[tuple] = []  # each rank's block parts (start_cache)
         self._digest: str | None = None  # the ranks' scales/shift digests (start_cache)
         self._store_names: tuple[str, str] | None = None  # start_cache
@@ -249,6 +250,7 @@ class MultiprocExecutor:
             msg = self._recv(deadline, "answering a step")
             if isinstance(msg, StepDone):
                 self._held = msg.swap_held
+                self._copies = msg.request_copies
                 self.comm_seconds = msg.comm_seconds
                 return msg.result
 
@@ -256,10 +258,9 @@ class MultiprocExecutor:
         """Request ids whose KV rank 0 held host copies of after the last step."""
         return set(self._held)
 
-    def known_requests(self) -> set[str] | None:
-        """None: the ranks' request copies stay in their processes (the in-process
-        runner answers ``check_integrity`` with its ids)."""
-        return None
+    def request_copies(self) -> int:
+        """How many requests rank 0 kept a copy of after the last step."""
+        return self._copies
 
     def check_health(self) -> None:
         """Raise ``EngineError`` when a local rank's process has exited or a rank reported

@@ -66,9 +66,9 @@ class ModelRunner:
         """Request ids whose KV has a host copy here."""
         return set() if self.host_swap is None else self.host_swap.held()
 
-    def known_requests(self) -> set[str] | None:
-        """The ids of the requests this rank keeps a copy of (``check_integrity``)."""
-        return self.requests.ids()
+    def request_copies(self) -> int:
+        """How many requests this rank keeps a copy of (``check_integrity``)."""
+        return len(self.requests)
 
     def close(self) -> None:
         """Nothing to release in-process (the executor's counterpart stops processes)."""

@@ -85,6 +85,7 @@ class StepDone:
     result: StepResult | None
     swap_held: set[str]
     comm_seconds: float  # rank 0's time inside collectives so far
+    request_copies: int  # requests rank 0 keeps a copy of after the step
 
 
 @dataclass(frozen=True)

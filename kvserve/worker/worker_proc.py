@@ -176,7 +176,8 @@ def _loop(wa: WorkerArgs, store, sub: zmq.Socket, push: zmq.Socket, shard: Shard
         result = runner.execute(msg)
         if wa.rank == 0:
             comm = shard.model.tp.comm_seconds if shard.model.tp is not None else 0.0
-            push.send(pickle.dumps(StepDone(result, runner.swap_held(), comm)))
+            done = StepDone(result, runner.swap_held(), comm, len(runner.requests))
+            push.send(pickle.dumps(done))
 
 
 def main(argv: list[str] | None = None) -> None:
