@@ -187,15 +187,43 @@ FIGURES: tuple[Figure, ...] = (
         peer="kvserve before it (2f5ea5b)",
         theirs=lambda d: d["summary"]["32"]["before"],
     ),
-    Figure(
-        "tensor-parallel step message per decode step, 32 streams, real SmolLM2-135M",
-        "bytes (greedy)",
-        ("step_message.json",),
-        lambda d: d["results"]["greedy"]["decode"]["mean_bytes"],
-        "python benchmarks/step_message.py --model /tmp/kvserve-bench/smollm2-135m-instruct "
-        "--out benchmarks/results/step_message.json",
+    _offline(
+        "per-rank input building (each rank keeps its requests, the step message carries "
+        "deltas): offline, real SmolLM2-135M bf16, 32 × 256 → 128 (three interleaved runs "
+        "in alternating order, merged: 0.96×, 1.01×, 1.01×)",
+        "offline_rank_inputs.json",
+        "kvserve",
+        "--real --engines kvserve,baseline --baseline /tmp/wt_base --repeat 3",
         "Corridors",
-        commit="5510a8b",
+        commit="9ba9345",
+        peer="kvserve before it (7db6425)",
+        theirs=lambda d: _r(d, "baseline"),
+    ),
+    Figure(
+        "tensor-parallel step message per decode step, 32 streams, real SmolLM2-135M: "
+        "deltas to ranks that build their own inputs",
+        "bytes (greedy)",
+        ("step_message_deltas.json", "step_message.json"),
+        lambda d, _: d["results"]["greedy"]["decode"]["mean_bytes"],
+        "python benchmarks/step_message.py --model /tmp/kvserve-bench/smollm2-135m-instruct "
+        "--out benchmarks/results/step_message_deltas.json",
+        "Corridors",
+        commit="9ba9345",
+        peer="inputs built by the engine and sent whole (5510a8b)",
+        theirs=lambda _, before: before["results"]["greedy"]["decode"]["mean_bytes"],
+        higher_is_better=False,
+        fmt="{:.0f}",
+    ),
+    Figure(
+        "the same with repetition_penalty 1.1 (sampler rows need every request's history)",
+        "bytes",
+        ("step_message_deltas.json", "step_message.json"),
+        lambda d, _: d["results"]["repetition_penalty"]["decode"]["mean_bytes"],
+        "the same command",
+        "Corridors",
+        commit="9ba9345",
+        peer="inputs built by the engine and sent whole (5510a8b)",
+        theirs=lambda _, b: b["results"]["repetition_penalty"]["decode"]["mean_bytes"],
         higher_is_better=False,
         fmt="{:.0f}",
     ),
