@@ -35,7 +35,8 @@ logger = logging.getLogger("kvserve")
 
 class LLMEngine(EngineParts):
     """Synchronous engine: its parts (``EngineParts``, built by ``EngineBuilder``), the
-    requests it holds and the step loop. Not thread-safe: one caller drives it."""
+    doors for requests (their state is the scheduler's) and the step loop. Not
+    thread-safe: one caller drives it."""
 
     def __init__(self, args: EngineArgs, cluster_secret: str | None = None):
         super().__init__(**vars(EngineBuilder(args, cluster_secret).parts()))

@@ -1,7 +1,7 @@
 """EngineParts: everything an engine is made of, typed, in one place.
 
 ``engine.builder.EngineBuilder(args).parts()`` builds them once, in dependency order, and
-``LLMEngine`` is an ``EngineParts`` (it adds the requests it holds and the step loop), so
+``LLMEngine`` is an ``EngineParts`` (it adds the request doors and the step loop), so
 "where is ``engine.kv`` set?" has one answer: the field here, filled by the builder's
 ``parts()``. Each part receives its collaborators in its constructor; nothing is wired
 into a part after it is built. The metrics (``engine.kv_metrics``) read an engine through

@@ -45,7 +45,7 @@ class SwapSpace:
         self.capacity_blocks = capacity_bytes // bytes_per_block
         self.used_blocks = 0  # held and still returning
         self._live: dict[str, list[bool]] = {}
-        self._returning: dict[str, int] = {}  # released this step: blocks still held
+        self._returning: dict[str, list[bool]] = {}  # released this step: still held
 
     @property
     def used_bytes(self) -> int:
@@ -75,29 +75,27 @@ class SwapSpace:
 
     def release(self, request_id: str, blocks: list[int], skip: int) -> SwapIn:
         """The request comes back into ``blocks`` (one per live entry after the first
-        ``skip``); its room is free again."""
+        ``skip``); its room is free from the next ``settle`` on."""
         live = self._live[request_id]
         n = sum(live)
         if len(blocks) != n - skip:
             raise ValueError(
                 f"swap_in of {request_id!r}: {n} blocks saved, {skip} shared, {len(blocks)} given"
             )
-        del self._live[request_id]
-        self._returning[request_id] = n  # its room is free at the next settle()
+        self._returning[request_id] = self._live.pop(request_id)
         return SwapIn(request_id, blocks, skip)
 
-    def restore(self, request_id: str, live: list[bool]) -> None:
+    def restore(self, request_id: str) -> None:
         """Undo a ``release`` of this step whose ``SwapIn`` the worker never ran: the host
-        copy (``live`` entries) is held again (its room never left)."""
-        if request_id in self._live or request_id not in self._returning:
+        copy is held again (its room never left)."""
+        if request_id not in self._returning:
             raise ValueError(f"request {request_id!r} was not released in this step")
-        del self._returning[request_id]
-        self._live[request_id] = list(live)
+        self._live[request_id] = self._returning.pop(request_id)
 
     def settle(self) -> None:
         """A new step: the room of the requests released in the last one is free (the
         worker ran their swap-ins, which dropped the host copies)."""
-        self.used_blocks -= sum(self._returning.values())
+        self.used_blocks -= sum(sum(live) for live in self._returning.values())
         self._returning.clear()
 
     def discard(self, request_id: str) -> bool:
@@ -109,7 +107,8 @@ class SwapSpace:
         return True
 
     def check_integrity(self) -> None:
-        used = sum(sum(live) for live in self._live.values()) + sum(self._returning.values())
+        held = [*self._live.values(), *self._returning.values()]
+        used = sum(sum(live) for live in held)
         if used != self.used_blocks or used > self.capacity_blocks:
             raise AssertionError(
                 f"swap space: {used} blocks held, counter {self.used_blocks}, "

@@ -64,6 +64,8 @@ class RankView:
             else:
                 cached.request_ids.append(rid)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
+                # tokens only grow while a request lives (finish_request cuts and ends it)
+                assert req.num_tokens >= known.num_tokens, f"{rid}: tokens went back"
                 cached.new_token_ids.append(req.token_slice(known.num_tokens, req.num_tokens))
                 known.num_tokens = req.num_tokens
                 cached.new_block_ids.append(_appended(known, tables, cached.tables, rid))

@@ -92,7 +92,6 @@ class Scheduler:
         self.offloader = offloader
         self._dropped: list[str] = []  # swapped requests finished since the last step
         self._pending_loads: list[KVLoad] = []  # pre-warm copies for the next step
-        self._returning: dict[str, list[bool]] = {}  # swapped in this step: live entries
         self.ranks = RankView(kv)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -133,7 +132,6 @@ class Scheduler:
         out = SchedulerOutput(swap_drop=self._dropped, kv_loads=self._pending_loads)
         self._dropped = []
         self._pending_loads = []
-        self._returning = {}
         if self.swap is not None:  # (no update ran when no tokens were scheduled)
             self.swap.settle()
         scheduled: Batch = {}
@@ -256,7 +254,6 @@ class Scheduler:
                 return None
             copied = sum(live) - len(shared)
             out.swap_in.append(self.swap.release(req.request_id, fresh[:copied], len(shared)))
-            self._returning[req.request_id] = live  # until the step ends (see _preempt)
             return n
         cached = self.kv.find_cached_prefix(req)  # at most req.restore_limit's
         computed = req.num_computed_tokens + len(cached) * self.kv.block_size
@@ -329,7 +326,7 @@ class Scheduler:
         if back is not None:  # swapped in earlier in this step: cancel that instead
             assert self.swap is not None
             out.swap_in.remove(back)
-            self.swap.restore(req.request_id, self._returning.pop(req.request_id))
+            self.swap.restore(req.request_id)
             mode = "swap"
         elif mode == "swap" and self.swap is not None:
             copy = self.swap.reserve(req.request_id, table, null)

@@ -131,6 +131,13 @@ class _Reply:
         if plan.resume is not None:
             self.choices[0].resume_after(*plan.resume)
         self.created = int(time.time())
+        self._head = {
+            "id": plan.rid,
+            "object": "chat.completion.chunk" if plan.chat else "text_completion",
+            "created": self.created,
+            "model": state.model_name,
+        }
+        self._tail = {"usage": None} if plan.include_usage else {}
         self.observer = Observer(state.metrics, state.model_name)
         num_prompt = sum(s.num_prompt_tokens for s in streams)
         self.prompt_tokens = num_prompt // max(plan.params.n, 1)
@@ -187,16 +194,8 @@ class _Reply:
         return JSONResponse(response)
 
     def _chunk(self, choice_list: list[dict[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": self.plan.rid,
-            "object": "chat.completion.chunk" if self.plan.chat else "text_completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choice_list,
-        }
-        if self.plan.include_usage:
-            out["usage"] = None
-        return out
+        """An SSE chunk's body: the response's fixed fields (``_head``), then these."""
+        return {**self._head, "choices": choice_list, **self._tail}
 
     async def events(self) -> AsyncIterator[str]:
         """SSE events as tokens arrive: the role deltas (chat), one chunk per choice

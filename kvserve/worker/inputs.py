@@ -4,7 +4,8 @@
 many tokens) and the rank's ``RankRequests`` (their tokens and block tables) into a
 ``StepInputs``: token ids, positions, attention metadata and which hidden rows need
 logits, with every per-request detail the sampler needs (request ids, ``SampleRow``s,
-prompt-logprob targets). Every rank builds the same inputs from the same outputs.
+prompt-logprob targets). Every rank builds the same inputs from the same outputs (the
+sampler's rows only on rank 0, which samples).
 
 Batch token order: every request with exactly one new token (decodes) first, then the
 prefill chunks. A request is sampled when its chunk reaches the end of its known tokens;

@@ -83,8 +83,9 @@ def test_rank_copies_follow_the_scheduler(model_dirs, monkeypatch, case):
         engine.step()
     engine.abort_request("r1")
     engine.add_request("r1", random_prompts([17], seed=5)[0], params)  # the id again
+    engine.finish_request("r2", 2)  # a stop string: its tokens cut, then finished
     done = run_to_end(engine)
-    assert sorted(done) == ["r0", "r1", "r2", "r3"]
+    assert sorted(done) == ["r0", "r1", "r3"]
     assert engine.runner.requests.ids() == engine.scheduler.ranks.held_ids()
     if case in ("recompute", "swap"):
         assert engine.scheduler.num_preemptions > 0
@@ -112,3 +113,23 @@ def test_a_decode_step_carries_deltas_only(model_dirs, monkeypatch):
     first = seen[0][1]
     assert first > 8 * 200  # the prompts went out once, whole
     assert max(decodes) < 700  # 8 requests x (id, token, computed count) + the frame
+
+
+def test_rank_copies_of_prefixes_loaded_from_the_kv_store(model_dirs, monkeypatch, tmp_path):
+    """A second engine takes the prompts' prefixes from a file tier (requests LOADING, then
+    running with their loaded blocks computed): the copies still follow."""
+    url = f"file://{tmp_path}?capacity=64MiB"
+    prompts = random_prompts([70, 50, 90], seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = make_engine(model_dirs["llama"], kv_store=(url,))
+    for i, p in enumerate(prompts):
+        first.add_request(f"a{i}", p, params)
+    want = run_to_end(first)
+    first.close()
+    engine = make_engine(model_dirs["llama"], kv_store=(url,))
+    seen = _watch(engine, monkeypatch)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", p, params)
+    assert run_to_end(engine) == want
+    assert any(out.kv_loads for out, _ in seen)  # the prefixes came from the store
+    assert all(n.num_computed_tokens > 0 for out, _ in seen for n in out.new_requests)
