@@ -200,6 +200,19 @@ FIGURES: tuple[Figure, ...] = (
         theirs=lambda d: _r(d, "baseline"),
     ),
     Figure(
+        "per-rank input building, the CLI split and ReplyPlan: OpenAI server, real "
+        "SmolLM2-135M, 32 concurrent (8 interleaved rounds, median; c = 8 0.96×, c = 1 1.00×)",
+        "output tok/s",
+        ("serving_rank_inputs.json",),
+        lambda d: d["summary"]["32"]["after"],
+        "python benchmarks/serving.py --real --skip-vllm --rounds 1, 8 times each, interleaved "
+        "with the tree at 7db6425",
+        "Corridors",
+        commit="f35e9c9/b7806ee",
+        peer="kvserve before it (7db6425)",
+        theirs=lambda d: d["summary"]["32"]["before"],
+    ),
+    Figure(
         "tensor-parallel step message per decode step, 32 streams, real SmolLM2-135M: "
         "deltas to ranks that build their own inputs",
         "bytes (greedy)",
