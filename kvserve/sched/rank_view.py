@@ -2,7 +2,8 @@
 ``SchedulerOutput`` carries only what changed (vLLM v1's new/cached request split).
 
 ``RankView.fill`` writes a step's batch into its output: a request the ranks have not seen
-(or a different request under a known id) as ``NewRequestData``; one they know as its
+as ``NewRequestData`` (``Scheduler.finish`` forgets an id, so a known id is the same
+request); one they know as its
 tokens since, the blocks appended to its tables, and its whole tables when they changed
 otherwise. ``forget`` (a request finished) puts its id on the next step's
 ``finished_ids`` so that the ranks drop their copy.
@@ -19,7 +20,6 @@ from kvserve.sched.output import NewRequestData, SchedulerOutput
 
 @dataclass
 class _Known:
-    request: Request  # the one the ranks know under this id
     num_tokens: int  # how many of its tokens they have
     tables: list[list[int]]  # their copy of its block tables (one per group)
 
@@ -31,9 +31,6 @@ class RankView:
         self.kv = kv
         self._known: dict[str, _Known] = {}
         self._finished: list[str] = []  # forgotten since the last fill
-
-    def __len__(self) -> int:
-        return len(self._known)
 
     def held_ids(self) -> set[str]:
         """The ids the ranks keep a copy of between steps: those they know and those
@@ -58,8 +55,8 @@ class RankView:
             out.num_scheduled_tokens[rid] = n
             tables = self.kv.block_tables(rid)
             known = self._known.get(rid)
-            if known is None or known.request is not req:
-                self._known[rid] = _Known(req, req.num_tokens, [list(t) for t in tables])
+            if known is None:
+                self._known[rid] = _Known(req.num_tokens, [list(t) for t in tables])
                 out.new_requests.append(_whole(req, tables))
             else:
                 cached.request_ids.append(rid)

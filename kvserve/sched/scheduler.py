@@ -132,8 +132,6 @@ class Scheduler:
         out = SchedulerOutput(swap_drop=self._dropped, kv_loads=self._pending_loads)
         self._dropped = []
         self._pending_loads = []
-        if self.swap is not None:  # (no update ran when no tokens were scheduled)
-            self.swap.settle()
         scheduled: Batch = {}
         budget = self.config.max_num_batched_tokens
         if self.loading:

@@ -81,7 +81,6 @@ class MultiprocExecutor:
     def __init__(self, inp: ShardInputs, config: ParallelConfig):
         self.config = config
         self.size = config.tensor_parallel_size
-        self._started = False  # start_cache
         self.procs: list[subprocess.Popen] = []
         self._held: set[str] = set()
         self._copies = 0  # rank 0's request copies after the last step
@@ -188,7 +187,6 @@ class MultiprocExecutor:
         """Every rank allocates ``num_blocks`` KV blocks (and a host swap when ``swap``,
         and moves blocks to and from a KV store when ``store_names`` — the stored blocks'
         model fingerprint and KV dtype, see ``block_format``); returns when all have."""
-        self._started = True
         self._store_names = store_names
         self._send(InitCache(num_blocks, swap, store_names is not None))
         parts: dict[int, tuple] = {}
@@ -243,7 +241,7 @@ class MultiprocExecutor:
     def step(self, out: SchedulerOutput) -> StepResult | None:
         """Execute ``out``'s copies and batch on every rank; rank 0's result (None when
         it schedules no tokens). Raises ``EngineError`` when a rank failed."""
-        assert self._started, "start_cache() first"
+        assert self._parts, "start_cache() first"
         self._send(out)
         deadline = time.monotonic() + self._timeout + _MARGIN_S
         while True:

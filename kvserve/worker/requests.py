@@ -10,42 +10,23 @@ the same order, so every rank's copy equals the scheduler's view of the ranks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from kvserve.sampling import SampleRow, SamplingParams
+from kvserve.sampling import SampleRow
 from kvserve.sched.output import NewRequestData, SchedulerOutput
 
 
 @dataclass
-class RankRequest:
-    """One request as a rank knows it."""
-
-    request_id: str
-    token_ids: list[int]  # prompt, then output
-    num_prompt_tokens: int
-    params: SamplingParams
-    seed: int
-    eos_token_ids: tuple[int, ...]
-    bad_words_ids: list[list[int]]
-    block_ids: list[list[int]]  # one table per KV group
-    num_computed_tokens: int
+class RankRequest(NewRequestData):
+    """One request as a rank knows it: the fields it came with (``token_ids`` prompt then
+    output, ``block_ids`` one table per KV group), kept up to date by ``apply``."""
 
     @classmethod
     def of(cls, new: NewRequestData) -> RankRequest:
         """This rank's copy of ``new`` (it takes the message's lists: they are its own)."""
-        return cls(
-            new.request_id,
-            new.token_ids,
-            new.num_prompt_tokens,
-            new.params,
-            new.seed,
-            new.eos_token_ids,
-            new.bad_words_ids,
-            new.block_ids,
-            new.num_computed_tokens,
-        )
+        return cls(**{f.name: getattr(new, f.name) for f in fields(new)})
 
     @property
     def num_tokens(self) -> int:
