@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -10,9 +11,22 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.config import EngineArgs
+from kvserve.engine.core_client import CoreClient, InprocClient
+from kvserve.engine.core_mp import SyncMPClient
 from kvserve.engine.gc_heap import freeze_startup_heap, unfreeze_heap
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.messages import (
+    Abort,
+    AddRequest,
+    AddResult,
+    FinishStopped,
+    Outputs,
+    ResetPrefixCache,
+)
 from kvserve.engine.output import OutputProcessor
+from kvserve.engine.requests import encode_prompt
+from kvserve.errors import EngineDeadError, EngineError
+from kvserve.model.tokenizer import load_tokenizer
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams, child_seed
 
@@ -41,28 +55,48 @@ def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str |
 
 
 class LLM:
-    """An engine plus a run-to-completion loop for batches of prompts.
+    """A ``CoreClient`` plus a run-to-completion loop for batches of prompts.
 
     Keyword arguments are ``EngineArgs`` fields (``dtype``, ``kv_cache_memory``,
-    ``block_size``, ``max_num_seqs`` …).
+    ``block_size``, ``max_num_seqs`` …). ``engine_process=True`` runs the engine core in
+    its own process, as the server does (the same messages, through ZeroMQ); the default
+    runs it in this process, where ``engine`` is the ``LLMEngine`` itself.
     """
 
-    def __init__(self, model: str, **kwargs: Any):
+    def __init__(self, model: str, *, engine_process: bool = False, **kwargs: Any):
         unknown = set(kwargs) - {f.name for f in dataclasses.fields(EngineArgs)}
         if unknown:
             raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
-        self.outputs = OutputProcessor(self.engine.tokenizer)
+        args = EngineArgs(model=model, **kwargs)
+        self.client: CoreClient
+        if engine_process:
+            self.client = SyncMPClient.start(args)
+        else:
+            self.client = InprocClient(LLMEngine(args))
+        info = self.client.info
+        if isinstance(self.client, InprocClient):
+            self.tokenizer = self.client.engine.tokenizer
+        else:
+            self.tokenizer = load_tokenizer(info.model_dir)
+        self.outputs = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
         freeze_startup_heap()  # no full collections walking the model (close() undoes it)
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine (in-process only; raises AttributeError with ``engine_process``)."""
+        if not isinstance(self.client, InprocClient):
+            raise AttributeError("the engine runs in its own process (engine_process=True)")
+        return self.client.engine
+
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def close(self) -> None:
-        """Flush queued KV store writes and close the store (``kv_store=`` only); give the
-        process's frozen startup objects back to the garbage collector."""
-        self.engine.close()
+        """Flush queued KV store writes and close the store (``kv_store=`` only), stop an
+        engine process; give the process's frozen startup objects back to the garbage
+        collector."""
+        self.client.shutdown()
         unfreeze_heap()
 
     def __enter__(self) -> LLM:
@@ -70,6 +104,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request uses (e.g. before timing a cold run);
+        returns how many."""
+        return self.client.call(ResetPrefixCache(), int)
 
     def generate(
         self,
@@ -79,7 +118,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``.
+        A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``. Raises
+        EngineError (a ValueError) for a prompt the engine refuses; nothing runs on then.
         """
         plist = _normalize_prompts(prompts)
         if sampling_params is None:
@@ -94,33 +134,61 @@ class LLM:
         groups: list[list[str]] = []
         try:
             for prompt, p in zip(plist, params, strict=True):
-                base = next(self._counter)
-                ids = []
-                for i in range(p.n):
-                    rid = f"{base}-{i}"
-                    seed = child_seed(p.seed, i)
-                    req = self.engine.add_request(rid, prompt, p, seed=seed)
-                    self.outputs.add_request(rid, req.prompt, req.prompt_token_ids, p)
-                    ids.append(rid)
-                groups.append(ids)
-        except Exception:
-            for ids in groups:
-                for rid in ids:
-                    self.engine.abort_request(rid)
-                    self.outputs.abort(rid)
+                groups.append(self._add(prompt, p))
+            finished = self._run(groups, use_tqdm)
+        except BaseException:
+            self._abort([rid for ids in groups for rid in ids])
             raise
+        return [self._merge(g, finished) for g in groups]
+
+    def _add(self, prompt: str | list[int], p: SamplingParams) -> list[str]:
+        """Send one prompt's ``n`` sequences to the core; their request ids."""
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:
+            info = self.client.info
+            ids = encode_prompt(self.tokenizer, info.model, info.max_model_len, text, p)
+        else:
+            ids = list(prompt)
+        base = next(self._counter)
+        rids = []
+        for i in range(p.n):
+            rid = f"{base}-{i}"
+            self.outputs.add_request(rid, text, ids, p)
+            rids.append(rid)  # (before the send: an abort then covers it)
+            self.client.send(AddRequest(rid, ids, p, child_seed(p.seed, i)))
+        return rids
+
+    def _run(self, groups: list[list[str]], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Read the core's messages until every request finished; raises EngineError when
+        the core refused one (the caller aborts the rest)."""
+        pending = {rid for ids in groups for rid in ids}
         finished: dict[str, RequestOutput] = {}
-        total = sum(len(g) for g in groups)
-        with tqdm(total=total, desc="Generating", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                outs, stops = self.outputs.process(self.engine.step())
+        with tqdm(total=len(pending), desc="Generating", disable=not use_tqdm) as bar:
+            while pending:
+                msg = self.client.get_output()
+                if isinstance(msg, AddResult):
+                    if msg.error is not None and msg.request_id in pending:
+                        raise (RuntimeError if msg.internal else EngineError)(msg.error)
+                    continue
+                if not isinstance(msg, Outputs):
+                    continue
+                outs, stops = self.outputs.process(msg.outputs)
                 for hit in stops:  # a stop string ended it: the engine stops it now
-                    self.engine.finish_request(hit.request_id, hit.num_output_tokens)
+                    self.client.send(FinishStopped(hit.request_id, hit.num_output_tokens))
                 for out in outs:
-                    if out.finished:
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
                         finished[out.request_id] = out
                         bar.update(1)
-        return [self._merge(g, finished) for g in groups]
+        return finished
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort requests in the core and forget them here (a dead core: nothing to do)."""
+        for rid in request_ids:
+            self.outputs.abort(rid)
+        if request_ids:
+            with contextlib.suppress(EngineDeadError):
+                self.client.send(Abort(request_ids))
 
     @staticmethod
     def _merge(ids: list[str], finished: dict[str, RequestOutput]) -> RequestOutput:
@@ -141,9 +209,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one or more conversations and generate."""
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if tok is None:
-            raise ValueError(f"{self.engine.model_config.model} has no tokenizer for chat")
+            raise ValueError(f"{self.client.info.model} has no tokenizer for chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in convs:

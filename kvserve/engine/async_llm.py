@@ -1,6 +1,7 @@
-"""AsyncLLM: the API server's side of the engine core, over ZeroMQ.
+"""AsyncLLM: the API server's side of the engine core, in its own process.
 
-``AsyncLLM.start`` spawns the engine-core process (``engine.core_proc``) and waits for its
+``AsyncLLM.start`` spawns the engine-core process through an ``AsyncMPClient``
+(``engine.core_mp``, the ``CoreClient`` door ``LLM`` uses too) and waits for its
 ``EngineInfo``; ``attach`` (inside the server's event loop) starts the task that reads
 its frames. Outputs arrive as per-step deltas; the ``OutputProcessor`` here turns them into
 cumulative ``RequestOutput`` snapshots with incremental text and stop strings, so the
@@ -23,9 +24,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
-import os
-import tempfile
 import threading
 import time
 from collections import Counter, deque
@@ -33,49 +31,32 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from kvserve.config import EngineArgs
-from kvserve.engine import tcmalloc
-from kvserve.engine.core_proc import run_engine_core
+from kvserve.engine.core_mp import AsyncMPClient
 from kvserve.engine.messages import (
-    PROTOCOL_VERSION,
     Abort,
     AddRequest,
     AddResult,
-    CoreMessage,
-    EngineInfo,
     FinishStopped,
     Outputs,
     ResumeRequest,
     Shutdown,
-    StartupFailed,
     Utility,
     UtilityCall,
     UtilityResult,
 )
 from kvserve.engine.output import OutputProcessor
-from kvserve.engine.requests import context_length_error
+from kvserve.engine.requests import encode_prompt
 from kvserve.engine.stats import EngineStats
-from kvserve.errors import EngineDeadError, EngineError, QueueTimeout, StartupConfigError
+from kvserve.errors import EngineDeadError, EngineError, QueueTimeout
 from kvserve.ha.record import SessionRecord
 from kvserve.kv.events import KVEvent
-from kvserve.model.tokenizer import PromptTooLong, Tokenizer, load_tokenizer
+from kvserve.model.tokenizer import Tokenizer, load_tokenizer
 from kvserve.request import RequestOutput
 from kvserve.sampling import SamplingParams
-from kvserve.utils import resolve_device
 
 logger = logging.getLogger("kvserve")
-
-
-def _device_type(device: str) -> str:
-    """The type of device an engine of ``device`` runs on (``resolve_device``); a device
-    it refuses (an absent CUDA device, a bad name) is the core's to report: not "cpu"."""
-    try:
-        return resolve_device(device).type
-    except (ValueError, RuntimeError):
-        return "unresolved"
 
 
 _INLINE_TOKENIZE = 4096  # characters; longer prompts are tokenized on a worker thread
@@ -137,17 +118,12 @@ class RequestStream:
 class AsyncLLM:
     """The engine core in its own process, driven from one asyncio loop."""
 
-    def __init__(self, proc: Any, inp: zmq.Socket, out: zmq.Socket, info: EngineInfo, tmp: str):
-        self.proc = proc
-        self.info = info
-        self.tokenizer: Tokenizer | None = load_tokenizer(info.model_dir)
+    def __init__(self, client: AsyncMPClient):
+        self.client = client
+        self.proc = client.proc
+        self.info = client.info
+        self.tokenizer: Tokenizer | None = load_tokenizer(self.info.model_dir)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._tmp = tmp
-        self._sync = (inp, out)
-        self._inp: zmq.asyncio.Socket | None = None
-        self._out: zmq.asyncio.Socket | None = None
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(CoreMessage)
         self._streams: dict[str, asyncio.Queue] = {}
         # requests without output yet, by id and per tenant; when recent ones finished
         self._queued: dict[str, str] = {}
@@ -177,47 +153,15 @@ class AsyncLLM:
     ) -> AsyncLLM:
         """Spawn the engine core and wait (up to ``timeout`` s) until it loaded the model.
         Raises ``EngineError`` with the core's reason when it cannot start."""
-        tmp = tempfile.mkdtemp(prefix="kvserve-core-")
-        in_addr, out_addr = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
-        ctx = zmq.Context.instance()
-        inp = ctx.socket(zmq.PUSH)
-        inp.bind(in_addr)
-        out = ctx.socket(zmq.PULL)
-        out.bind(out_addr)
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(args, in_addr, out_addr, os.getpid(), cluster_secret, log_level),
-            name="kvserve-engine-core",
-            daemon=True,
+        return cls(
+            AsyncMPClient.start(
+                args, cluster_secret=cluster_secret, log_level=log_level, timeout=timeout
+            )
         )
-        try:  # a CPU engine core preloads tcmalloc (engine/tcmalloc.py)
-            with tcmalloc.preloaded_for_children(_device_type(args.device)) as lib:
-                proc.start()
-        except ValueError as e:  # a bad KVSERVE_TCMALLOC: refused before anything runs
-            raise EngineError(str(e)) from None
-        if lib is not None:
-            logger.info("engine core started with tcmalloc preloaded (%s)", lib)
-        deadline = time.monotonic() + timeout
-        while True:
-            if out.poll(200):
-                msg = msgspec.msgpack.decode(out.recv(), type=CoreMessage)
-                break
-            if not proc.is_alive() or time.monotonic() > deadline:
-                proc.kill()
-                raise EngineError(f"the engine core exited while starting ({proc.exitcode})")
-        if isinstance(msg, StartupFailed):
-            proc.join(10)
-            raise (StartupConfigError if msg.config else EngineError)(msg.message)
-        if not isinstance(msg, EngineInfo) or msg.protocol_version != PROTOCOL_VERSION:
-            proc.kill()
-            raise EngineError("the engine core speaks another protocol version")
-        return cls(proc, inp, out, msg, tmp)
 
     def attach(self) -> None:
         """Start reading the core's frames on the running loop (call once, in the loop)."""
-        inp, out = self._sync
-        self._inp = zmq.asyncio.Socket.from_socket(inp)
-        self._out = zmq.asyncio.Socket.from_socket(out)
+        self.client.attach()
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read())
         loop.add_reader(self.proc.sentinel, self._on_exit)
@@ -269,16 +213,10 @@ class AsyncLLM:
                 self._send(Shutdown())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._exited.wait(), timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
+        self.client.kill()
         if self._reader is not None:
             self._reader.cancel()
         self.error = self.error or EngineDeadError("the engine shut down")
-        with contextlib.suppress(OSError):
-            for name in ("in", "out"):
-                os.unlink(os.path.join(self._tmp, name))
-            os.rmdir(self._tmp)
 
     @property
     def is_running(self) -> bool:
@@ -288,8 +226,7 @@ class AsyncLLM:
     def _send(self, msg: Any) -> None:
         if self.error is not None:
             raise EngineDeadError(str(self.error))
-        assert self._inp is not None, "attach() first"
-        self._inp.send(self._enc.encode(msg), copy=False)
+        self.client.send(msg)
 
     async def _read(self) -> None:
         """Dispatch the core's frames until cancelled; a frame that cannot be read or
@@ -306,10 +243,8 @@ class AsyncLLM:
                 self.proc.kill()
 
     async def _read_frames(self) -> None:
-        assert self._out is not None
         while True:
-            frame = await self._out.recv(copy=False)
-            msg = self._dec.decode(frame.buffer)
+            msg = await self.client.get_output_async()
             if isinstance(msg, Outputs):
                 self._stats = msg.stats
                 self._deliver(msg)
@@ -379,18 +314,8 @@ class AsyncLLM:
     def tokenize(self, text: str, params: SamplingParams | None = None) -> list[int]:
         """Token ids of a prompt; with ``params``, raises EngineError (before building the
         ids) when the prompt cannot fit the context with its ``max_tokens``."""
-        if self.tokenizer is None:
-            raise EngineError(f"{self.info.model} has no tokenizer.json; pass prompt token ids")
-        limit = self.info.max_model_len
-        if params is not None and params.max_tokens is not None:
-            limit -= params.max_tokens
-        try:
-            return self.tokenizer.encode(text, max_tokens=max(limit, 0) if params else None)
-        except PromptTooLong as e:
-            assert params is not None
-            max_tokens = params.max_tokens or 0
-            error = context_length_error(e.num_tokens, max_tokens, self.info.max_model_len)
-            raise EngineError(error or str(e)) from None
+        info = self.info
+        return encode_prompt(self.tokenizer, info.model, info.max_model_len, text, params)
 
     async def add_request(
         self,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from kvserve.errors import EngineError
 from kvserve.kv.manager import KVCacheManager
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.tokenizer import PromptTooLong, Tokenizer
 from kvserve.request import Request
 from kvserve.sampling import SamplingParams
 from kvserve.sampling.guided import Grammars
@@ -28,6 +28,29 @@ def context_length_error(num_prompt: int, max_tokens: int, max_model_len: int) -
         f"this model's maximum context length is {max_model_len} tokens; the request has "
         f"{num_prompt} prompt tokens + max_tokens {max_tokens} = {num_prompt + max_tokens}"
     )
+
+
+def encode_prompt(
+    tokenizer: Tokenizer | None,
+    model: str,
+    max_model_len: int,
+    text: str,
+    params: SamplingParams | None = None,
+) -> list[int]:
+    """A text prompt's token ids, on the client's side of the engine core; with
+    ``params``, raises EngineError (before building all the ids) when the prompt cannot
+    fit the context with its ``max_tokens``. Raises EngineError without a tokenizer."""
+    if tokenizer is None:
+        raise EngineError(f"{model} has no tokenizer.json; pass prompt token ids")
+    limit = max_model_len
+    if params is not None and params.max_tokens is not None:
+        limit -= params.max_tokens
+    try:
+        return tokenizer.encode(text, max_tokens=max(limit, 0) if params else None)
+    except PromptTooLong as e:
+        assert params is not None
+        error = context_length_error(e.num_tokens, params.max_tokens or 0, max_model_len)
+        raise EngineError(error or str(e)) from None
 
 
 class RequestFactory:

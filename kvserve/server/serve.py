@@ -248,7 +248,6 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
         server.run()
     finally:
         stop_heartbeat()
-        if engine.proc.is_alive():  # uvicorn never started the app (e.g. port in use)
-            engine.proc.kill()
+        engine.client.kill()  # (uvicorn never started the app, e.g. port in use: it runs)
     if died:
         raise SystemExit(1)

@@ -96,7 +96,7 @@ def test_an_engine_s_events_and_its_full_state_agree(llama_dir):
     """Through a real engine (pool + host tier): the drained events replay to exactly
     what ``kv_state`` reads from the engine, also after the log overflowed."""
     from kvserve.config import EngineArgs
-    from kvserve.engine.core_proc import kv_state
+    from kvserve.engine.core import kv_state
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.sampling import SamplingParams
 
