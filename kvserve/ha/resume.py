@@ -1,14 +1,17 @@
 """The failover resume's rules, in one home: which state a stream resumes from, at which
 epoch, and how much of its stored KV the resuming engine may restore.
 
-A router whose worker failed sends ``POST /internal/resume`` (``ha.wire.ResumeBody``:
-what the client has, the original request) to the session's standby. The standby's
+A router whose worker failed (``router.failover``) sends ``POST /internal/resume``
+(``ha.wire.ResumeBody``: what the client has, the original request) to the session's
+standby. The standby's
 server (``server.routes_cluster``) builds the request's own record (``from_request``:
 nothing generated yet), reads what the primary replicated (the coordinator's owner
 state, else an S3 checkpoint) and resumes from ``choose_record``'s pick at
 ``seen_epoch``'s epoch; the engine (``LLMEngine.resume_request``) queues it as a replay
 that restores at most ``restore_limit`` tokens of stored KV and recomputes the rest as the
-primary computed it, so the stream goes on with exactly the tokens it would have had.
+primary computed it (the scheduler's ``_chunk``: the prompt's remainder in one chunk, each
+delivered token as a decode step), so the stream goes on with exactly the tokens it would
+have had.
 """
 
 from __future__ import annotations

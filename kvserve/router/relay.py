@@ -35,57 +35,31 @@ token ids and text characters the client already has and the epoch it saw) and r
 the continuation into the same client stream, with the first response's ``id`` and
 ``created``. The failed worker's connection is closed first, so nothing it might still
 produce reaches the client. Requests that cannot be resumed exactly (``n > 1``, logprobs,
-``echo``) are relayed without failover: a failure ends them with an error event.
+``echo``) are relayed without failover: a failure ends them with an error event. The
+failover itself is ``router.failover``; the worker's side of it ``ha.resume``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
-import anyio
 import httpx
-import msgspec
 
 from kvserve.ha.coordination import Coordinator
-from kvserve.ha.wire import ResumeBody
 from kvserve.router.config import RouterConfig
+from kvserve.router.failover import Failover
 from kvserve.router.flow import Flow
 from kvserve.router.scoring import Placement
+from kvserve.router.upstream import Unroutable, Upstream, WorkerFailed, closed
 from kvserve.router.workers import Worker, WorkerPool
-from kvserve.server.errors import error_body
 from kvserve.server.responses.record import session_of
 
 logger = logging.getLogger("kvserve.router")
-T = TypeVar("T")
-_STREAM_TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=10.0, pool=10.0)
-
-
-class WorkerFailed(Exception):
-    """The worker serving a request stopped serving it."""
-
-
-class Unroutable(Exception):
-    """No worker could take (or continue) the request; ``body`` is the error to send."""
-
-    def __init__(self, status: int, message: str, type_: str = "ServiceUnavailableError"):
-        super().__init__(message)
-        self.status = status
-        self.body = error_body(message, type_)
-
-
-async def _closed(resp: httpx.Response) -> None:
-    """Close ``resp`` (its connection, when unfinished: the worker aborts the request),
-    also from a cancelled task: a client's disconnect cancels the ASGI server's task group,
-    whose cancellation would otherwise cut this very close short and leave the worker
-    generating for nobody."""
-    with anyio.CancelScope(shield=True):
-        await resp.aclose()
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -96,6 +70,8 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 class Relay:
+    """Routes a request, relays its answer, and continues it elsewhere (``failover``)."""
+
     def __init__(
         self,
         pool: WorkerPool,
@@ -106,72 +82,21 @@ class Relay:
     ):
         self.pool = pool
         self.placement = placement or Placement("least-loaded", None)
-        self.coord = coord
         self.config = config
         self.metrics = metrics
-
-    # ---- helpers -------------------------------------------------------------------------
-    async def _watched(self, aw: Awaitable[T], w: Worker) -> T:
-        """``aw``'s result, unless ``w`` goes quiet for ``stall_timeout`` and then fails a
-        liveness check (→ WorkerFailed). Transport errors become WorkerFailed."""
-        task = asyncio.ensure_future(aw)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.config.stall_timeout)
-                if done:
-                    try:
-                        return task.result()
-                    except (httpx.HTTPError, httpx.StreamError) as e:
-                        self.metrics.failovers_detected.labels("connection").inc()
-                        raise WorkerFailed(f"{w.node_id}: {e!r}") from None
-                if not await self.pool.alive(w):
-                    self.metrics.failovers_detected.labels("stall").inc()
-                    raise WorkerFailed(f"{w.node_id} stopped answering")
-        finally:
-            if not task.done():  # waited for even when this task is being cancelled, so
-                task.cancel()  # the read has stopped before the response is closed
-                with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
-                    await task
-
-    async def _owner(self, session: str):
-        """The session's owner from the coordinator, or None: none, or the coordinator is
-        unreachable — then requests route without affinity, and ask again only once the
-        registry refresh (every ``--health-interval``) has read it again, so a stalled
-        Redis costs one request its timeout, not every request."""
-        if not self.pool.registry_ok:
-            return None
-        try:
-            return await asyncio.to_thread(self.coord.owner, session)
-        except Exception as e:  # Redis away: route without affinity
-            logger.warning("coordinator unreachable: %s", e)
-            self.pool.registry_ok = False
-            return None
-
-    def _epoch(self, owner) -> int | None:
-        """The session's epoch the router saw, for the worker's conditional claim: its
-        owner's, 0 when it has none, None when the registry is unreadable (the worker then
-        reads the epoch itself)."""
-        if owner is not None:
-            return owner.epoch
-        return 0 if self.pool.registry_ok else None
-
-    async def _send(self, w: Worker, path: str, body: dict, headers: dict) -> httpx.Response:
-        http = self.pool.client(w)
-        req = http.build_request(
-            "POST", w.url + path, json=body, headers=headers, timeout=_STREAM_TIMEOUT
-        )
-        return await self._watched(http.send(req, stream=True), w)
+        self.up = Upstream(pool, coord, config, metrics)
+        self.failover = Failover(self.up)
 
     # ---- routing -------------------------------------------------------------------------
     async def open(self, flow: Flow) -> tuple[Worker, httpx.Response]:
         """Send the request to the session's primary (its owner if routable, else where
         ``placement`` puts it). Returns the worker and its response (any status; a 200
-        is open for streaming). Failures before an answer go to ``resume`` (which can
-        start from nothing delivered)."""
-        owner = await self._owner(flow.session)
+        is open for streaming). Failures before an answer go to ``Failover.resume``
+        (which can start from nothing delivered)."""
+        owner = await self.up.owner(flow.session)
         w = self.pool.get(owner.node) if owner is not None else None
         if w is None and flow.near is not None:  # a response not stored: near its history
-            near = await self._owner(flow.near)
+            near = await self.up.owner(flow.near)
             w = self.pool.get(near.node) if near is not None else None
         standby = None
         if w is not None:
@@ -179,7 +104,7 @@ class Relay:
         else:
             w, standby = self._place(flow)
         self.metrics.decision_seconds.observe(time.perf_counter() - flow.arrived)
-        epoch = self._epoch(owner)
+        epoch = self.up.epoch(owner)
         headers = flow.headers(epoch)
         if flow.response_id is not None and self.config.cluster_secret:  # it names the id
             headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
@@ -188,18 +113,18 @@ class Relay:
             headers["X-Kvserve-Standby"] = standby.node_id
         w.inflight += 1
         try:
-            resp = await self._send(w, self._path(flow), flow.body, headers)
+            resp = await self.up.send(w, self._path(flow), flow.body, headers)
         except WorkerFailed as e:
             w.inflight -= 1
             self.metrics.failovers_detected.labels("open").inc()
-            return await self.resume(flow, w, str(e))
+            return await self.failover.resume(flow, w, str(e))
         except BaseException:  # the client went away meanwhile
             w.inflight -= 1
             raise
         if resp.status_code in (502, 503, 504) and flow.resumable:  # draining / engine dead
             await resp.aclose()
             w.inflight -= 1
-            return await self.resume(flow, w, f"{w.node_id} answered {resp.status_code}")
+            return await self.failover.resume(flow, w, f"{w.node_id} answered {resp.status_code}")
         return w, resp
 
     def _place(self, flow: Flow) -> tuple[Worker, Worker | None]:
@@ -234,118 +159,6 @@ class Relay:
             flow.kind, "/v1/completions"
         )
 
-    async def resume(self, flow: Flow, failed: Worker, why: str) -> tuple[Worker, httpx.Response]:
-        """Continue ``flow`` on a standby after ``failed`` failed; returns the standby and
-        its open 200 response. Tries at most ``max_failovers`` standbys in all, and waits
-        at most ``failover_timeout`` seconds for one to be routable (a standby whose
-        probe failed on a loaded machine comes back; waiting uses no attempt). Raises
-        Unroutable when no worker can continue it."""
-        if not flow.resumable:
-            raise Unroutable(502, f"the worker failed ({why}) and this request cannot resume")
-        start = time.monotonic()
-        flow.failed.add(failed.node_id)
-        flow.handoff_to = None  # a failed-over stream is not handed over any more
-        failed.healthy = False  # until its next probe says otherwise
-        logger.warning("session %s: %s; failing over", flow.session, why)
-        while flow.failovers < self.config.max_failovers:
-            w = self.pool.standby(flow.session, flow.failed)
-            if w is None:
-                if time.monotonic() - start >= self.config.failover_timeout:
-                    break
-                await asyncio.sleep(self.config.health_interval)  # wait for a worker
-                continue
-            flow.failovers += 1
-            try:
-                resp = await self._open_resume(flow, w)
-            except WorkerFailed as e:
-                flow.failed.add(w.node_id)
-                logger.warning("session %s: standby %s failed too: %s", flow.session, w.node_id, e)
-                continue
-            if resp.status_code == 200:
-                self.metrics.failovers.inc()
-                self.metrics.failover_seconds.observe(time.monotonic() - start)
-                logger.info("session %s resumed on %s", flow.session, w.node_id)
-                return w, resp
-            detail = await self._refusal(w, resp)
-            if resp.status_code == 409:  # the epoch moved under us: read it again
-                continue
-            if 400 <= resp.status_code < 500:
-                self.metrics.failover_failures.inc()
-                raise Unroutable(502, f"the stream could not be resumed: {detail}", "APIError")
-            logger.warning(
-                "session %s: standby %s answered %d: %s", flow.session, w.node_id,
-                resp.status_code, detail,
-            )  # fmt: skip
-            flow.failed.add(w.node_id)
-        self.metrics.failover_failures.inc()
-        raise Unroutable(503, f"the worker failed ({why}) and no standby could resume")
-
-    async def handoff(self, flow: Flow) -> tuple[Worker, httpx.Response] | None:
-        """Continue a disaggregated ``flow`` on its decode worker (``flow.handoff_to``,
-        cleared): that worker and its open 200 response, or None — it is not routable or
-        did not take the stream (retried once when the session's epoch moved) — and then
-        the prefill worker's stream simply goes on. The caller closes the prefill stream
-        only after this succeeded."""
-        target, flow.handoff_to = flow.handoff_to, None
-        w = self.pool.get(target) if target is not None else None
-        if w is None:
-            return None
-        start = time.monotonic()
-        for _ in range(2):
-            try:
-                resp = await self._open_resume(flow, w)
-            except WorkerFailed as e:
-                logger.warning("session %s: hand-over to %s failed: %s", flow.session, target, e)
-                return None
-            if resp.status_code == 200:
-                self.metrics.handoffs.inc()
-                self.metrics.handoff_seconds.observe(time.monotonic() - start)
-                flow.predicted_cached = None  # the usage now reports the decode worker's cache
-                return w, resp
-            detail = await self._refusal(w, resp)
-            if resp.status_code != 409:
-                break
-        logger.warning("session %s: %s refused the hand-over: %s", flow.session, target, detail)
-        return None
-
-    async def _open_resume(self, flow: Flow, w: Worker) -> httpx.Response:
-        """``POST /internal/resume`` on ``w`` for what the client has of ``flow`` (at the
-        session's current epoch); ``w.inflight`` counts it from here (and is given back
-        if this raises). Raises WorkerFailed."""
-        owner = await self._owner(flow.session)
-        responses = flow.kind == "responses"  # then: the response the client has begun
-        body = ResumeBody(
-            session_id=flow.session,
-            request=flow.body,
-            kind=flow.kind,
-            delivered_token_ids=flow.ids,
-            delivered_text_chars=flow.chars,
-            seen_epoch=self._epoch(owner),
-            ephemeral=flow.ephemeral,
-            response_id=flow.response_id if responses else None,
-            created_at=flow.created if responses else None,
-        )
-        headers = flow.headers()
-        if self.config.cluster_secret:
-            headers["X-Kvserve-Cluster-Secret"] = self.config.cluster_secret
-        w.inflight += 1
-        try:
-            return await self._send(w, "/internal/resume", msgspec.to_builtins(body), headers)
-        except BaseException:  # failed, or the client went away meanwhile
-            w.inflight -= 1
-            raise
-
-    async def _refusal(self, w: Worker, resp: httpx.Response) -> str:
-        """Read and close a non-200 answer of ``w`` (giving its ``inflight`` back); its
-        body, shortened."""
-        try:
-            return (await resp.aread()).decode(errors="replace")[:500]
-        except httpx.HTTPError as e:
-            return repr(e)
-        finally:
-            await resp.aclose()
-            w.inflight -= 1
-
     async def forward(
         self, method: str, path: str, query: str, response_id: str, auth: str | None
     ) -> tuple[Worker | None, int, bytes]:
@@ -355,7 +168,7 @@ class Relay:
         copies), answered by the first that had it. The worker, status and body; (None,
         503, error) when no worker answered."""
         session = session_of(response_id)
-        owner = await self._owner(session) if session is not None else None
+        owner = await self.up.owner(session) if session is not None else None
         cands = sorted(self.pool.routable(), key=lambda w: w.load)
         if owner is not None:
             cands.sort(key=lambda w: w.node_id != owner.node)
@@ -391,7 +204,7 @@ class Relay:
                             for out in flow.deliver(payload):
                                 yield _sse(out)
                             if flow.handoff_to is not None and flow.ids and not flow.finished:
-                                moved = await self.handoff(flow)  # the prompt is done
+                                moved = await self.failover.handoff(flow)  # the prompt is done
                                 if moved is not None:
                                     break
                     if moved is None and flow.finished and not flow.done_marker:
@@ -408,7 +221,7 @@ class Relay:
                         yield flow.done_marker
                         return
                     try:
-                        w, resp = await self.resume(flow, w, str(e))
+                        w, resp = await self.failover.resume(flow, w, str(e))
                     except Unroutable as u:
                         yield _sse(flow.error_event(u.body))
                         return
@@ -419,7 +232,7 @@ class Relay:
                 w, resp = moved
                 current = w
         finally:  # also when the client goes away: close the worker's stream (it aborts)
-            await _closed(resp)
+            await closed(resp)
             if current is not None:
                 current.inflight -= 1
             self.metrics.observe_cached(flow)
@@ -430,7 +243,7 @@ class Relay:
         lines = resp.aiter_lines()
         while True:
             try:
-                line = await self._watched(anext(lines), w)
+                line = await self.up.watched(anext(lines), w)
             except StopAsyncIteration:
                 return
             if not line.startswith("data: "):
@@ -455,19 +268,19 @@ class Relay:
         try:
             while True:
                 try:
-                    payload = json.loads(await self._watched(resp.aread(), w))
+                    payload = json.loads(await self.up.watched(resp.aread(), w))
                 except (WorkerFailed, json.JSONDecodeError) as e:
                     await resp.aclose()
                     w.inflight -= 1
                     current = None
-                    w, resp = await self.resume(flow, w, str(e))
+                    w, resp = await self.failover.resume(flow, w, str(e))
                     current = w
                     continue
                 out = flow.observe(payload)
                 assert out is not None  # (a whole response is never a usage-only chunk)
                 return out
         finally:
-            await _closed(resp)
+            await closed(resp)
             if current is not None:
                 current.inflight -= 1
             self.metrics.observe_cached(flow)
