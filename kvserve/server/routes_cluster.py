@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import time
 import uuid
 
 from fastapi import APIRouter, Request
@@ -17,6 +18,7 @@ from kvserve.engine.async_llm import RequestStream
 from kvserve.engine.messages import AcceptPush, ReadCheckpoint
 from kvserve.errors import EngineError
 from kvserve.ha import resume
+from kvserve.ha.coordination import Coordinator, Ownership
 from kvserve.ha.record import SessionRecord
 from kvserve.ha.wire import decode_resume
 from kvserve.sampling import SamplingParams
@@ -30,6 +32,10 @@ from kvserve.server.responses.routes import respond as respond_response
 from kvserve.server.responses.run import ResponseRun
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ReplyPlan, respond
+
+# how long a resume reads the coordinator again before it answers 503 (a Sentinel
+# failover of the coordinator's Redis names no master for a moment)
+_COORD_RETRY_S = 3.0
 
 
 def cluster_routes(state: ServerState) -> APIRouter:
@@ -121,10 +127,7 @@ def cluster_routes(state: ServerState) -> APIRouter:
         coord = state.coord
         assert coord is not None
         session_id = record.session_id
-        try:
-            owner = await asyncio.to_thread(coord.owner, session_id)
-        except Exception as e:
-            raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
+        owner = await _owner(coord, session_id)
         replicated = None
         if owner is not None and owner.state:
             with contextlib.suppress(ValueError):  # a foreign value: resume from the request
@@ -138,6 +141,19 @@ def cluster_routes(state: ServerState) -> APIRouter:
             return await engine.resume(rid, record, delivered, epoch), record
         except EngineError as e:
             raise APIError(409, str(e), "ConflictError") from None
+
+    async def _owner(coord: Coordinator, session_id: str) -> Ownership | None:
+        """The session's owner; read again for up to ``_COORD_RETRY_S`` while the
+        coordinator is unreachable (a Sentinel failover names no master for a moment),
+        then 503."""
+        deadline = time.monotonic() + _COORD_RETRY_S
+        while True:
+            try:
+                return await asyncio.to_thread(coord.owner, session_id)
+            except Exception as e:
+                if time.monotonic() >= deadline:
+                    raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
+            await asyncio.sleep(0.25)
 
     def _echo_text(original: CompletionRequest | ChatCompletionRequest) -> str:
         """What the client got before the output (``echo``): counted in its characters."""
