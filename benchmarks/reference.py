@@ -19,8 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 from figures import FIGURES, MACHINES, Figure
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import boto3
 import pytest
-from server_proc import free_port, kill_process, stop_process, wait_until
+
+from kvserve.testing.procs import free_port, kill_process, stop_process, wait_until
 
 READY_TIMEOUT_S = 60.0  # moto imports a lot; the machine may be busy
 BUCKET = "kvserve-test"

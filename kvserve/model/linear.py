@@ -3,7 +3,7 @@
 At decode sizes (M = the number of running sequences, 1–64) ``F.linear`` on a bf16 CPU
 tensor re-lays out the weight on every call; oneDNN's blocked layout, made once at load
 time, measured 1.3–1.8× faster at M ≤ 64 and ~5 % at prefill sizes on this project's
-benchmark machines (``benchmarks/step_profile.py``; vLLM-CPU prepacks the same way). Every
+benchmark machines (``benchmarks/kernels/step_profile.py``; vLLM-CPU prepacks the same way). Every
 row of the output is computed the same way whatever M is (tested for random shapes, M up
 to 2048), which the engine's batch invariance (README, "Determinism") relies on.
 

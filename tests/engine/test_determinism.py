@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import make_engine, run_to_end
-from redis_proc import redis_server
 
 from kvserve.default_model import DEFAULT_MODEL_DIR
 from kvserve.model.gguf import convert
 from kvserve.model.spec import load_model_spec
 from kvserve.sampling import SamplingParams
+from kvserve.testing.redis_procs import redis_server
 
 N = 32
 MAX_TOKENS = 24

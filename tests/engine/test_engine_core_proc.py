@@ -13,9 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from server_proc import ServerProcess, engine_core_pid, wait_until
-
 from kvserve.engine import tcmalloc
+from kvserve.testing.procs import ServerProcess, engine_core_pid, wait_until
 
 
 def _alive(pid: int) -> bool:

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import VOCAB, build_hf_model
 from helpers import greedy, make_engine, random_prompts, step_finished
 
 from kvserve.errors import EngineError
+from kvserve.testing.models import VOCAB, build_hf_model
 from kvserve.utils import cdiv
 
 WINDOW = 512

@@ -1,4 +1,4 @@
-"""The chaos run, short (``benchmarks/chaos.py`` runs it long): one round of each fault —
+"""The chaos run, short (``benchmarks/features/chaos.py`` runs it long): one round of each fault —
 a worker SIGKILLed, a worker SIGSTOPped, an engine core SIGKILLed, a router SIGKILLed, the
 Redis master SIGKILLed — at a random token of a live stream, with client disconnects and
 a burst. Nothing is lost or altered, no 5xx, nothing stuck or leaked, and the cluster is
@@ -6,7 +6,7 @@ whole again within a bound after each fault."""
 
 from __future__ import annotations
 
-from chaos_run import KINDS, chaos_cluster, run
+from kvserve.testing.chaos import KINDS, chaos_cluster, run
 
 
 def test_one_round_of_each_fault_loses_and_alters_nothing(llama_dir, tmp_path):

@@ -11,8 +11,9 @@ import sys
 
 import openai
 import pytest
-from cluster_proc import cluster, router_view
-from server_proc import ServerProcess, wait_until
+
+from kvserve.testing.cluster import cluster, router_view
+from kvserve.testing.procs import ServerProcess, wait_until
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -10,9 +10,10 @@ import os
 import signal
 import time
 
-from cluster_proc import cluster
 from router_client import prompt_text, router_client, session_spec, stream_via
-from server_proc import engine_core_pid, wait_until
+
+from kvserve.testing.cluster import cluster
+from kvserve.testing.procs import engine_core_pid, wait_until
 
 HANDOVER_S = 5.0
 

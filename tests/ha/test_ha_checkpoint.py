@@ -8,13 +8,13 @@ import json
 import urllib.request
 
 import pytest
-from cluster_proc import SECRET
 from helpers import make_engine, run_to_end
-from redis_proc import redis_server
-from server_proc import ServerProcess
 
 from kvserve.engine.llm_engine import EngineError
 from kvserve.sampling import SamplingParams
+from kvserve.testing.cluster import SECRET
+from kvserve.testing.procs import ServerProcess
+from kvserve.testing.redis_procs import redis_server
 
 pytestmark = pytest.mark.usefixtures("aws_env")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-from redis_proc import redis_server
-from server_proc import wait_until
 
 from kvserve.ha.coordination import Coordinator
 from kvserve.ha.record import SessionRecord
 from kvserve.sampling import SamplingParams
+from kvserve.testing.procs import wait_until
+from kvserve.testing.redis_procs import redis_server
 
 
 @pytest.fixture(scope="module")

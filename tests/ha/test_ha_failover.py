@@ -15,10 +15,10 @@ import urllib.request
 import openai
 import pytest
 from helpers import random_prompts
-from redis_proc import redis_server
-from server_proc import ServerProcess, wait_until
 
 from kvserve.ha.coordination import Coordinator
+from kvserve.testing.procs import ServerProcess, wait_until
+from kvserve.testing.redis_procs import redis_server
 
 SECRET = "s3cret"
 PROMPT = random_prompts([40], seed=12)[0]

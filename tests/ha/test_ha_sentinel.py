@@ -11,10 +11,11 @@ import threading
 
 import openai
 import redis
-from cluster_proc import cluster
-from redis_proc import redis_sentinel
 from router_client import router_client, session_spec, stream_via
-from server_proc import wait_until
+
+from kvserve.testing.cluster import cluster
+from kvserve.testing.procs import wait_until
+from kvserve.testing.redis_procs import redis_sentinel
 
 
 def test_serving_survives_a_sentinel_failover_of_redis(llama_dir, tmp_path):

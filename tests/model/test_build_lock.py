@@ -15,10 +15,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from server_proc import wait_until
 
 from kvserve.model import build_lock
 from kvserve.model.build_lock import BuildLock, LockTimeout, Owner, me
+from kvserve.testing.procs import wait_until
 
 
 def _write(path: Path, owner: Owner) -> None:

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_hf_model
 from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
 
 from kvserve.errors import EngineError
 from kvserve.model.parallel import ShardingError, check_shardable
 from kvserve.model.spec import ModelConfigError, load_model_spec
+from kvserve.testing.models import build_hf_model
 
 
 def _config(model_dir: Path, tmp_path: Path, **changes) -> Path:

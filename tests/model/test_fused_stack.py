@@ -8,7 +8,6 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from conftest import build_hf_model
 from gguf_writer import write_gguf
 from helpers import greedy, make_engine, random_prompts, run_to_end
 
@@ -16,6 +15,7 @@ from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
 from kvserve.model.gguf import convert
 from kvserve.model.linear import kernel_gemm_preferred
+from kvserve.testing.models import build_hf_model
 
 BF16 = torch.bfloat16
 OWN_GEMM = kernel_gemm_preferred(BF16, torch.device("cpu"))  # else oneDNN: nothing to fuse

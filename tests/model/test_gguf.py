@@ -14,10 +14,10 @@ import openai
 import pytest
 import torch
 from gguf_writer import transformers_from_gguf
-from server_proc import running_server
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.gguf import GGUFError, convert, find_gguf
+from kvserve.testing.procs import running_server
 
 PROMPTS = [
     "The capital of France is",

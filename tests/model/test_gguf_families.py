@@ -15,7 +15,6 @@ from pathlib import Path
 
 import gguf
 import pytest
-from conftest import VOCAB, build_hf_model
 from gguf_writer import transformers_from_gguf, write_gguf
 from helpers import greedy, hf_greedy, hf_model, make_engine, random_prompts, run_to_end
 
@@ -23,6 +22,7 @@ from kvserve.model.gguf import GGUFError, convert
 from kvserve.model.gguf_arch import HF_ARCHITECTURES
 from kvserve.model.spec import load_model_spec
 from kvserve.model.tokenizer import load_tokenizer
+from kvserve.testing.models import VOCAB, build_hf_model
 
 TEXTS = ["Hello, world!", "1234567 + 89 = ?", "  def f(x):\n\treturn x*2  # naïve café"]
 COMMON = dict(

@@ -18,7 +18,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, build_hf_model
 from gguf_writer import write_gguf
 from helpers import greedy, make_engine, random_prompts, run_to_end
 from safetensors import safe_open
@@ -28,6 +27,7 @@ from kvserve.model.fused_stack import FusedStack
 from kvserve.model.gguf import convert
 from kvserve.model.linear import KernelLinear
 from kvserve.model.quantized import GGUFEmbedding, GGUFLinear
+from kvserve.testing.models import VOCAB, build_hf_model
 
 TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]
 COMMON = dict(  # widths of whole Q4_K blocks (256)

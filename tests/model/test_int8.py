@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, build_hf_model
 from helpers import ARCHS, MOE_ARCHS, greedy, make_engine, random_prompts, run_to_end
 
 from kvserve.errors import EngineError
@@ -19,6 +18,7 @@ from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
 from kvserve.model.linear import KernelLinear
 from kvserve.model.quantized import INT8, GGUFLinear, pack_int8, unpack_rows
+from kvserve.testing.models import VOCAB, build_hf_model
 
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=4,

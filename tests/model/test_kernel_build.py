@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from server_proc import wait_until
 
 import kvserve
 from kvserve.model import cpu_kernels as ck
+from kvserve.testing.procs import wait_until
 
 BUILD_S = 900  # one full build on 2 busy cores takes 1-3 min
 START = """

@@ -8,11 +8,11 @@ import threading
 import time
 
 import pytest
-from server_proc import wait_until
 
 from kvserve.default_model import default_model_path
 from kvserve.engine.output import IncrementalDetokenizer
 from kvserve.model.tokenizer import PromptTooLong, load_tokenizer
+from kvserve.testing.procs import wait_until
 
 
 @pytest.fixture(scope="module")

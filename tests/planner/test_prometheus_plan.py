@@ -12,10 +12,10 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-from server_proc import free_port, running_server, wait_until
 
 from kvserve.planner.prometheus import load_prometheus, parse_duration
 from kvserve.planner.usage import analyze, load_usage
+from kvserve.testing.procs import free_port, running_server, wait_until
 
 
 @pytest.fixture

@@ -16,9 +16,10 @@ import sys
 import threading
 
 import openai
-from cluster_proc import cluster, router_view
 from router_client import router_client, stream_via
-from server_proc import wait_until
+
+from kvserve.testing.cluster import cluster, router_view
+from kvserve.testing.procs import wait_until
 
 WORDS = ["amber", "falcon", "meadow", "copper", "lantern", "harbor", "willow", "summit"]
 LONG = " ".join(WORDS[(k * 5) % len(WORDS)] + str(k % 11) for k in range(150))

@@ -18,12 +18,12 @@ import urllib.request
 
 import pytest
 import redis
-from cluster_proc import SECRET, cluster, router_view
 from router_client import router_client
-from server_proc import wait_until
 
 from kvserve.kv.hashing import hash_blocks, root_hash
 from kvserve.model.tokenizer import load_tokenizer
+from kvserve.testing.cluster import SECRET, cluster, router_view
+from kvserve.testing.procs import wait_until
 
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "maple", "orbit"]
 

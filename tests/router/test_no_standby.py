@@ -11,10 +11,11 @@ import time
 
 import openai
 import pytest
-from cluster_proc import cluster
 from router_client import router_client, session_spec, stream_via
-from server_proc import wait_until
 from test_router import _router_metric
+
+from kvserve.testing.cluster import cluster
+from kvserve.testing.procs import wait_until
 
 
 def test_with_no_standby_the_stream_ends_with_an_error_not_a_hang(llama_dir, tmp_path):

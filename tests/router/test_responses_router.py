@@ -13,9 +13,10 @@ import urllib.request
 
 import openai
 import pytest
-from cluster_proc import cluster
 from router_client import prompt_text, router_client
-from server_proc import wait_until
+
+from kvserve.testing.cluster import cluster
+from kvserve.testing.procs import wait_until
 
 WORKER_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", "32MiB")
 LONG = " ".join(prompt_text(i, 24) for i in range(6))

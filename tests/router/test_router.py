@@ -17,13 +17,13 @@ import msgspec
 import openai
 import pytest
 from bad_bodies import BAD_BODIES, post_raw
-from cluster_proc import SECRET, cluster, router_view
 from router_client import prompt_text, router_client, session_spec, stream_via, workload_spec
-from server_proc import wait_until
 
 from kvserve.ha.record import SessionRecord
 from kvserve.router.workers import rendezvous
 from kvserve.sampling import SamplingParams
+from kvserve.testing.cluster import SECRET, cluster, router_view
+from kvserve.testing.procs import wait_until
 
 
 def _router_metric(router, name: str) -> float:

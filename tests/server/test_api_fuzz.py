@@ -8,7 +8,8 @@ import urllib.request
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from server_proc import running_server
+
+from kvserve.testing.procs import running_server
 
 KEY = "sk-fuzz"
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 from bad_bodies import BAD_BODIES, post_raw
-from server_proc import running_server
+
+from kvserve.testing.procs import running_server
 
 KEY = "sk-bad-input"
 

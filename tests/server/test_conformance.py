@@ -9,9 +9,9 @@ import urllib.request
 
 import pytest
 from agent_server import BUNDLED, FLAGS, MODEL, chat_body, client, post
-from server_proc import running_server
 
 from kvserve.server.protocol import NO_OPS
+from kvserve.testing.procs import running_server
 
 # the "required" lists of OpenAI's OpenAPI schema for each object
 REQUIRED = {

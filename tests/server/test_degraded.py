@@ -13,9 +13,10 @@ import time
 import urllib.request
 
 from agent_server import BUNDLED, MODEL, post
-from redis_proc import redis_server
-from server_proc import running_server, wait_until
 from tmpfs import small_disk
+
+from kvserve.testing.procs import running_server, wait_until
+from kvserve.testing.redis_procs import redis_server
 
 
 def _ready(server) -> dict:

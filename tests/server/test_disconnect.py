@@ -15,10 +15,10 @@ import time
 import urllib.request
 
 import pytest
-from cluster_proc import cluster
-from server_proc import ServerProcess, running_server, wait_until
 
 from kvserve.default_model import DEFAULT_MODEL_DIR
+from kvserve.testing.cluster import cluster
+from kvserve.testing.procs import ServerProcess, running_server, wait_until
 
 LONG = 1900
 ADMIN = "sk-admin"

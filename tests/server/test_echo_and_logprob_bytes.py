@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_proc import running_server
 
 from kvserve.default_model import default_model_path
 from kvserve.model.tokenizer import load_tokenizer
+from kvserve.testing.procs import running_server
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ and the host tier serve."""
 from __future__ import annotations
 
 import openai
-from server_proc import running_server
+
+from kvserve.testing.procs import running_server
 
 
 def test_served_gemma3_runs_hybrid_with_the_kv_store(model_dirs, tmp_path):

@@ -16,12 +16,12 @@ import urllib.request
 import msgspec
 import pytest
 import zmq
-from server_proc import free_port, running_server
 
 from kvserve.kv.events import DEVICE, HOST, apply, events_key, seal
 from kvserve.kv.hashing import hash_blocks, model_fingerprint, root_hash
 from kvserve.model.tokenizer import load_tokenizer
 from kvserve.server.kv_events import KVEventBatch, KVSnapshot
+from kvserve.testing.procs import free_port, running_server
 
 SECRET = "kv-events-secret"
 

@@ -15,7 +15,8 @@ from collections import Counter
 import openai
 import pytest
 from agent_server import BUNDLED, MODEL, tenants_file
-from server_proc import running_server, wait_until
+
+from kvserve.testing.procs import running_server, wait_until
 
 ACME, BETA = "sk-acme", "sk-beta"
 

@@ -15,7 +15,8 @@ import jsonschema
 import openai
 import pytest
 from agent_server import BUNDLED, FLAGS, MODEL, tenants_file
-from server_proc import running_server, wait_until
+
+from kvserve.testing.procs import running_server, wait_until
 
 ACME, BETA, ADMIN = "sk-acme", "sk-beta", "sk-admin"
 STORE = ("--kv-store", "host://?capacity=64MiB")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import openai
 from helpers import random_prompts
-from server_proc import running_server
+
+from kvserve.testing.procs import running_server
 
 PROMPT = random_prompts([30], seed=3)[0]
 

@@ -13,9 +13,9 @@ import urllib.request
 
 import openai
 import pytest
-from server_proc import ServerProcess, running_server, wait_until
 
 from kvserve import LLM, SamplingParams
+from kvserve.testing.procs import ServerProcess, running_server, wait_until
 
 KEY = "sk-test-key"
 ADMIN = "admin-secret"

@@ -14,7 +14,8 @@ from agent_server import BUNDLED, FLAGS, MODEL, chat_body, client, post
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
-from server_proc import running_server
+
+from kvserve.testing.procs import running_server
 
 
 @pytest.fixture(scope="module")

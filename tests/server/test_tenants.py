@@ -10,9 +10,9 @@ import urllib.request
 
 import openai
 import pytest
-from server_proc import running_server
 
 from kvserve.tenants import Amount, TenantsConfig, hash_key
+from kvserve.testing.procs import running_server
 
 ACME_KEY, BETA_KEY = "sk-acme", "sk-beta"
 
@@ -209,7 +209,8 @@ def test_reload_applies_new_limits_without_dropping_streams(llama_dir, tmp_path)
     import signal
 
     import yaml
-    from server_proc import wait_until
+
+    from kvserve.testing.procs import wait_until
 
     path = tmp_path / "tenants.yaml"
     path.write_text(yaml.safe_dump(_config()))

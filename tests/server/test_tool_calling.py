@@ -10,7 +10,8 @@ import json
 import jsonschema
 import pytest
 from agent_server import BUNDLED, FLAGS, MODEL, chat_body, client, post
-from server_proc import running_server
+
+from kvserve.testing.procs import running_server
 
 WEATHER = {
     "type": "function",

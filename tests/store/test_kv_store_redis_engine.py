@@ -9,8 +9,9 @@ import time
 
 import pytest
 from helpers import greedy, make_engine, random_prompts, run_counting, run_to_end, step_finished
-from redis_proc import redis_cluster, redis_server
-from server_proc import wait_until
+
+from kvserve.testing.procs import wait_until
+from kvserve.testing.redis_procs import redis_cluster, redis_server
 
 PROMPT = random_prompts([100], seed=21)[0]
 

@@ -10,7 +10,8 @@ import urllib.request
 
 import openai
 from helpers import random_prompts
-from server_proc import running_server
+
+from kvserve.testing.procs import running_server
 
 PROMPT = random_prompts([100], seed=5)[0]
 

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from server_proc import wait_until
 from tmpfs import small_disk
 
 from kvserve.store import serde
@@ -19,6 +18,7 @@ from kvserve.store.file_store import FileStore
 from kvserve.store.host import HostStore
 from kvserve.store.tiered import TieredStore
 from kvserve.store.url import open_store, open_tiered, with_namespace
+from kvserve.testing.procs import wait_until
 
 FMT = serde.BlockFormat("model-a", "int8", 4, 2, (("int8", (2, 4, 2, 8)), ("float16", (2, 4, 2))))
 

@@ -20,11 +20,18 @@ from pathlib import Path
 import pytest
 import redis
 from redis.cluster import RedisCluster
-from redis_proc import Cluster, RedisServer, _binary, free_ports, redis_cluster, redis_server
-from server_proc import free_port, wait_until
 
 from kvserve.store.base import StoreUnavailable
 from kvserve.store.redis_store import RedisStore
+from kvserve.testing.procs import free_port, wait_until
+from kvserve.testing.redis_procs import (
+    Cluster,
+    RedisServer,
+    _binary,
+    free_ports,
+    redis_cluster,
+    redis_server,
+)
 
 READY_TIMEOUT_S = 20.0
 CLUSTER_TIMEOUT_S = 40.0

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 from s3_proc import BUCKET, MotoServer, moto_server
-from server_proc import free_port
 
 from kvserve.store.base import StoreUnavailable
 from kvserve.store.s3_store import S3Store
+from kvserve.testing.procs import free_port
 
 FAIL_FAST_S = 10.0  # timeout=2 × 2 attempts + backoff + slack
 pytestmark = pytest.mark.usefixtures("aws_env")

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ARCHS, UNSPLIT_ARCHS, greedy, make_engine, random_prompts, run_to_end
-from server_proc import free_port, kill_process
 
 from kvserve.errors import EngineError
 from kvserve.model.parallel import ShardingError, ShardPlan, check_shardable
 from kvserve.model.spec import load_model_spec
 from kvserve.planner.capacity import PlanInput, plan
+from kvserve.testing.procs import free_port, kill_process
 
 F32 = {"dtype": "float32"}
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from cluster_proc import cluster
 from router_client import router_client, stream_via, workload_spec
-from server_proc import ServerProcess, tp_ranks, wait_until
 
 from kvserve import LLM, SamplingParams
+from kvserve.testing.cluster import cluster
+from kvserve.testing.procs import ServerProcess, tp_ranks, wait_until
 
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "8MiB", "--max-model-len", "256")
 
