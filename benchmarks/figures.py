@@ -216,6 +216,20 @@ FIGURES: tuple[Figure, ...] = (
         theirs=lambda d: d["summary"]["32"]["before"],
     ),
     Figure(
+        "one CoreClient door for LLM and the server, router/failover.py, the benchmarks' "
+        "harness: OpenAI server, real SmolLM2-135M, 32 concurrent (6 rounds each, order "
+        "reversed after 3, median; c = 8 0.98×, c = 1 0.98×)",
+        "output tok/s",
+        ("serving_core_client.json",),
+        lambda d: d["summary"]["32"]["after"],
+        "python benchmarks/peers/serving.py --real --skip-vllm --rounds 1, 6 times each, "
+        "interleaved with the tree at bb56a7e",
+        "Corridors",
+        commit="d0d314f..449d98b",
+        peer="kvserve before it (bb56a7e)",
+        theirs=lambda d: d["summary"]["32"]["before"],
+    ),
+    Figure(
         "tensor-parallel step message per decode step, 32 streams, real SmolLM2-135M: "
         "deltas to ranks that build their own inputs",
         "bytes (greedy)",
