@@ -10,8 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ha import http_get, wait_ready, wait_until
-
+from kvserve.testing.bench import http_get, poll_until, wait_ready
 from kvserve.testing.procs import free_port
 
 
@@ -60,7 +59,7 @@ def start_cluster(
             "--cluster", redis_url, "--cluster-secret", secret, "--dtype", "bfloat16",
             *extra])  # fmt: skip
     for node, url in urls.items():
-        wait_ready(url, procs.procs[node], 600)
+        wait_ready(url, procs.procs[node], 600, "/ready")
     rport = free_port()
     procs.start("router", [
         sys.executable, "-m", "kvserve.cli", "router", "--port", str(rport),
@@ -75,5 +74,5 @@ def start_cluster(
         synced = all(w["kv_index"] is None or w["kv_index"]["synced"] for w in ws)
         return sum(w["routable"] for w in ws) == len(urls) and synced
 
-    wait_until("the router sees every worker", ready, 60, procs.procs["router"])
+    poll_until("the router sees every worker", ready, 60, procs.procs["router"])
     return BenchCluster(base, urls)

@@ -67,19 +67,24 @@ import json
 import os
 import platform
 import re
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from kvserve.testing.bench import bench_redis as redis_server  # (4 GB, LRU)
+from kvserve.testing.bench import (
+    http_get,
+    metric,
+    percentiles,
+    poll_until,
+    processes,
+    scrape,
+    wait_ready,
+)
 from kvserve.testing.procs import free_port
 
 SECRET = "ha-bench-secret"
@@ -115,55 +120,6 @@ PROMPTS = (
 # ---- processes -------------------------------------------------------------------------
 
 
-class Procs:
-    """The workers and routers of a run: each one's log in a temp dir; all SIGKILLed and
-    the dir removed by ``close`` (after printing the log tails when the run failed)."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="kvserve-ha-bench-"))
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs: dict[str, Path] = {}
-        self._n = 0
-
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        self._n += 1
-        log = self.dir / f"{self._n:03d}-{name}.log"
-        with log.open("w") as f:
-            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
-        self.procs[name], self.logs[name] = proc, log
-        return proc
-
-    def kill(self, name: str) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-
-    def log(self, name: str) -> str:
-        return self.logs[name].read_text(errors="replace")
-
-    def close(self, failed: bool) -> None:
-        for name in list(self.procs):
-            self.kill(name)
-        if failed:
-            for name, path in self.logs.items():
-                tail = path.read_text(errors="replace").splitlines()[-25:]
-                print(f"---- {name} ({path.name}), last lines:", *tail, sep="\n", file=sys.stderr)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def processes():
-    procs = Procs()
-    failed = True
-    try:
-        yield procs
-        failed = False
-    finally:
-        procs.close(failed)
-
-
 def worker_argv(a: argparse.Namespace, port: int, config: str, redis_port: int, node: str):
     """``kvserve serve`` on the default model in one of CONFIGS."""
     url = f"redis://127.0.0.1:{redis_port}/0"
@@ -185,78 +141,11 @@ def router_argv(port: int, redis_port: int) -> list[str]:
             "--cluster", url, "--cluster-secret", SECRET]  # fmt: skip
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def wait_until(what: str, check, timeout: float, proc: subprocess.Popen | None = None):
-    """Poll ``check()`` (truthy = done, its value returned) for at most ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
-        try:
-            got = check()
-        except OSError:
-            got = None
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout:.0f} s")
-        time.sleep(0.1)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    wait_until(f"{url}/ready", lambda: http_get(url + "/ready")[0] == 200, timeout, proc)
-
-
 def bytes_per_token(log: str) -> int:
     m = re.search(r"KV cache: (\d+) bytes/token", log)
     if m is None:
         raise RuntimeError("no 'KV cache: N bytes/token' line in the worker's log")
     return int(m.group(1))
-
-
-# ---- metrics ---------------------------------------------------------------------------
-def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    status, body = http_get(url + "/metrics", timeout=10)
-    if status != 200:
-        raise RuntimeError(f"{url}/metrics answered {status}")
-    return [
-        (s.name, s.labels, s.value)
-        for fam in text_string_to_metric_families(body.decode())
-        for s in fam.samples
-    ]
-
-
-def metric(samples, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    return sum(
-        v
-        for n, lab, v in samples
-        if n == name and all(lab.get(k) == want for k, want in labels.items())
-    )
-
-
-def percentiles(xs: list[float]) -> dict[str, float | None]:
-    import numpy as np
-
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
-    q = np.percentile(xs, [50, 90, 99])
-    return {
-        "p50": round(float(q[0]), 4),
-        "p90": round(float(q[1]), 4),
-        "p99": round(float(q[2]), 4),
-        "max": round(max(xs), 4),
-        "mean": round(statistics.fmean(xs), 4),
-    }
 
 
 def _chunk_ids(chunk: Any) -> list[int]:
@@ -325,7 +214,7 @@ def run_failover(a: argparse.Namespace) -> dict:
         def start_worker(n: str) -> float:
             t0 = time.monotonic()
             p = procs.start(n, worker_argv(a, wport[n], "on", rport, n))
-            wait_ready(wurl[n], p, a.start_timeout)
+            wait_ready(wurl[n], p, a.start_timeout, "/ready")
             return time.monotonic() - t0
 
         def routable() -> set[str]:
@@ -337,8 +226,8 @@ def run_failover(a: argparse.Namespace) -> dict:
         for n in nodes:
             start_worker(n)
         router = procs.start("router", router_argv(int(rurl.rsplit(":", 1)[1]), rport))
-        wait_ready(rurl, router, a.start_timeout)
-        wait_until("both workers routable", lambda: routable() >= set(nodes), 60, router)
+        wait_ready(rurl, router, a.start_timeout, "/ready")
+        poll_until("both workers routable", lambda: routable() >= set(nodes), 60, router)
         bpt = bytes_per_token(procs.log("a"))
         client = openai.OpenAI(
             base_url=rurl + "/v1", api_key="x", max_retries=0, timeout=a.request_timeout
@@ -454,7 +343,7 @@ def run_failover(a: argparse.Namespace) -> dict:
                 t0 = time.monotonic()
                 procs.kill(victim)
                 start_worker(victim)
-                wait_until(
+                poll_until(
                     f"router sees {victim} again",
                     lambda: routable() >= set(nodes),
                     a.restart_timeout,
@@ -602,7 +491,7 @@ def run_overhead(a: argparse.Namespace) -> dict:
             port = free_port()
             urls[config] = f"http://127.0.0.1:{port}"
             p = procs.start(config, worker_argv(a, port, config, rport, f"ovh-{config}"))
-            wait_ready(urls[config], p, a.start_timeout)
+            wait_ready(urls[config], p, a.start_timeout, "/ready")
         for config in CONFIGS:
             res = workload(urls[config], a.streams, a.max_tokens, f"first-{config}", True)
             first[config] = round(res["tokens"] / res["elapsed_s"], 1)
@@ -678,7 +567,7 @@ def run_bytes(a: argparse.Namespace) -> dict:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         p = procs.start("worker", worker_argv(a, port, "on", rport, "bytes"))
-        wait_ready(url, p, a.start_timeout)
+        wait_ready(url, p, a.start_timeout, "/ready")
         bpt = bytes_per_token(procs.log("worker"))
         names = (
             "kvserve_generation_tokens_total",

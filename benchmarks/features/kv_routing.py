@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 
 from bench_cluster import add_cluster_args, parse_cluster_args, start_cluster
-from ha import metric, percentiles, processes, scrape
 
 from kvserve.testing.bench import bench_redis as redis_server
+from kvserve.testing.bench import metric, percentiles, processes, scrape
 
 SECRET = "routing-bench-secret"
 READ_BYTES = "kvserve_kv_store_read_bytes_total"

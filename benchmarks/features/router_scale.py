@@ -37,9 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-from ha import http_get, processes, scrape, wait_until
-
 from kvserve.testing.bench import bench_redis as redis_server
+from kvserve.testing.bench import http_get, poll_until, processes, scrape
 from kvserve.testing.procs import free_port
 
 SECRET = "router-scale-secret"
@@ -256,7 +255,7 @@ def main() -> None:
             ]  # fmt: skip
             return len(ok) == a.workers
 
-        wait_until("the router indexes every stand-in", ready, 120, procs.procs["router"])
+        poll_until("the router indexes every stand-in", ready, 120, procs.procs["router"])
         os.sched_setaffinity(0, {int(c) for c in rest.split(",")})
         asyncio.run(client(a, base, prompts[: min(200, len(prompts))]))  # warm-up
         before = redis_calls(redis_port)

@@ -11,10 +11,12 @@ import contextlib
 import json
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,23 +50,6 @@ def kvserve_cmd(model: Path, port: int = 8101) -> list[str]:
         "--port", str(port), "--served-model-name", "smol", "--kv-cache-memory", "2GiB",
         "--max-model-len", "2048", "--dtype", "bfloat16",
     ]  # fmt: skip
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Until ``url``'s ``/health`` answers 200; raises RuntimeError when ``proc`` exits
-    first, TimeoutError after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -114,3 +99,128 @@ def bench_redis() -> Iterator[int]:
         redis_server(Path(d), *args) as server,
     ):
         yield server.port
+
+
+# ---- a run's processes ------------------------------------------------------------------
+class Procs:
+    """The workers and routers of a run: each one's log in a temp dir; all SIGKILLed and
+    the dir removed by ``close`` (after printing the log tails when the run failed)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvserve-ha-bench-"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self._n = 0
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        self._n += 1
+        log = self.dir / f"{self._n:03d}-{name}.log"
+        with log.open("w") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+        self.procs[name], self.logs[name] = proc, log
+        return proc
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+
+    def log(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace")
+
+    def close(self, failed: bool) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+        if failed:
+            for name, path in self.logs.items():
+                tail = path.read_text(errors="replace").splitlines()[-25:]
+                print(f"---- {name} ({path.name}), last lines:", *tail, sep="\n", file=sys.stderr)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[Procs]:
+    """A ``Procs`` for one run: every process killed when the block ends (logs printed
+    first when it raised)."""
+    procs = Procs()
+    failed = True
+    try:
+        yield procs
+        failed = False
+    finally:
+        procs.close(failed)
+
+
+# ---- waiting and reading ----------------------------------------------------------------
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """A GET's status and body (an HTTP error status too; a refused connection raises
+    OSError)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def poll_until(what: str, check, timeout: float, proc: subprocess.Popen | None = None):
+    """Poll ``check()`` (truthy = done, its value returned) for at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
+        try:
+            got = check()
+        except OSError:
+            got = None
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health") -> None:
+    """Until ``url + path`` answers 200 (``poll_until``'s errors: ``proc`` exited, or
+    ``timeout`` s passed)."""
+    poll_until(f"{url}{path}", lambda: http_get(url + path, 2.0)[0] == 200, timeout, proc)
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of ``url``'s /metrics as (name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(url + "/metrics", timeout=10)
+    if status != 200:
+        raise RuntimeError(f"{url}/metrics answered {status}")
+    return [
+        (s.name, s.labels, s.value)
+        for fam in text_string_to_metric_families(body.decode())
+        for s in fam.samples
+    ]
+
+
+def metric(samples, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    return sum(
+        v
+        for n, lab, v in samples
+        if n == name and all(lab.get(k) == want for k, want in labels.items())
+    )
+
+
+def percentiles(xs: list[float]) -> dict[str, float | None]:
+    """p50, p90, p99, max and mean of ``xs`` (all None when empty)."""
+    import numpy as np
+
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
+    q = np.percentile(xs, [50, 90, 99])
+    return {
+        "p50": round(float(q[0]), 4),
+        "p90": round(float(q[1]), 4),
+        "p99": round(float(q[2]), 4),
+        "max": round(max(xs), 4),
+        "mean": round(statistics.fmean(xs), 4),
+    }
