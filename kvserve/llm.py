@@ -42,7 +42,7 @@ def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str |
     for p in prompts:
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
-                out.append(list(p["prompt_token_ids"]))
+                out.append([int(t) for t in p["prompt_token_ids"]])
             elif "prompt" in p:
                 out.append(p["prompt"])
             else:
@@ -134,29 +134,29 @@ class LLM:
         groups: list[list[str]] = []
         try:
             for prompt, p in zip(plist, params, strict=True):
-                groups.append(self._add(prompt, p))
+                groups.append([])  # filled before each send: an abort covers what was sent
+                self._add(prompt, p, groups[-1])
             finished = self._run(groups, use_tqdm)
         except BaseException:
             self._abort([rid for ids in groups for rid in ids])
             raise
         return [self._merge(g, finished) for g in groups]
 
-    def _add(self, prompt: str | list[int], p: SamplingParams) -> list[str]:
-        """Send one prompt's ``n`` sequences to the core; their request ids."""
+    def _add(self, prompt: str | list[int], p: SamplingParams, rids: list[str]) -> None:
+        """Send one prompt's ``n`` sequences to the core; each request id is appended to
+        ``rids`` before its send."""
         text = prompt if isinstance(prompt, str) else None
         if text is not None:
             info = self.client.info
             ids = encode_prompt(self.tokenizer, info.model, info.max_model_len, text, p)
         else:
-            ids = list(prompt)
+            ids = [int(t) for t in prompt]  # (numpy or torch integers: plain ints)
         base = next(self._counter)
-        rids = []
         for i in range(p.n):
             rid = f"{base}-{i}"
             self.outputs.add_request(rid, text, ids, p)
-            rids.append(rid)  # (before the send: an abort then covers it)
+            rids.append(rid)
             self.client.send(AddRequest(rid, ids, p, child_seed(p.seed, i)))
-        return rids
 
     def _run(self, groups: list[list[str]], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Read the core's messages until every request finished; raises EngineError when

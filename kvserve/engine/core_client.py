@@ -15,7 +15,9 @@ Two kinds behind the same interface (vLLM v1's ``core_client`` shape):
   blocks: without requests it returns an ``Outputs`` frame with no deltas.
 - ``SyncMPClient`` and ``AsyncMPClient`` (``engine.core_mp``) talk to the engine-core
   process over ZeroMQ (``LLM(engine_process=True)`` and the API server's ``AsyncLLM``).
-  Their ``get_output`` waits for the process, and raises ``EngineDeadError`` once it died.
+  ``SyncMPClient.get_output`` waits for the process and raises ``EngineDeadError`` once
+  it died; ``AsyncMPClient.get_output_async`` only waits (``AsyncLLM`` watches the
+  process's sentinel and fails every stream when it dies).
 
 ``LLM`` picks one by its ``engine_process`` flag. ``call`` runs a utility call on any sync
 client; messages read while waiting for its answer are kept for the next ``get_output``.

@@ -6,9 +6,11 @@ blocking (``LLM(engine_process=True)``), ``AsyncMPClient`` from an asyncio loop 
 server's ``AsyncLLM``).
 
 Contracts: ``spawn_core`` raises ``EngineError`` with the core's reason when it cannot start
-(``StartupConfigError`` for a misconfiguration); a sync ``get_output`` checks every 0.2 s
-that the process lives and raises ``EngineDeadError`` once it died, so nothing waits on a
-dead core; ``close`` removes the sockets' directory.
+(``StartupConfigError`` for a misconfiguration), leaving no process, socket or directory
+behind; a sync ``get_output`` checks every 0.2 s that the process lives and raises
+``EngineDeadError`` once it died, so nothing waits on a dead core (the asyncio reader
+does not: ``AsyncLLM`` watches the process's sentinel); ``kill`` (and ``shutdown`` after
+it) closes the sockets and removes their directory.
 """
 
 from __future__ import annotations
@@ -65,11 +67,18 @@ class CoreProcess:
     tmp: str  # the directory of the IPC sockets
 
     def close(self) -> None:
-        """Remove the sockets' directory (the process is the caller's to stop)."""
-        with contextlib.suppress(OSError):
-            for name in ("in", "out"):
-                os.unlink(os.path.join(self.tmp, name))
-            os.rmdir(self.tmp)
+        """Close the sockets and remove their directory (the process is the caller's to
+        stop); calling it again does nothing."""
+        _close(self.inp, self.out, self.tmp)
+
+
+def _close(inp: zmq.Socket, out: zmq.Socket, tmp: str) -> None:
+    inp.close(linger=0)
+    out.close(linger=0)
+    with contextlib.suppress(OSError):
+        for name in ("in", "out"):
+            os.unlink(os.path.join(tmp, name))
+        os.rmdir(tmp)
 
 
 def spawn_core(
@@ -92,6 +101,21 @@ def spawn_core(
         name="kvserve-engine-core",
         daemon=True,
     )
+    try:
+        return _started(args, proc, inp, out, tmp, timeout)
+    except BaseException:
+        if proc.is_alive():
+            proc.kill()
+        if proc.pid is not None:
+            proc.join(10)
+        _close(inp, out, tmp)
+        raise
+
+
+def _started(
+    args: EngineArgs, proc: Any, inp: zmq.Socket, out: zmq.Socket, tmp: str, timeout: float
+) -> CoreProcess:
+    """Start ``proc`` and read its first message (``spawn_core``'s errors)."""
     try:  # a CPU engine core preloads tcmalloc (engine/tcmalloc.py)
         with tcmalloc.preloaded_for_children(_device_type(args.device)) as lib:
             proc.start()
@@ -105,13 +129,11 @@ def spawn_core(
             msg = msgspec.msgpack.decode(out.recv(), type=CoreMessage)
             break
         if not proc.is_alive() or time.monotonic() > deadline:
-            proc.kill()
             raise EngineError(f"the engine core exited while starting ({proc.exitcode})")
     if isinstance(msg, StartupFailed):
-        proc.join(10)
+        proc.join(10)  # it exits by itself
         raise (StartupConfigError if msg.config else EngineError)(msg.message)
     if not isinstance(msg, EngineInfo) or msg.protocol_version != PROTOCOL_VERSION:
-        proc.kill()
         raise EngineError("the engine core speaks another protocol version")
     return CoreProcess(proc, inp, out, msg, tmp)
 

@@ -10,7 +10,8 @@ Contract of the loop (``CoreLoop.run``), one iteration:
 2. If requests are unfinished, run one ``LLMEngine.step()`` and send its deltas with the
    engine's stats and the KV events logged since the last frame (``Outputs``); else send
    the stats once after anything changed, or when KV events are pending.
-3. Exit when the parent (the API server) is gone: no orphans. The kernel's parent-death
+3. Exit when the parent (the API server, or an offline ``LLM(engine_process=True)``) is
+   gone: no orphans. The kernel's parent-death
    signal covers a SIGKILLed parent too. While idle, check the tensor-parallel ranks
    (``check_health``): a dead rank is a failure (exit 1) even with no request running.
 

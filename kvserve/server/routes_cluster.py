@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 
+import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -144,15 +145,17 @@ def cluster_routes(state: ServerState) -> APIRouter:
 
     async def _owner(coord: Coordinator, session_id: str) -> Ownership | None:
         """The session's owner; read again for up to ``_COORD_RETRY_S`` while the
-        coordinator is unreachable (a Sentinel failover names no master for a moment),
-        then 503."""
+        coordinator cannot be reached (a Sentinel failover names no master for a moment),
+        then 503; any other error of the coordinator is a 503 at once."""
         deadline = time.monotonic() + _COORD_RETRY_S
         while True:
             try:
                 return await asyncio.to_thread(coord.owner, session_id)
-            except Exception as e:
+            except (redis.ConnectionError, redis.TimeoutError) as e:
                 if time.monotonic() >= deadline:
                     raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
+            except Exception as e:
+                raise unavailable(f"the cluster coordinator is unreachable: {e}") from None
             await asyncio.sleep(0.25)
 
     def _echo_text(original: CompletionRequest | ChatCompletionRequest) -> str:

@@ -4,6 +4,7 @@ requests, and a dead core is an error, never a hang."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -76,6 +77,10 @@ def test_a_refused_prompt_raises_and_nothing_is_left_running(llama_dir, engine_p
             llm.generate([[1, 2, 3], [10**6]], ok, use_tqdm=False)
         out = llm.generate([[1, 2, 3]], ok, use_tqdm=False)  # the next batch runs alone
         assert len(out[0].outputs[0].token_ids) == 4
+        ids = {"prompt_token_ids": np.array([1, 2, 3])}  # numpy integers go as plain ints
+        same = llm.generate(ids, ok, use_tqdm=False)[0]
+        assert same.prompt_token_ids == [1, 2, 3] and type(same.prompt_token_ids[0]) is int
+        assert same.outputs[0].token_ids == out[0].outputs[0].token_ids
         llm.client.call(CheckIntegrity())
         if not engine_process:
             assert not llm.engine.has_unfinished_requests()
