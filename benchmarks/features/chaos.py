@@ -31,8 +31,6 @@ from tqdm import tqdm
 from kvserve.default_model import DEFAULT_MODEL_DIR
 from kvserve.testing.chaos import TP_KINDS, chaos_cluster, run  # the shared harness
 
-HERE = Path(__file__).resolve().parent
-
 COUNTS = ("lost", "altered", "errors_5xx", "stuck", "leaked")
 
 

@@ -42,8 +42,6 @@ from pathlib import Path
 from kvserve.testing.bench import bench_redis as redis_server
 from kvserve.testing.models import SMOL, build_bench_model
 
-HERE = Path(__file__).resolve().parent
-
 
 def bench_model(root: Path) -> Path:
     return build_bench_model(root / "smol-8k", "smol", max_position_embeddings=8192)

@@ -35,8 +35,6 @@ from pathlib import Path
 from kvserve.model.kquants import quantize
 from kvserve.testing.models import smollm2_gguf as gguf_path
 
-HERE = Path(__file__).resolve().parent
-
 CACHE = Path("/tmp/kvserve-bench/gguf")
 L1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256)
 

@@ -38,8 +38,6 @@ from kvserve.testing.bench import (
 )
 from kvserve.testing.models import build_bench_model as build_model
 
-HERE = Path(__file__).resolve().parent
-
 LEVELS = ((1, 8), (8, 32), (32, 64))
 
 
@@ -71,8 +69,6 @@ def bench(url: str, model: str, concurrency: int, n: int, out: Path, vocab: int)
     ]
     subprocess.run(cmd, check=True, timeout=3600)
     return json.loads(out.read_text())["summary"]
-
-
 
 
 def run_server(
@@ -133,7 +129,7 @@ def main() -> None:
         "--real",
         action="store_true",
         help="serve SmolLM2-135M-Instruct (benchmarks/peers/real_model.py) instead of the "
-             "random shape",
+        "random shape",
     )
     ap.add_argument("--rounds", type=int, default=2, help="kvserve, vLLM, kvserve, vLLM …")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
