@@ -27,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvserve.testing.bench import engine_seconds, stop_server, wait_ready
+from kvserve.testing.bench import engine_seconds, wait_ready
 from kvserve.testing.models import build_real_model
+from kvserve.testing.procs import stop_process
 
 HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent  # benchmarks/
@@ -116,7 +117,7 @@ def online(model: Path, c: int, n: int, vocab: int, seed: int, port: int, client
             after = engine_seconds(url) or {}
             summary = json.loads((Path(tmp) / "run.json").read_text())["summary"]
         finally:
-            stop_server(server)
+            stop_process(server, 60)
             log.close()
     d = {k: after.get(k, 0.0) - counters.get(k, 0.0) for k in after}
     return {

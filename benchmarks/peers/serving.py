@@ -32,11 +32,11 @@ from kvserve.testing.bench import (
     ENGINE_COUNTERS,
     engine_seconds,
     kvserve_cmd,
-    stop_server,
     wait_ready,
     with_tokenizer,
 )
 from kvserve.testing.models import build_bench_model as build_model
+from kvserve.testing.procs import stop_process
 
 LEVELS = ((1, 8), (8, 32), (32, 64))
 
@@ -109,7 +109,7 @@ def run_server(
                 flush=True,
             )
     finally:
-        stop_server(proc)
+        stop_process(proc, 60)
         log.close()
     return results
 

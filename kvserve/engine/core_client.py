@@ -37,7 +37,6 @@ from kvserve.engine.messages import (
     ClientMessage,
     CoreMessage,
     EngineInfo,
-    Shutdown,
     Utility,
     UtilityCall,
     UtilityResult,
@@ -115,6 +114,5 @@ class InprocClient(CoreClient):
         return self.core.step()  # without requests: no deltas, the stats and KV events
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        self.send(Shutdown())
         self.core.abort_all()
         self.engine.close()  # flushes queued KV store writes and replication

@@ -2,7 +2,7 @@
 readiness, its engine-time counters, random token prompts, and a scratch Redis.
 
 Every wait is bounded: ``wait_ready`` raises when the server exits or stays unready past
-its timeout; ``stop_server`` kills what does not stop within a minute.
+its timeout (a server is stopped with ``procs.stop_process``).
 """
 
 from __future__ import annotations
@@ -10,17 +10,16 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvserve.testing.procs import wait_until
 from kvserve.testing.redis_procs import redis_server
 
 # the engine-time counters /metrics has (kvserve only)
@@ -52,28 +51,15 @@ def kvserve_cmd(model: Path, port: int = 8101) -> list[str]:
     ]  # fmt: skip
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 60 s."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def engine_seconds(url: str) -> dict[str, float] | None:
-    """kvserve's engine-time counters from /metrics (None for a server without them)."""
+    """kvserve's engine-time counters from /metrics (None for a server without them, or
+    one that does not answer)."""
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
+        samples = scrape(url)
+    except (OSError, RuntimeError):
         return None
-    got: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ENGINE_COUNTERS:
-            got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return got or None
+    got = {name: metric(samples, name) for name in ENGINE_COUNTERS}
+    return got if any(n in ENGINE_COUNTERS for n, _, _ in samples) else None
 
 
 def vocab_of(model_dir: Path) -> int:
@@ -165,20 +151,23 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 def poll_until(what: str, check, timeout: float, proc: subprocess.Popen | None = None):
-    """Poll ``check()`` (truthy = done, its value returned) for at most ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """``procs.wait_until`` for a check with a value: poll ``check()`` (an OSError counts
+    as not yet) until it is truthy and return that value; raises RuntimeError when
+    ``proc`` exits first, TimeoutError after ``timeout`` s."""
+    got = None
+
+    def done() -> bool:
+        nonlocal got
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
         try:
             got = check()
         except OSError:
             got = None
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout:.0f} s")
-        time.sleep(0.1)
+        return bool(got)
+
+    wait_until(done, timeout, what)
+    return got
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health") -> None:
