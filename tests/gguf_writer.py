@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from kvserve.model.kquants import quantize
 
-_NORM_OFFSET_ARCHS = ("gemma3",)
+_NORM_OFFSET_ARCHS = ("gemma2", "gemma3")
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -49,8 +49,11 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if arch == "gemma3" or (arch == "phi3" and cfg.get("sliding_window")):
+    if arch in ("gemma2", "gemma3") or (arch == "phi3" and cfg.get("sliding_window")):
         w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":  # llama.cpp writes both; transformers' GGUF loading reads neither
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if arch == "phi3" and _longrope(cfg):  # LongRoPE: factors are tensors (_tensors)
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
 

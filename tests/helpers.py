@@ -138,8 +138,9 @@ def paged_batch(seqs: list[tuple[int, int]], bs: int, g: torch.Generator):
     return seqs, nb, tables.contiguous(), lens, starts
 
 
-def attention_reference(q, k, v, table, ctx, n, bs, window, sinks, scale):
-    """float32 softmax attention of the last ``n`` of ``ctx`` positions, from a block table."""
+def attention_reference(q, k, v, table, ctx, n, bs, window, sinks, scale, softcap=0.0):
+    """float32 softmax attention of the last ``n`` of ``ctx`` positions, from a block table;
+    scores soft-capped to ``softcap * tanh(score / softcap)`` when ``softcap`` > 0."""
     hkv, d = k.shape[2], k.shape[3]
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
     kk = k.reshape(-1, hkv, d)[slots].float()
@@ -154,6 +155,8 @@ def attention_reference(q, k, v, table, ctx, n, bs, window, sinks, scale):
         if window:
             ok &= (keys > p - window) | (keys < sinks)
         s = torch.einsum("hd,thd->ht", q[j].float(), kk) * scale
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~ok, -math.inf).softmax(-1)
         out[j] = torch.einsum("ht,thd->hd", s, vv)
     return out

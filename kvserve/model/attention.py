@@ -110,7 +110,12 @@ class AttentionBackend(Protocol):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
+        """Write the step's K/V ``[tokens, kv_heads, dim]`` into ``kv_cache`` and return
+        the attention output of ``q`` ``[tokens, heads, dim]``; scores are ``q·k * scale``,
+        soft-capped to ``softcap * tanh(score / softcap)`` when ``softcap`` > 0."""
+        ...
 
 
 class TorchPagedAttention:
@@ -184,14 +189,17 @@ class TorchPagedAttention:
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         quantized = isinstance(kv_cache, QuantizedKVCache)
         self.write(k, v, kv_cache, meta)
         if not meta.prefills:  # pure decode step: no output buffer to assemble
-            return self.decode(q, kv_cache, meta, scale)
+            return self.decode(q, kv_cache, meta, scale, softcap)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[: meta.num_decodes] = self.decode(q[: meta.num_decodes], kv_cache, meta, scale)
+            out[: meta.num_decodes] = self.decode(
+                q[: meta.num_decodes], kv_cache, meta, scale, softcap
+            )
         own = None
         if self.own_window is not None:  # the prefill chunks' masks follow the decodes'
             own = self._own_masks(meta)[1 if meta.num_decodes else 0 :]
@@ -209,30 +217,54 @@ class TorchPagedAttention:
             else:
                 kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qp,
-                kp,
-                vp,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
+            o = _sdpa(qp, kp, vp, mask, mask is None, scale, softcap)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out
 
     def decode(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention of one new token per sequence, ``q`` ``[B, Hq, D]`` → ``[B, Hq, D]``."""
         tables = meta.decode_block_tables
         kd = self._context(kv_cache, 0, tables, q.dtype)
         vd = self._context(kv_cache, 1, tables, q.dtype)
         mask = self._own_masks(meta)[0] if self.own_window is not None else meta.decode_mask
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
+        return _sdpa(q.unsqueeze(2), kd, vd, mask, False, scale, softcap).squeeze(2)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``q`` ``[B, Hq, L, D]`` over ``k``/``v``
+    ``[B, Hkv, S, D]`` (GQA): ``mask`` boolean (True: visible), or else causal (L = S) when
+    ``causal``, everything visible when not. With
+    ``softcap`` > 0, which SDPA has no argument for, the scores are soft-capped in float32
+    before the mask and the softmax, as transformers' eager attention computes them."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
-        return o.squeeze(2)
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None and causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), vf).to(q.dtype)
 
 
 def _heads_dense(*xs: torch.Tensor) -> bool:
@@ -297,21 +329,28 @@ class CpuPagedAttention(TorchPagedAttention):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         self.write(k, v, kv_cache, meta)
         assert meta.seq_block_tables is not None and meta.seq_lens is not None
         assert meta.query_start is not None
         return self._attend(
-            q, kv_cache, meta.seq_block_tables, meta.seq_lens, meta.query_start, scale
+            q, kv_cache, meta.seq_block_tables, meta.seq_lens, meta.query_start, scale, softcap
         )
 
     def decode(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """One query row per sequence (the decode fields of ``meta``), ``[B, Hq, D]``."""
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
         starts = torch.arange(q.shape[0] + 1, dtype=torch.long)
-        return self._attend(q, kv_cache, meta.decode_block_tables, meta.decode_lens, starts, scale)
+        tables, lens = meta.decode_block_tables, meta.decode_lens
+        return self._attend(q, kv_cache, tables, lens, starts, scale, softcap)
 
     def _attend(
         self,
@@ -321,6 +360,7 @@ class CpuPagedAttention(TorchPagedAttention):
         lens: torch.Tensor,
         query_start: torch.Tensor,
         scale: float,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         data, k_scale, v_scale = kv_tensors(kv_cache)
         blocks = (-1, rows_per_block(self.block_size, data.dim() == 5), *data.shape[2:])
@@ -336,4 +376,5 @@ class CpuPagedAttention(TorchPagedAttention):
             self.sinks,
             k_scale,
             v_scale,
+            softcap,
         )

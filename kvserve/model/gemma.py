@@ -1,12 +1,13 @@
-"""Gemma 3 decoder: Llama's attention and paged KV with Gemma's layer around them.
+"""Gemma 2 and 3 decoders: Llama's attention and paged KV with Gemma's layer around them.
 
 What differs from ``llama.LlamaForCausalLM``, as HF transformers computes it:
 
 - RMSNorm scales by ``1 + w`` and keeps float32 until the end (``GemmaRMSNorm``);
 - four norms a layer: after attention, and before and after the MLP (``GemmaDecoderLayer``);
 - embeddings multiplied by ``sqrt(hidden_size)`` (rounded to the model's dtype);
-- GeGLU MLP (``mlp.GeluMLP``), q/k norms, queries scaled by
-  ``query_pre_attn_scalar ** -0.5``, optional final logit soft-capping (``ModelSpec``);
+- GeGLU MLP (``mlp.GeluMLP``), q/k norms (Gemma 3), queries scaled by
+  ``query_pre_attn_scalar ** -0.5``, optional final logit soft-capping and (Gemma 2)
+  attention score soft-capping, which the attention backends apply (``ModelSpec``);
 - interleaved sliding and global layers (``spec.layer_windows``), the sliding ones with
   their own rotary base (``spec.local_rope``): both handled by the base class.
 """
@@ -86,7 +87,8 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    """Gemma 3 (text) with the base class's loading, tensor parallelism and LM head."""
+    """Gemma 2 and Gemma 3 (text) with the base class's loading, tensor parallelism and LM
+    head."""
 
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm

@@ -16,6 +16,9 @@ llama.cpp's conventions (``convert_hf_to_gguf.py``), undone here:
 - ``gemma3``: every RMSNorm weight stored as ``1 + w``; the sliding/global pattern (every
   6th layer global), the local rotary base (10000) and the query scale (head_dim, or
   hidden / heads for the 62-layer 27B) are llama.cpp's, not in the metadata.
+- ``gemma2``: as ``gemma3`` without q/k norms or a local rotary base; every other layer
+  slides (the first does), the query scale is hidden / heads for the 46-layer 27B, and the
+  attention and final logit soft-capping are in the metadata.
 
 Anything else raises ``GGUFError`` naming the architecture and the supported ones.
 """
@@ -34,10 +37,12 @@ HF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
 _GEMMA3_PATTERN = 6  # llama.cpp: every 6th layer attends globally
+_GEMMA_NORMS = ("gemma2", "gemma3")  # RMSNorm weights stored as 1 + w
 _GEMMA3_LOCAL_THETA = 10000.0
 
 # GGUF tensor name (per layer after ``blk.N.``, without .weight/.bias) → HF (after
@@ -55,12 +60,14 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_NAMES_BY_ARCH = {
-    "gemma3": {
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_attention_norm": "post_attention_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
     "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen2moe": {
@@ -201,7 +208,25 @@ def hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
             },
             query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
         )
+    elif arch == "gemma2":
+        del config["hidden_act"]
+        window = get("attention.sliding_window", None)
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(window) if window else None,
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ],
+            query_pre_attn_scalar=hidden // heads if layers == 46 else head_dim,
+            attn_logit_softcapping=_cap(get("attn_logit_softcapping", None)),
+            final_logit_softcapping=_cap(get("final_logit_softcapping", None)),
+        )
     return config
+
+
+def _cap(value: Any) -> float | None:
+    """A soft-capping value from the metadata: None when absent or 0 (no capping)."""
+    return float(value) if value else None
 
 
 def hf_tensors(
@@ -211,7 +236,7 @@ def hf_tensors(
     with llama.cpp's changes undone; GGUFError for a name the architecture lacks."""
     if name in _GLOBAL_NAMES:
         hf = _GLOBAL_NAMES[name]
-        return [(hf, data - 1 if arch == "gemma3" and name == "output_norm.weight" else data)]
+        return [(hf, data - 1 if arch in _GEMMA_NORMS and name == "output_norm.weight" else data)]
     if name == "rope_freqs.weight":
         raise GGUFError("rope scaling factors (rope_freqs) are not supported")
     if arch == "phi3" and name in _ROPE_FACTORS:
@@ -229,7 +254,7 @@ def hf_tensors(
     names = {**_LAYER_NAMES, **_LAYER_NAMES_BY_ARCH.get(arch, {})}
     if base not in names:
         raise GGUFError(f"tensor {name!r} is not part of a {arch} model")
-    if arch == "gemma3" and base.endswith("norm"):
+    if arch in _GEMMA_NORMS and base.endswith("norm"):
         data = data - 1  # stored as 1 + w
     elif base == "ffn_gate_inp_shexp":
         data = data.reshape(1, -1)  # one row: [1, hidden]

@@ -72,6 +72,7 @@ class Attention(nn.Module):
         self.q_norm = norm_class(spec.head_dim, spec.rms_norm_eps, ops) if qk_norm else None
         self.k_norm = norm_class(spec.head_dim, spec.rms_norm_eps, ops) if qk_norm else None
         self.scale = spec.attention_scale
+        self.softcap = spec.attn_logit_softcap or 0.0  # Gemma 2's score soft-capping
         self.backend = backend
         self.ops = ops
         self.tp = tp
@@ -92,7 +93,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rope(positions, q, k, *rope)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model, served text-only
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -46,6 +47,28 @@ _GEMMA3_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
 }
+# transformers' Gemma2Config defaults (Hub configs leave out what equals them; those before
+# layer_types slide every other layer, as transformers fills it in)
+_GEMMA2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+}
+_GEMMA_FAMILIES = ("gemma2", "gemma3")
 
 
 class ModelConfigError(ValueError):
@@ -109,6 +132,7 @@ class ModelSpec:
     local_rope: RopeSpec | None = None  # the sliding layers' rotary parameters, if their own
     query_pre_attn_scalar: float | None = None  # queries scaled by its -1/2 power, not head_dim's
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcap: float | None = None  # attention scores = cap * tanh(scores / cap)
     # Gemma's layer: (1 + w) RMSNorms, norms after attention and around the MLP, and
     # embeddings scaled by sqrt(hidden_size)
     gemma_norms: bool = False
@@ -246,8 +270,8 @@ def _windows(cfg: dict[str, Any], family: str, path: Path) -> tuple[int | None, 
     if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = None  # as transformers reads these configs: the field is a default
     types = cfg.get("layer_types")
-    if types is None and family == "gemma3":
-        pattern = _get(cfg, "sliding_window_pattern", path, 6)
+    if types is None and family in _GEMMA_FAMILIES:
+        pattern = _get(cfg, "sliding_window_pattern", path, 6 if family == "gemma3" else 2)
         types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
         ]
@@ -297,21 +321,25 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
             raise ModelConfigError(f"{path}: field 'text_config' must be an object")
         top = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype")}
         cfg = {**text, **{k: v for k, v in top.items() if v is not None}}
-    if family == "gemma3":
-        cfg = {**_GEMMA3_DEFAULTS, **cfg}
-    act_field = "hidden_activation" if family == "gemma3" else "hidden_act"
-    act = cfg.get(act_field) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
+    gemma = family in _GEMMA_FAMILIES
+    if gemma:
+        cfg = {**(_GEMMA3_DEFAULTS if family == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
+    act_field = "hidden_activation" if gemma else "hidden_act"
+    act = cfg.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
     if act not in SUPPORTED_ACTIVATIONS:
         raise ModelConfigError(
             f"{path}: field {act_field!r}={act!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
         )
-    for field_name in ("use_bidirectional_attention", "attn_logit_softcapping"):
-        if cfg.get(field_name):
-            raise ModelConfigError(
-                f"{path}: field {field_name!r}={cfg[field_name]!r} is not supported"
-            )
-    gemma = family == "gemma3"
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelConfigError(
+            f"{path}: field 'use_bidirectional_attention'="
+            f"{cfg['use_bidirectional_attention']!r} is not supported"
+        )
+    if cfg.get("attn_logit_softcapping") and not gemma:
+        raise ModelConfigError(
+            f"{path}: field 'attn_logit_softcapping' is not read for {arch} (Gemma 2 and 3 only)"
+        )
     window, layer_windows = _windows(cfg, family, path)
     hidden = _get(cfg, "hidden_size", path)
     heads = _get(cfg, "num_attention_heads", path)
@@ -361,12 +389,15 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         eos_token_ids=eos_ids,
         hidden_act=act,
         layer_windows=layer_windows,
-        local_rope=_local_rope(cfg, path) if gemma else None,
+        local_rope=_local_rope(cfg, path) if family == "gemma3" else None,
         query_pre_attn_scalar=(
             float(_get(cfg, "query_pre_attn_scalar", path, 256, float)) if gemma else None
         ),
         final_logit_softcap=(
             _get(cfg, "final_logit_softcapping", path, None, float) if gemma else None
+        ),
+        attn_logit_softcap=(
+            _get(cfg, "attn_logit_softcapping", path, None, float) if gemma else None
         ),
         gemma_norms=gemma,
         multimodal=multimodal,

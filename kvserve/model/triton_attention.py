@@ -72,7 +72,7 @@ def _merge(m_run, l_run, acc_run, m, den, acc):
 
 @triton.jit
 def _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS,
-               kvh, sk_slot, sk_head, ss_slot, window, sinks, scale,
+               kvh, sk_slot, sk_head, ss_slot, window, sinks, scale, softcap,
                PAGE: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                SCALES: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
     """The keys of tiles ``[lo, hi)`` (BN-aligned positions) folded into (m, den, acc)."""
@@ -112,6 +112,10 @@ def _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS
             s = s * ks[None, :]
         else:
             s = s * ks
+        if softcap > 0:  # soft-capping (Gemma 2): cap · tanh(s / cap), as the CPU kernel
+            x = tl.minimum(tl.maximum(s / softcap, -9.0), 9.0)
+            e = tl.exp(x + x)
+            s = softcap * ((e - 1.0) / (e + 1.0))
         vis = (kpos[None, :] <= pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if WINDOW:
             vis = vis & ((kpos[None, :] > pos[:, None] - window) | (kpos[None, :] < sinks))
@@ -137,7 +141,7 @@ def _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS
 
 @triton.jit
 def _split_state(q, pos, row_ok, pos_min, pos_max, split, table, K, V, KS, VS, kvh,
-                 sk_slot, sk_head, ss_slot, window, sinks, scale,
+                 sk_slot, sk_head, ss_slot, window, sinks, scale, softcap,
                  PAGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                  DP: tl.constexpr, SPL: tl.constexpr, SCALES: tl.constexpr,
                  WINDOW: tl.constexpr):  # fmt: skip
@@ -154,11 +158,11 @@ def _split_state(q, pos, row_ok, pos_min, pos_max, split, table, K, V, KS, VS, k
         sink_hi = tl.minimum((sinks + BN - 1) // BN * BN, hi)
         m, den, acc = _key_tiles(q, pos, row_ok, m, den, acc, lo, sink_hi, table, ctx_len, K, V,
                                KS, VS, kvh, sk_slot, sk_head, ss_slot, window, sinks, scale,
-                               PAGE, BN, D, DP, SCALES, WINDOW)  # fmt: skip
+                               softcap, PAGE, BN, D, DP, SCALES, WINDOW)  # fmt: skip
         first = tl.maximum(pos_min - window + 1, 0) // BN * BN
         lo = tl.maximum(tl.maximum(lo, sink_hi), first)
     m, den, acc = _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS,
-                           kvh, sk_slot, sk_head, ss_slot, window, sinks, scale,
+                           kvh, sk_slot, sk_head, ss_slot, window, sinks, scale, softcap,
                            PAGE, BN, D, DP, SCALES, WINDOW)  # fmt: skip
     return m, den, acc
 
@@ -186,7 +190,7 @@ def _tile(query_start, seq_lens, num_seqs, pid, kvh, BQ: tl.constexpr, GP: tl.co
 @triton.jit
 def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_seqs,
                       sq_row, sq_head, so_row, so_head, st_row, sk_slot, sk_head, ss_slot,
-                      window, sinks, scale, GROUP: tl.constexpr, PAGE: tl.constexpr,
+                      window, sinks, scale, softcap, GROUP: tl.constexpr, PAGE: tl.constexpr,
                       BM: tl.constexpr, BQ: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
                       D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr, SCALES: tl.constexpr,
                       WINDOW: tl.constexpr):  # fmt: skip
@@ -207,7 +211,7 @@ def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_s
         for split in range(0, pos_max // SPL + 1):
             m, den, acc = _split_state(q, pos, row_ok, pos_min, pos_max, split,
                                      tables + seq * st_row, K, V, KS, VS, kvh,
-                                     sk_slot, sk_head, ss_slot, window, sinks, scale, PAGE,
+                                     sk_slot, sk_head, ss_slot, window, sinks, scale, softcap, PAGE,
                                      BM, BN, D, DP, SPL, SCALES, WINDOW)  # fmt: skip
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc)
         out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
@@ -217,7 +221,7 @@ def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_s
 
 @triton.jit
 def _split_kernel(Q, K, V, KS, VS, PM, PL, PACC, tables, query_start, seq_lens, num_seqs,
-                  sq_row, sq_head, st_row, sk_slot, sk_head, ss_slot, window, sinks, scale,
+                  sq_row, sq_head, st_row, sk_slot, sk_head, ss_slot, window, sinks, scale, softcap,
                   GROUP: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr,
                   BQ: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, SPL: tl.constexpr, NSPLIT: tl.constexpr,
@@ -236,7 +240,7 @@ def _split_kernel(Q, K, V, KS, VS, PM, PL, PACC, tables, query_start, seq_lens, 
         q = tl.load(Q + q_off, mask=q_mask, other=0.0)
         m, den, acc = _split_state(q, pos, row_ok, pos_min, pos_max, split,
                                  tables + seq * st_row, K, V, KS, VS, kvh,
-                                 sk_slot, sk_head, ss_slot, window, sinks, scale, PAGE,
+                                 sk_slot, sk_head, ss_slot, window, sinks, scale, softcap, PAGE,
                                  BM, BN, D, DP, SPL, SCALES, WINDOW)  # fmt: skip
         state = (toks * (tl.num_programs(1) * GROUP) + heads) * NSPLIT + split
         tl.store(PM + state, m, mask=row_ok)
@@ -303,6 +307,7 @@ def paged_attention(
     block_size: int = 16,
     max_context: int | None = None,
     split_kv: bool | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention output ``[T, Hq, D]`` of ``q`` ``[T, Hq, D]`` (sequence after sequence,
     rows of sequence s from ``query_start[s]``, its context ``seq_lens[s]`` tokens
@@ -311,7 +316,8 @@ def paged_attention(
     sees its last ``window`` positions and the first ``sinks``. ``max_context`` (the
     longest ``seq_lens``; read from the device when None) sizes the split-KV grid;
     ``split_kv`` None takes the split-KV kernels for a decode-only step of more than one
-    split. Either way a row gets the same bits (the module's determinism rule)."""
+    split. Either way a row gets the same bits (the module's determinism rule).
+    ``softcap`` > 0 soft-caps the scaled scores, ``cap * tanh(score / cap)`` (Gemma 2)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     seqs = seq_lens.shape[0]
@@ -342,14 +348,14 @@ def paged_attention(
     if not split_kv:
         _attention_kernel[(grid_m, hkv)](
             q, k_cache, v_cache, ks, vs, out, *geometry[:4], q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), *cache, window, sinks, scale, **common,
+            out.stride(0), out.stride(1), *cache, window, sinks, scale, softcap, **common,
         )  # fmt: skip
         return out
     pm = torch.empty((t, hq, nsplit), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty((t, hq, nsplit, dp), dtype=torch.float32, device=q.device)
     _split_kernel[(grid_m, hkv, nsplit)](
-        q, k_cache, v_cache, ks, vs, pm, pl, pacc, *geometry, *cache, window, sinks, scale,
+        q, k_cache, v_cache, ks, vs, pm, pl, pacc, *geometry, *cache, window, sinks, scale, softcap,
         NSPLIT=nsplit, **common,
     )  # fmt: skip
     _merge_kernel[(grid_m, hkv)](

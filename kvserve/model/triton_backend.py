@@ -94,6 +94,7 @@ class TritonPagedAttention(TorchPagedAttention):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         self.write(k, v, kv_cache, meta)
         assert meta.seq_block_tables is not None and meta.seq_lens is not None
@@ -113,4 +114,5 @@ class TritonPagedAttention(TorchPagedAttention):
             v_scale,
             self.block_size,
             meta.max_position + 1,
+            softcap=softcap,
         )

@@ -19,7 +19,8 @@ from kvserve.tiny_model import build_tokenizer
 
 VOCAB = 512
 ARCHS = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral"
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "qwen2_moe",
+    "mixtral",
 )  # fmt: skip
 
 
@@ -27,6 +28,7 @@ def tiny_configs() -> dict[str, object]:
     """The transformers config of each of ``ARCHS``: 2-3 layers, hidden 64, vocabulary
     ``VOCAB``, each exercising what makes its family different."""
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -72,6 +74,18 @@ def tiny_configs() -> dict[str, object]:
         # q/k norm, explicit head_dim != hidden/heads, MHA
         "qwen3": Qwen3Config(
             **common, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False
+        ),
+        # a sliding layer then a global one (window shorter than the test prompts), no q/k
+        # norms, attention and final logits soft-capped (caps small enough to change the
+        # scores of these random weights, not only Gemma 2's 50 and 30)
+        "gemma2": Gemma2Config(
+            **common,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=12,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=3.0,
         ),
         # a sliding layer then a global one (window shorter than the test prompts), each
         # with its own rotary base; query_pre_attn_scalar != head_dim; final soft-capping

@@ -3,7 +3,8 @@ requests give identical tokens whether they run one by one, 4 or 32 at a time, w
 64-token step budget (chunked prefill) or the default 2048, with the prefix cache cold or
 warm, with prefixes restored from the KV store (file tier, Redis), and when forced through
 recompute and swap preemption. Both the bundled model and the real SmolLM2-135M-Instruct
-checkpoint, a Gemma-3-shaped one (sliding and global layers, GeGLU, its norms) and a
+checkpoint, a Gemma-3-shaped one (sliding and global layers, GeGLU, its norms), a
+Gemma-2-shaped one (the same, with soft-capped attention scores and logits) and a
 Qwen3-MoE-shaped one (routed experts); the reference is always the one-by-one run."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ MAX_TOKENS = 24
 ROOMY = "256MiB"
 
 
-@pytest.fixture(scope="module", params=["bundled", "smollm2", "gemma3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["bundled", "smollm2", "gemma2", "gemma3", "qwen3_moe"])
 def model(request, gguf_file, model_dirs) -> Path:
     if request.param in model_dirs:
         return model_dirs[request.param]

@@ -72,6 +72,30 @@ def test_gemma3_configs_of_before_layer_types(model_dirs, tmp_path):
     assert spec.local_rope.theta == 1e4
 
 
+def test_gemma2_layers_and_soft_capping_as_the_config_says(model_dirs, tmp_path):
+    """Gemma 2: the first layer slides, the second attends globally, one rotary base, no
+    q/k norms, both soft-capping values; a Hub config written before ``layer_types``
+    slides every other layer and takes transformers' defaults for what it leaves out."""
+    spec = load_model_spec(model_dirs["gemma2"])
+    assert spec.family == "gemma2" and spec.layer_windows == (12, 0)
+    assert spec.local_rope is None and not spec.qk_norm and spec.gemma_norms
+    assert spec.attn_logit_softcap == 1.0 and spec.final_logit_softcap == 3.0
+    assert spec.attention_scale == 24**-0.5 and spec.hidden_act == "gelu_pytorch_tanh"
+    cfg = json.loads((model_dirs["gemma2"] / "config.json").read_text())
+    for key in ("layer_types", "attn_logit_softcapping", "query_pre_attn_scalar"):
+        cfg.pop(key)
+    cfg.update(num_hidden_layers=5)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    old = load_model_spec(tmp_path)
+    assert old.layer_windows == (12, 0, 12, 0, 12)
+    assert old.attn_logit_softcap == 50.0 and old.attention_scale == 256**-0.5
+
+
+def test_attention_soft_capping_outside_gemma_is_refused_by_name(model_dirs, tmp_path):
+    with pytest.raises(ModelConfigError, match="'attn_logit_softcapping' is not read for"):
+        load_model_spec(_config(model_dirs["llama"], tmp_path, attn_logit_softcapping=30.0))
+
+
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
@@ -79,7 +103,6 @@ def test_gemma3_configs_of_before_layer_types(model_dirs, tmp_path):
         ({"layer_types": ["local", "global"]}, "'layer_types' must list 2"),
         ({"sliding_window": None}, "'sliding_window'=None must be a positive int"),
         ({"use_bidirectional_attention": True}, "'use_bidirectional_attention'=True"),
-        ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping'=50.0"),
         ({"hidden_activation": "relu"}, "'hidden_activation'='relu' is not supported"),
     ],
 )

@@ -124,7 +124,7 @@ def test_chat_with_the_gguf_model_through_kvserve_serve(gguf_file, tmp_path):
         assert out.choices[0].finish_reason in ("stop", "length")
 
 
-def _foreign_gguf(path, arch: str = "gemma2", tokenizer: str = "gpt2"):
+def _foreign_gguf(path, arch: str = "falcon", tokenizer: str = "gpt2"):
     """A small GGUF file written by the ``gguf`` package's writer, of another family
     (``arch``) or with another tokenizer model."""
     import gguf
@@ -148,8 +148,8 @@ def _foreign_gguf(path, arch: str = "gemma2", tokenizer: str = "gpt2"):
 def test_another_family_is_refused_naming_the_file_and_the_architecture(tmp_path):
     """Once a traceback (``'GGUFReader' object has no attribute 'path'``) raised while
     formatting this very message; the CLI now says what is unsupported and exits."""
-    foreign = _foreign_gguf(tmp_path / "gemma-2-2b.gguf", arch="gemma2")
-    with pytest.raises(GGUFError, match=re.escape(f"{foreign}: general.architecture 'gemma2'")):
+    foreign = _foreign_gguf(tmp_path / "falcon-7b.gguf", arch="falcon")
+    with pytest.raises(GGUFError, match=re.escape(f"{foreign}: general.architecture 'falcon'")):
         convert(foreign)
     sp = _foreign_gguf(tmp_path / "sp.gguf", arch="llama", tokenizer="llama")
     with pytest.raises(GGUFError, match=re.escape(f"{sp}: ")):
@@ -159,5 +159,5 @@ def test_another_family_is_refused_naming_the_file_and_the_architecture(tmp_path
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 2  # the model's fault: a supervisor need not retry
-    assert "general.architecture 'gemma2' is not supported (supported: llama," in run.stderr
+    assert "general.architecture 'falcon' is not supported (supported: llama," in run.stderr
     assert "Traceback" not in run.stderr

@@ -6,7 +6,8 @@ HF transformers' own GGUF loading give the same token ids and the same greedy ou
 The shapes follow what transformers can read back from a GGUF file: it takes Qwen3's
 head_dim and Qwen3-MoE's expert size from its defaults (128, 768), Qwen2-MoE's expert and
 shared expert sizes (1408, 5632), Gemma 3's query scale
-from its default (256) and its sliding pattern from its default (every 6th layer global).
+from its default (256) and its sliding pattern from its default (every 6th layer global),
+Gemma 2's soft-capping from its defaults (50, 30).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _config(arch: str):
             moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
             norm_topk_prob=False,
         )  # fmt: skip
+    if arch == "gemma2":  # llama.cpp's soft-capping values (transformers' defaults)
+        return t.Gemma2Config(
+            **COMMON, num_hidden_layers=2, head_dim=256, query_pre_attn_scalar=256,
+            sliding_window=12, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        )  # fmt: skip
     return t.Gemma3TextConfig(
         **COMMON, num_hidden_layers=6, head_dim=256, query_pre_attn_scalar=256,
         sliding_window=12, rope_parameters={
@@ -72,6 +78,7 @@ CASES = [
     ("qwen3moe", "qwen2"),
     ("qwen2moe", "qwen2"),
     ("phi3", "default"),
+    ("gemma2", "default"),
     ("gemma3", "default"),
 ]
 

@@ -81,7 +81,25 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+
+// Attention logit soft-capping (Gemma 2): cap · tanh(s / cap) for 16 scores, with
+// tanh(x) = (e - 1) / (e + 1), e = exp16(2x), x clamped to ±9 (where tanh is 1 in float).
+// Lane by lane, so a score's value never depends on its neighbours.
+inline __m512 softcap16(__m512 s, float cap) {
+  const __m512 c = _mm512_set1_ps(cap), one = _mm512_set1_ps(1.f);
+  __m512 x = _mm512_div_ps(s, c);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(9.f)), _mm512_set1_ps(-9.f));
+  const __m512 e = exp16(_mm512_add_ps(x, x));
+  return _mm512_mul_ps(c, _mm512_div_ps(_mm512_sub_ps(e, one), _mm512_add_ps(e, one)));
+}
 #endif
+
+// The portable loops' soft-capping: the same formula, lane by lane (cap > 0).
+inline float softcap1(float s, float cap) {
+  const float x = std::min(std::max(s / cap, -9.f), 9.f);
+  const float e = std::exp(x + x);
+  return cap * ((e - 1.f) / (e + 1.f));
+}
 
 #ifdef __AVX512F__
 // Heads folded together: their scores share each load of K, their accumulators each load
@@ -252,17 +270,21 @@ inline __mmask16 lanes(int t0, int t1) {
 // Fold lanes [t0, t1) of one cell — kT [D][CELL] (transposed keys, scaled), vb [CELL][D]
 // (values, scaled) — into the online softmax state of one query row's G heads: running
 // max `m`, sum `l`, accumulator `acc` [G][D]. `q` [G][D] is already multiplied by the
-// softmax scale. Never inlined: every caller runs exactly this code, so a row's arithmetic
-// cannot depend on the context it was called from (heads are grouped by G and D alone).
+// softmax scale; `cap` > 0 soft-caps the scores (softcap16), 0 leaves them. Never inlined:
+// every caller runs exactly this code, so a row's arithmetic cannot depend on the context
+// it was called from (heads are grouped by G and D alone).
 template <int D>
-__attribute__((noinline)) void fold(const float* q, int64_t G, const float* kT, const float* vb,
-                                    int t0, int t1, float* m, float* l, float* acc) {
+__attribute__((noinline)) void fold(const float* q, int64_t G, float cap, const float* kT,
+                                    const float* vb, int t0, int t1, float* m, float* l,
+                                    float* acc) {
 #ifdef __AVX512F__
   const __mmask16 mask = lanes(t0, t1);
   by_heads<D>(G, [&](auto nh, int64_t g) {
     constexpr int NH = decltype(nh)::value;
     __m512 s[NH];
     scores_f32<D, NH>(q + g * D, kT, s);
+    if (cap > 0.f)
+      for (int h = 0; h < NH; ++h) s[h] = softcap16(s[h], cap);
     softmax_pv<D, NH>(s, vb, t0, t1, mask, m + g, l + g, acc + g * D);
   });
 #else
@@ -273,6 +295,8 @@ __attribute__((noinline)) void fold(const float* q, int64_t G, const float* kT, 
     for (int d = 0; d < D; ++d)
 #pragma omp simd
       for (int i = 0; i < CELL; ++i) s[i] += qg[d] * kT[d * CELL + i];
+    if (cap > 0.f)
+      for (int i = 0; i < CELL; ++i) s[i] = softcap1(s[i], cap);
     float bm = m[g];
     for (int t = t0; t < t1; ++t) bm = std::max(bm, s[t]);
     const float corr = std::exp(m[g] - bm);
@@ -299,9 +323,10 @@ constexpr bool kBf16Scores = true;
 // [CELL / 2][D] key pairs of its values (put_v_pair); weights rounded to bf16 for P·V;
 // otherwise as fold. With kLaneScales (an 8-bit cache, its codes exact in bf16), key
 // lane i's scores are multiplied by ks[i] and its weights by vs[i] (the dequantization
-// scales); without, ks and vs are not read. Never inlined, for the same reason.
+// scales); without, ks and vs are not read. `cap` soft-caps the scaled scores as in fold.
+// Never inlined, for the same reason.
 template <int D, bool kLaneScales>
-__attribute__((noinline)) void fold_bf16(const uint32_t* q, int64_t G, float scale,
+__attribute__((noinline)) void fold_bf16(const uint32_t* q, int64_t G, float scale, float cap,
                                          const uint32_t* kTp, const uint32_t* vp,
                                          const float* ks, const float* vs, int t0, int t1,
                                          float* m, float* l, float* acc) {
@@ -314,14 +339,16 @@ __attribute__((noinline)) void fold_bf16(const uint32_t* q, int64_t G, float sca
     scores_bf16<D, NH>(q + g * (D / 2), scale, kTp, s);
     if constexpr (kLaneScales)
       for (int h = 0; h < NH; ++h) s[h] = _mm512_mul_ps(s[h], ksv);
+    if (cap > 0.f)
+      for (int h = 0; h < NH; ++h) s[h] = softcap16(s[h], cap);
     softmax_pv_bf16<D, NH, kLaneScales>(s, vp, vsv, t0, t1, mask, m + g, l + g, acc + g * D);
   });
 }
 #else
 constexpr bool kBf16Scores = false;
 template <int D, bool kLaneScales>  // never called (kBf16Scores is false): keeps callers uniform
-void fold_bf16(const uint32_t*, int64_t, float, const uint32_t*, const uint32_t*, const float*,
-               const float*, int, int, float*, float*, float*) {}
+void fold_bf16(const uint32_t*, int64_t, float, float, const uint32_t*, const uint32_t*,
+               const float*, const float*, int, int, float*, float*, float*) {}
 template <int D>
 void put_v_pair(const uint16_t*, int64_t, uint32_t*) {}
 #endif

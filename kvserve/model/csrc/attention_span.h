@@ -57,9 +57,9 @@ inline __m512 lane_scales(const c10::Half* s) {
 // prefetches: one step() per K pair of the scores and per key pair of P·V (they move
 // lines into the cache, never a value; span_steps counts them). `scaled`: whether the elements
 // carry the lanes' scales (8-bit codes; also bf16 tiles converted from them, which give
-// the same arithmetic bit for bit).
+// the same arithmetic bit for bit). `cap` > 0 soft-caps the scaled scores (softcap16).
 template <int D, int NH, int NC, typename CT, bool scaled>
-inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, const CT* const* vt,
+inline void span_heads(const uint32_t* q, float scale, float cap, const CT* const* kt, const CT* const* vt,
                        const c10::Half* const* ks, const c10::Half* const* vs,
                        const uint16_t* mk, kvserve_items::Trickle& trickle, float* m, float* l,
                        float* acc) {
@@ -114,7 +114,8 @@ inline void span_heads(const uint32_t* q, float scale, const CT* const* kt, cons
   for (int h = 0; h < NH; ++h) {
     __m512 mx = neg;
     for (int c = 0; c < NC; ++c) {
-      s[h][c] = _mm512_mask_mov_ps(neg, mk[c], _mm512_mul_ps(s[h][c], kf[c]));
+      const __m512 x = _mm512_mul_ps(s[h][c], kf[c]);
+      s[h][c] = _mm512_mask_mov_ps(neg, mk[c], cap > 0.f ? softcap16(x, cap) : x);
       mx = _mm512_max_ps(mx, s[h][c]);
     }
     bm[h] = std::max(m[h], _mm512_reduce_max_ps(mx));
@@ -183,7 +184,8 @@ constexpr int64_t span_steps(int64_t G, int64_t nc) {
 // Fold nc (1..SPAN) cells of one KV head — K tiles kt, V tiles vt (with their scales ks,
 // vs for 8-bit codes), visible lanes mk (not 0), in position order — into the online-softmax
 // state of one query row's G heads: `q` [G][D / 2] bf16 pairs (unscaled; scaled after the
-// dot products), running max `m`, sum `l`, accumulator `acc` [G][D]; issues some of `tr`'s
+// dot products; soft-capped when `cap` > 0), running max `m`, sum `l`, accumulator
+// `acc` [G][D]; issues some of `tr`'s
 // prefetches on the way (span_heads). Never inlined: every caller of one instantiation
 // runs exactly its code. `scaled` (8-bit caches): the tiles are codes with scales, read in
 // place (CT the code type: decode rows) or converted to bf16 beforehand (CT bf16: prefill
@@ -192,7 +194,7 @@ constexpr int64_t span_steps(int64_t G, int64_t nc) {
 // on, GCC compiled the two differently), and test_kv_tiles_8bit checks a prefill row
 // against the same row decoded alone, bit for bit.
 template <int D, typename CT, bool scaled = !std::is_same_v<CT, c10::BFloat16>>
-__attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float scale,
+__attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float scale, float cap,
                                          const CT* const* kt, const CT* const* vt,
                                          const c10::Half* const* ks, const c10::Half* const* vs,
                                          const uint16_t* mk, int nc, kvserve_items::Trickle& tr,
@@ -203,7 +205,7 @@ __attribute__((noinline)) void fold_span(const uint32_t* q, int64_t G, float sca
     float *mg = m + g, *lg = l + g, *ag = acc + g * D;
     const auto run = [&](auto nc_tag) {
       constexpr int NC = decltype(nc_tag)::value;
-      span_heads<D, NH, NC, CT, scaled>(qg, scale, kt, vt, ks, vs, mk, tr, mg, lg, ag);
+      span_heads<D, NH, NC, CT, scaled>(qg, scale, cap, kt, vt, ks, vs, mk, tr, mg, lg, ag);
     };
     switch (nc) {
       case 1: return run(std::integral_constant<int, 1>{});

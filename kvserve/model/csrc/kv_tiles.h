@@ -65,11 +65,12 @@ bool tiles_readable(at::ScalarType q, at::ScalarType cache, int64_t d);
 // paged_attention over tiled caches [blocks, block_size / TILE, Hkv, TILE, D] (the entry in
 // paged_attention.cpp validates the arguments and states their contract); writes `out`.
 // An 8-bit cache comes with its float16 scales k_scale, v_scale [slots / TILE, Hkv, TILE]
-// (scale_index); a bf16 cache with none (nullptr).
+// (scale_index); a bf16 cache with none (nullptr). `softcap` > 0 soft-caps the scores
+// (cap · tanh(score / cap)), which the AMX kernel does not: such calls take the AVX-512 one.
 void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& tables, const at::Tensor& lens,
                      const at::Tensor& query_start, at::Tensor& out, double scale,
-                     int64_t window, int64_t sinks, const c10::Half* k_scale,
+                     double softcap, int64_t window, int64_t sinks, const c10::Half* k_scale,
                      const c10::Half* v_scale);
 
 // True when bf16 tiles are read on AMX tiles (paged_attention_amx.cpp): a build and CPU

@@ -35,6 +35,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& lens, const at::Tensor& query_start, double scale,
                            int64_t window, int64_t sinks,
                            const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale);
+                           const std::optional<at::Tensor>& v_scale, double softcap = 0.);
 
 }  // namespace kvserve

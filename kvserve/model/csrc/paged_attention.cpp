@@ -58,7 +58,7 @@ template <int D, typename qt, typename ct>
 void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& tables, const at::Tensor& lens,
                       const at::Tensor& query_start, at::Tensor& out, double scale,
-                      int64_t window, int64_t sinks, Scales scales) {
+                      double softcap, int64_t window, int64_t sinks, Scales scales) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   const int64_t S = lens.size(0), Hq = q.size(1);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
@@ -73,6 +73,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   qt* op = out.data_ptr<qt>();
   const int64_t row = Hkv * D;  // elements per cache slot
   const int64_t tile = std::max<int64_t>(1, TILE_FLOATS / (G * D));
+  const float cap = static_cast<float>(softcap);  // 0: scores not soft-capped
   // A bf16 query against a bf16 or 8-bit cache: scores and P·V by bf16 dot products, on
   // the cache's own K pairs (a bf16 cache) or on the 8-bit codes as bf16 (exact), their
   // scales applied per key lane (fold_bf16); every other combination converts to float.
@@ -224,11 +225,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
               auto fold = [&](int64_t t0, int64_t t1) {  // lanes [t0, t1) of the cell
                 if constexpr (bf16_scores)
                   kvserve_cell::fold_bf16<D, scaled>(
-                      qb.data() + qoff / 2, G, static_cast<float>(scale), kth, vph,
+                      qb.data() + qoff / 2, G, static_cast<float>(scale), cap, kth, vph,
                       lane_scales.data() + h * CELL,
                       lane_scales.data() + (Hkv + h) * CELL, t0, t1, mr, lr, ar);
                 else
-                  kvserve_cell::fold<D>(qf.data() + qoff, G, kt(h), vb(h), t0, t1, mr, lr, ar);
+                  kvserve_cell::fold<D>(qf.data() + qoff, G, cap, kt(h), vb(h), t0, t1, mr, lr,
+                                        ar);
               };
               if (cell_lo_b < sb)  // the sinks' part of the cell, then the window's
                 fold(cell_lo_b - cell_lo, sb - cell_lo);
@@ -253,11 +255,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   }
 }
 
-#define KV_ARGS q, k, v, t, l, qs, o, s, w, sk, sc
+#define KV_ARGS q, k, v, t, l, qs, o, s, cp, w, sk, sc
 #define KV_PARAMS                                                                         \
   const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &t,    \
-      const at::Tensor &l, const at::Tensor &qs, at::Tensor &o, double s, int64_t w,      \
-      int64_t sk, Scales sc
+      const at::Tensor &l, const at::Tensor &qs, at::Tensor &o, double s, double cp,      \
+      int64_t w, int64_t sk, Scales sc
 
 template <typename qt, typename ct>
 void dispatch_dim(KV_PARAMS) {
@@ -295,12 +297,14 @@ void dispatch_cache(KV_PARAMS) {
 // own K/V already written); window <= 0 means no window; with a window, the first `sinks`
 // positions are attended as well. An int8 cache comes with float16 scales [slots, kv_heads]
 // per token and head (k_scale, v_scale), an fp8 cache with the same or with float32 scales
-// [kv_heads] per head.
+// [kv_heads] per head. softcap > 0 soft-caps the scaled scores, cap · tanh(score / cap)
+// (Gemma 2's attn_logit_softcapping); 0 leaves them as they are.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& tables,
                            const at::Tensor& lens, const at::Tensor& query_start, double scale,
                            int64_t window, int64_t sinks, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& v_scale, double softcap) {
+  TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && (k_cache.dim() == 4 || k_cache.dim() == 5) &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(-1) == q.size(2),
               "paged_attention: caches must be [blocks, block_size, kv_heads, head_dim] (rows) "
@@ -355,7 +359,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       ks = ksc.data_ptr<c10::Half>();
       vs = vsc.data_ptr<c10::Half>();
     }
-    kvserve_tiles::attention_tiles(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks, ks, vs);
+    kvserve_tiles::attention_tiles(qc, kc, vc, tc, lc, qsc, out, scale, softcap, window, sinks,
+                                   ks, vs);
     return out;
   }
   Scales scales;
@@ -392,13 +397,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   }
   switch (qc.scalar_type()) {
     case at::kFloat:
-      dispatch_cache<float>(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks, scales);
+      dispatch_cache<float>(qc, kc, vc, tc, lc, qsc, out, scale, softcap, window, sinks,
+                                    scales);
       break;
     case at::kBFloat16:
-      dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks, scales);
+      dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, qsc, out, scale, softcap, window, sinks,
+                                    scales);
       break;
     case at::kHalf:
-      dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, qsc, out, scale, window, sinks, scales);
+      dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, qsc, out, scale, softcap, window, sinks,
+                                    scales);
       break;
     default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", qc.scalar_type());
   }
@@ -417,7 +425,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("tiled_kv_supported(int head_dim) -> bool", TORCH_FN(tiled_kv_supported));
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor lens, Tensor query_start, float scale, int window, int sinks=0, "
-        "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+        "Tensor? k_scale=None, Tensor? v_scale=None, float softcap=0.) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
 
@@ -427,8 +435,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& lens, const at::Tensor& query_start, double scale,
                            int64_t window, int64_t sinks,
                            const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& v_scale, double softcap) {
   return ::paged_attention(q, k_cache, v_cache, tables, lens, query_start, scale, window, sinks,
-                           k_scale, v_scale);
+                           k_scale, v_scale, softcap);
 }
 }  // namespace kvserve

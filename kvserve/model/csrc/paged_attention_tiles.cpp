@@ -51,8 +51,8 @@ inline void convert32(const CT* from, c10::BFloat16* to) {
 template <int D, typename CT>
 void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tables, const at::Tensor& lens,
-                  const at::Tensor& query_start, at::Tensor& out, double scale, int64_t window,
-                  int64_t sinks, const c10::Half* ksp, const c10::Half* vsp) {
+                  const at::Tensor& query_start, at::Tensor& out, double scale, double softcap,
+                  int64_t window, int64_t sinks, const c10::Half* ksp, const c10::Half* vsp) {
   const int64_t G = q.size(1) / k_cache.size(2);
   const TiledCall call(q, k_cache, v_cache, tables, lens, query_start, out,
                        std::max<int64_t>(1, kvserve_items::TILE_FLOATS / (G * D)), window,
@@ -131,15 +131,15 @@ void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             if (!nc) continue;
             const int64_t off = h * per_head + r * G * D;
             const int64_t ml = h * rows.per_head + r * G;
-            const float sc = static_cast<float>(scale);
+            const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
             float* const m = rows.m.data() + ml;
             float* const l = rows.l.data() + ml;
             if (convert)
-              kvserve_cell::fold_span<D, c10::BFloat16, true>(qb + off / 2, G, sc, kc, vc, ksc,
-                                                              vsc, mk, nc, trickle, m, l,
+              kvserve_cell::fold_span<D, c10::BFloat16, true>(qb + off / 2, G, sc, cap, kc, vc,
+                                                              ksc, vsc, mk, nc, trickle, m, l,
                                                               rows.acc.data() + off);
             else
-              kvserve_cell::fold_span<D, CT>(qb + off / 2, G, sc, kr, vr, ksc, vsc, mk, nc,
+              kvserve_cell::fold_span<D, CT>(qb + off / 2, G, sc, cap, kr, vr, ksc, vsc, mk, nc,
                                              trickle, m, l, rows.acc.data() + off);
           }
         }
@@ -169,11 +169,12 @@ template <typename CT>
 void tiles_for_codes(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& tables, const at::Tensor& lens,
                      const at::Tensor& query_start, at::Tensor& out, double scale,
-                     int64_t window, int64_t sinks, const c10::Half* ks, const c10::Half* vs) {
+                     double softcap, int64_t window, int64_t sinks, const c10::Half* ks,
+                     const c10::Half* vs) {
 #define KVSERVE_TILES_D(d)                                                                 \
   case d:                                                                                  \
     return tiles_kernel<d, CT>(q, k_cache, v_cache, tables, lens, query_start, out, scale, \
-                               window, sinks, ks, vs);
+                               softcap, window, sinks, ks, vs);
   switch (q.size(2)) {
     KVSERVE_TILES_D(32)
     KVSERVE_TILES_D(64)
@@ -191,16 +192,17 @@ void tiles_for_codes(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& tables, const at::Tensor& lens,
                      const at::Tensor& query_start, at::Tensor& out, double scale,
-                     int64_t window, int64_t sinks, const c10::Half* ks, const c10::Half* vs) {
+                     double softcap, int64_t window, int64_t sinks, const c10::Half* ks,
+                     const c10::Half* vs) {
 #ifdef __AVX512BF16__
   const auto run = [&](auto tag) {
     using CT = decltype(tag);
-    tiles_for_codes<CT>(q, k_cache, v_cache, tables, lens, query_start, out, scale, window,
-                        sinks, ks, vs);
+    tiles_for_codes<CT>(q, k_cache, v_cache, tables, lens, query_start, out, scale, softcap,
+                        window, sinks, ks, vs);
   };
   switch (k_cache.scalar_type()) {
     case at::kBFloat16:
-      if (attention_amx_usable())
+      if (attention_amx_usable() && softcap == 0)
         return attention_tiles_amx(q, k_cache, v_cache, tables, lens, query_start, out, scale,
                                    window, sinks);
       return run(c10::BFloat16{});
