@@ -28,6 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--headroom", type=float, default=0.15, help="with --usage: P99 × (1+h)")
     pl.add_argument("--plot", help="with --usage: write a PNG of distribution and time series")
     pl.add_argument("--dtype", default="bfloat16", help="weight dtype")
+    pl.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "auto", "int8"),
+        help="CPU serving: auto counts a converted GGUF directory's quantized matrices at "
+        "their served size, int8 also a float checkpoint's (GPUs dequantize: none)",
+    )
     pl.add_argument("--kv-cache-dtype", default="auto", help="as the engine flag")
     pl.add_argument(
         "--kv-cache-scales",
@@ -81,6 +88,7 @@ def plan(ns: argparse.Namespace) -> int:
         tp=ns.tp,
         block_size=ns.block_size,
         kv_layout=ns.kv_layout,
+        quantization=ns.quantization,
     )
     plans = [plan_for(base, "base")]
     plans += [plan_for(variant(base, spec), spec) for spec in ns.compare or []]

@@ -412,11 +412,6 @@ class EngineBuilder:
             check_shardable(self.spec, self.parallel.tensor_parallel_size)
         except ShardingError as e:
             raise EngineError(str(e)) from None
-        if args.quantization == "int8":
-            raise EngineError(
-                "--quantization int8 runs on the CPU kernels of one process; with "
-                "--tensor-parallel-size > 1 use --quantization auto (bf16 weights)"
-            )
         cache = self.cache_config
         fmt = kv_format(cache.kv_cache_dtype, self.dtype, cache.kv_cache_scales)
         if args.store_config().urls and fmt.scale == "head":

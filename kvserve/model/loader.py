@@ -18,7 +18,7 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import TorchOps
 from kvserve.model.parallel import TPGroup
 from kvserve.model.quant_load import QuantLoad, dequantized, int8_names, read_manifest
-from kvserve.model.quantized import row_bytes
+from kvserve.model.quantized import BLOCKS, row_bytes
 from kvserve.model.spec import ModelConfigError, ModelSpec
 from kvserve.utils import parse_dtype
 
@@ -105,8 +105,9 @@ def load_model(
     ``tp``, only this rank's shard, reading just its slices of each tensor).
 
     Tensors the checkpoint stores as raw GGUF blocks (``model/quant_load.py``) stay
-    quantized with ``quantization`` ``auto`` on a CPU with the C++ kernels and no tensor
-    parallelism; otherwise (``none`` included) they are dequantized into ``dtype``.
+    quantized with ``quantization`` ``auto`` on a CPU with the C++ kernels (under tensor
+    parallelism each rank keeps its rows, and its input columns where they are whole
+    blocks); otherwise (``none`` included) they are dequantized into ``dtype``.
     ``int8`` also quantizes the float matrices ``int8_names`` picks to int8; it raises
     ``ModelConfigError`` where the quantized kernels cannot run.
 
@@ -116,7 +117,7 @@ def load_model(
     model_dir = Path(model_dir)
     with torch.device("meta"), _no_param_init():
         model = model_class(spec)(spec, backend, ops, tp)
-        keep = _keeps_quantized(quantization, device, tp)
+        keep = _keeps_quantized(quantization, device)
         expected = model.expected_weights()
         int8 = int8_names(model, expected) if quantization == "int8" else []
         quant = QuantLoad(model, read_manifest(model_dir), keep, int8)
@@ -201,19 +202,17 @@ def load_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, 
     return scales
 
 
-def _keeps_quantized(quantization: str, device: torch.device, tp: TPGroup | None) -> bool:
+def _keeps_quantized(quantization: str, device: torch.device) -> bool:
     """Whether raw GGUF blocks are served quantized: ``auto`` or ``int8``, a CPU whose C++
-    kernels load, no tensor parallelism (quantized shards are not split yet). Raises
-    ``ModelConfigError`` for ``int8`` where that does not hold."""
+    kernels load. Raises ``ModelConfigError`` for ``int8`` where that does not hold."""
     if quantization == "none":
         return False
     from kvserve.model.cpu_kernels import load_cpu_kernels
 
-    ok = device.type == "cpu" and tp is None and load_cpu_kernels()
+    ok = device.type == "cpu" and load_cpu_kernels()
     if quantization == "int8" and not ok:
         raise ModelConfigError(
-            "quantization int8 needs a CPU (--device cpu), the C++ CPU kernels and one "
-            "process (no tensor parallelism)"
+            "quantization int8 needs a CPU (--device cpu) and the C++ CPU kernels"
         )
     return ok
 
@@ -224,11 +223,9 @@ def _load_one(
     shape = tuple(tslice.get_shape())
     ggml_type = quant.manifest.get(name)
     if name in quant.requantize:  # --quantization int8 (a wrong shape: refused below)
-        if shape == expected[name]:
-            dense = tslice[:]
-            if quant.take_dense(name, dense):
-                return
-            tslice = dense
+        if shape == expected[name] and quant.keeps(name):
+            quant.take_dense(name, tslice[:])
+            return
     elif ggml_type is not None and name in expected:  # raw blocks: [rows, row bytes]
         rows, k = expected[name]
         if shape != (rows, row_bytes(ggml_type, k)):
@@ -236,10 +233,10 @@ def _load_one(
                 f"{path}: raw {ggml_type} tensor {name!r} has shape {list(shape)}, config "
                 f"implies {rows} rows of {k}"
             )
-        raw = tslice[:]
-        if quant.take(name, raw, k):
+        if quant.keeps(name):
+            quant.take(name, model.plan.read_blocks(name, tslice, *BLOCKS[ggml_type]))
             return
-        tslice = dequantized(raw, ggml_type)
+        tslice = dequantized(tslice[:], ggml_type)
         shape = tuple(tslice.shape)
     if name in expected and shape != expected[name]:
         raise WeightLoadError(

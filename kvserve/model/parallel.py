@@ -157,13 +157,12 @@ class ShardPlan:
         leaf, start, inter = self._ffn(name)
         if leaf in ("gate_proj", "up_proj"):
             return tslice[start : start + inter]
-        if leaf in ("o_proj", "down_proj"):
-            if is_bias:  # added once, by rank 0, before the all-reduce
-                full = tslice[:]
-                return full if self.rank == 0 else torch.zeros_like(full)
-            if leaf == "o_proj":
-                start, inter = self.q_head_start * d, self.num_heads * d
-            return tslice[:, start : start + inter]
+        if leaf in ("o_proj", "down_proj") and is_bias:  # added once, by rank 0
+            full = tslice[:]
+            return full if self.rank == 0 else torch.zeros_like(full)
+        columns = self.k_slice(name)
+        if columns is not None:
+            return tslice[:, columns[0] : columns[0] + columns[1]]
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             end = min(self.vocab_start + self.vocab_shard, self.vocab_size)
             rows = tslice[self.vocab_start : end]
@@ -172,6 +171,35 @@ class ShardPlan:
                 rows = torch.cat([rows, pad])
             return rows
         return tslice[:]
+
+    def k_slice(self, name: str) -> tuple[int, int] | None:
+        """``(start, count)`` of this rank's input columns of row-parallel weight ``name``
+        (O and down projections: the rank's heads' or intermediate slice's columns); None
+        for a tensor not split along its input (rows split, or replicated)."""
+        if self.size == 1 or name.endswith(".bias"):
+            return None
+        leaf, start, inter = self._ffn(name)
+        if leaf == "o_proj":
+            return self.q_head_start * self.head_dim, self.num_heads * self.head_dim
+        return (start, inter) if leaf == "down_proj" else None
+
+    def splits_blocks(self, name: str, block: int) -> bool:
+        """Whether this rank's part of weight ``name`` is whole blocks of ``block`` input
+        values (always, unless ``name`` is split along its input at another boundary)."""
+        columns = self.k_slice(name)
+        return columns is None or (columns[0] % block == 0 and columns[1] % block == 0)
+
+    def read_blocks(self, name: str, tslice, block: int, block_bytes: int) -> torch.Tensor:
+        """``read`` for a weight stored as raw quantized rows (uint8 ``[rows, row bytes]``,
+        ``block`` values in ``block_bytes`` bytes): its rows as ``read`` selects them (the
+        vocabulary's padding rows zero bytes, which decode to 0), and along the input its
+        whole blocks; needs ``splits_blocks(name, block)``."""
+        columns = self.k_slice(name)
+        if columns is None:
+            return self.read(name, tslice)
+        start, count = columns
+        assert start % block == 0 and count % block == 0, (name, columns, block)
+        return tslice[:, start // block * block_bytes : (start + count) // block * block_bytes]
 
     def _fused_rows(self, leaf: str) -> list[tuple[int, int]]:
         """This rank's row ranges of a fused tensor: its query, key and value heads'

@@ -6,8 +6,13 @@ whose every piece the checkpoint stores quantized, the token embeddings and the 
 They are replaced by placeholders that hold no dense weight, so loading never allocates the
 16/32-bit matrix. ``QuantLoad.take`` receives their raw pieces, ``QuantLoad.finish`` packs
 them into ``GGUFLinear`` / ``GGUFEmbedding``. Every other raw tensor (a piece of a module
-kept dense, or all of them with ``keep=False``: ``--quantization none``, tensor parallelism,
-a GPU, no CPU kernels) is dequantized (``dequantized``) and loaded as any float tensor.
+kept dense, or all of them with ``keep=False``: ``--quantization none``, a GPU, no CPU
+kernels) is dequantized (``dequantized``) and loaded as any float tensor.
+
+Under tensor parallelism a rank keeps its own part of each quantized matrix: its rows, and
+for the O and down projections (split along their input) its columns, as whole blocks. A
+module whose rank columns do not fall on block boundaries (a Q4_K O projection whose
+heads split at 128 values, not 256) stays dense on every rank, as it would be dequantized.
 
 ``--quantization int8`` adds the float matrices ``int8_names`` picks: ``QuantLoad`` plans
 them as the GGUF ones, and ``take_dense`` quantizes each as it is read to int8 with one
@@ -30,6 +35,7 @@ from torch import nn
 from kvserve.model.llama import FUSED_PIECES
 from kvserve.model.mlp import our_mlp_name
 from kvserve.model.quantized import (
+    BLOCKS,
     INT8,
     QUANT_MANIFEST,
     GGUFEmbedding,
@@ -111,7 +117,11 @@ class QuantLoad:
     their type)."""
 
     def __init__(
-        self, model: nn.Module, manifest: dict[str, str], keep: bool, requantize: list[str]
+        self,
+        model: nn.Module,
+        manifest: dict[str, str],
+        keep: bool,
+        requantize: list[str],
     ):
         self.model = model
         self.requantize = frozenset(n for n in requantize if n not in manifest)
@@ -120,15 +130,20 @@ class QuantLoad:
         if keep:
             self._plan()
 
-    def take_dense(self, name: str, dense: torch.Tensor) -> bool:
-        """Quantize float rows ``dense`` of ``name`` (one of ``requantize``) to int8 per row
-        (``pack_int8``) and keep them for its module; False when that module stays dense
-        (nothing kept)."""
+    def keeps(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` fills a module served quantized (``take``,
+        ``take_dense``); else the caller loads it as a float tensor."""
+        return self._slot(name) is not None
+
+    def take_dense(self, name: str, dense: torch.Tensor) -> None:
+        """Quantize float matrix ``dense`` of ``name``, which ``keeps``, to int8 per row
+        (``pack_int8``) and keep this rank's part of it for its module: the part's codes
+        and scales are the whole matrix's."""
         slot = self._slot(name)
-        if slot is None:
-            return False
-        slot[0].raw[slot[1]] = pack_int8(dense)
-        return True
+        assert slot is not None, name
+        plan = self.model.plan
+        amax = dense.detach().float().abs().amax(dim=1) if plan.k_slice(name) else None
+        slot[0].raw[slot[1]] = pack_int8(plan.read(name, dense), amax)
 
     def _slot(self, name: str) -> tuple[_Pending, int] | None:
         """The placeholder and piece index that checkpoint tensor ``name`` fills; None when
@@ -146,7 +161,9 @@ class QuantLoad:
             if name == "lm_head.weight" and getattr(self.model, "lm_head", None) is None:
                 continue  # a tied checkpoint's copy
             module, piece, pieces = _target(name)
-            by_module.setdefault(module, []).append(piece)
+            block = BLOCKS.get(self.manifest[name], (32, 0))[0]  # int8: activations per 32
+            if self.model.plan.splits_blocks(name, block):  # this rank's part: whole blocks
+                by_module.setdefault(module, []).append(piece)
             sizes[module] = pieces
         for module, pieces in by_module.items():
             if sorted(pieces) != list(range(sizes[module])):
@@ -160,14 +177,14 @@ class QuantLoad:
             parent.register_module(leaf, _Pending(sizes[module], bias))
             self.pending[module] = getattr(parent, leaf)
 
-    def take(self, name: str, raw: torch.Tensor, k: int) -> bool:
-        """Keep raw piece ``name`` (rows of ``k`` elements) for its quantized module; False
-        when that module is dense (the caller loads ``dequantized(raw)`` instead)."""
+    def take(self, name: str, raw: torch.Tensor) -> None:
+        """Keep raw piece ``name`` (this rank's rows, whole blocks: uint8 ``[rows, row
+        bytes]``), which ``keeps``, for its quantized module."""
         slot = self._slot(name)
-        if slot is None:
-            return False
-        slot[0].raw[slot[1]] = (raw.numpy(), self.manifest[name], k)
-        return True
+        assert slot is not None, name
+        ggml_type = self.manifest[name]
+        per, size = BLOCKS[ggml_type]
+        slot[0].raw[slot[1]] = (raw.numpy(), ggml_type, raw.shape[1] // size * per)
 
     def finish(self, dtype: torch.dtype) -> int:
         """Pack every placeholder into its quantized module; returns their weights' bytes.

@@ -191,17 +191,19 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
     )
 
 
-def pack_int8(w: torch.Tensor) -> Packed:
+def pack_int8(w: torch.Tensor, amax: torch.Tensor | None = None) -> Packed:
     """Float rows ``[n, k]`` as int8 with one scale per row (``--quantization int8``,
     kernel kind c8: ``csrc/gguf_c8.h``; activations quantized per 128 values where ``k``
     allows, else per 32):
     ``d = max|w| / 127`` in float32, codes ``round(w / d)`` (to nearest even), in s8's
-    layout (``q + 128``); ``d`` ``[G, 16]``."""
+    layout (``q + 128``); ``d`` ``[G, 16]``. ``amax`` ``[n]``: the rows' ``max|w|`` when
+    ``w`` holds only some of their columns (a tensor-parallel rank's part), so the part's
+    codes and scales are the whole matrix's."""
     n, k = w.shape
     if k % 32:
         raise ValueError(f"int8: a row of {k} is not whole blocks of 32")
     w = w.detach().float()
-    d = w.abs().amax(dim=1) / 127
+    d = (w.abs().amax(dim=1) if amax is None else amax.float()) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = torch.round(w * inv[:, None]).clamp(-127, 127).to(torch.int8)
     g, nb = -(-n // 16), k // 32
@@ -385,6 +387,21 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         types = "+".join(p.ggml_type for p in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers and of its quantized modules' tensors
+    (``GGUFLinear`` parts, ``GGUFEmbedding``: not parameters; a tied LM head's are its
+    embedding's, counted once)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    packed: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        parts = m.parts if isinstance(m, GGUFLinear) else []
+        if isinstance(m, GGUFEmbedding):
+            parts = [m.packed]
+        packed |= {t.data_ptr(): t for p in parts for t in (p.qs, p.d, p.aux) if t.numel()}
+    tensors += packed.values()
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
 class GGUFEmbedding(nn.Module):

@@ -10,13 +10,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kvserve.model.kv_cache import KVCacheSpec
 from kvserve.model.kv_groups import KVGroups
 from kvserve.model.kv_quant import kv_format
 from kvserve.model.parallel import kv_heads_per_rank
 from kvserve.model.spec import load_model_spec
+from kvserve.planner import weights
 from kvserve.planner.hardware import find_accelerator
 from kvserve.planner.presets import PRESETS, ModelShape
 from kvserve.utils import cdiv, format_size, parse_dtype, parse_size
@@ -40,6 +39,7 @@ class PlanInput:
     block_size: int = 16
     kv_cache_scales: str = "auto"  # fp8: as the engine's flag; auto = token for a shape
     kv_layout: str = "auto"  # as the engine's flag: hybrid for sliding + global layers
+    quantization: str = "none"  # auto / int8: weights at their CPU-served size (weights.py)
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def plan(p: PlanInput, label: str = "") -> Plan:
         tokens = min(tokens, shape.sliding_window + p.block_size)  # window + partial block
     tokens = cdiv(tokens, p.block_size) * p.block_size  # paged: whole blocks
     per_request = _request_bytes(spec, tokens)
-    weight_bytes = shape.num_params * torch.empty((), dtype=parse_dtype(p.dtype)).element_size()
+    weight_bytes = weights.weight_bytes(p.model, shape.num_params, p.dtype, p.quantization)
     gpu_mem = p.gpu_memory or find_accelerator(p.gpu).memory_bytes
     usable = int(gpu_mem * p.gpu_memory_utilization) - p.overhead  # weights + KV
     per_gpu = usable - weight_bytes // p.tp

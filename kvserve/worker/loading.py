@@ -34,6 +34,7 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.parallel import ShardPlan, TPGroup
+from kvserve.model.quantized import weight_bytes
 from kvserve.model.spec import ModelSpec
 from kvserve.model.triton_backend import TritonPagedAttention, triton_unusable
 from kvserve.utils import cdiv, format_size
@@ -200,9 +201,9 @@ class ShardBuilder:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of this rank's parameters and buffers (packed copies included)."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+        """Bytes of this rank's weights: parameters and buffers (packed copies included)
+        and quantized modules (``quantized.weight_bytes``)."""
+        return weight_bytes(self.model)
 
     def num_blocks(self) -> int:
         """How many KV blocks this rank can hold."""

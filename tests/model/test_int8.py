@@ -13,7 +13,6 @@ import pytest
 import torch
 from helpers import ARCHS, MOE_ARCHS, greedy, make_engine, random_prompts, run_to_end
 
-from kvserve.errors import EngineError
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
 from kvserve.model.linear import KernelLinear
@@ -168,7 +167,6 @@ def test_a_matrix_of_the_wrong_shape_is_named(tmp_path):
 
 
 def test_what_cannot_run_int8_is_refused_at_start(model_dirs):
+    """A GPU; tensor parallelism runs int8 (``tests/worker/test_tp_quantized.py``)."""
     with pytest.raises(ValueError, match="int8 runs on the CPU kernels"):
         make_engine(model_dirs["llama"], quantization="int8", device="cuda")
-    with pytest.raises(EngineError, match="--quantization int8"):
-        make_engine(model_dirs["llama"], quantization="int8", tensor_parallel_size=2)
