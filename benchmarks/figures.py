@@ -320,6 +320,18 @@ FIGURES: tuple[Figure, ...] = (
         ),
     ),
     Figure(
+        "GGUF GEMV, one decode row over Llama-3.2-1B-shaped Q4_K layers (~140 MB): weight "
+        "bytes a second ÷ a plain streaming read of as many bytes, same round (median of 5)",
+        "ratio",
+        ("gguf_bandwidth.json",),
+        lambda d: d["summary"]["Q4_K"]["median_ratio"],
+        "python benchmarks/kernels/gguf_bandwidth.py --rounds 5 "
+        "--out benchmarks/results/gguf_bandwidth.json",
+        "GGUF weights",
+        commit="bb33cbd",
+        fmt="{:.2f}",
+    ),
+    Figure(
         "GGUF Q5_K_M, Llama-3.2-1B shape, one stream 32 → 256",
         "tok/s",
         ("gguf_decode_q5_k_m.json",),
