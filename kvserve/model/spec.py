@@ -26,10 +26,10 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-# transformers' Gemma3TextConfig defaults: Hub configs (the multimodal ones' text_config
-# above all) leave out what equals them
-_GEMMA3_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262208,
+# transformers' Gemma2Config and Gemma3TextConfig defaults: Hub configs (Gemma 3's
+# multimodal text_config above all) leave out what equals them. Gemma 2 configs before
+# layer_types slide every other layer, as transformers fills it in.
+_GEMMA_COMMON: dict[str, Any] = {
     "hidden_size": 2304,
     "intermediate_size": 9216,
     "num_hidden_layers": 26,
@@ -37,36 +37,28 @@ _GEMMA3_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 4,
     "head_dim": 256,
     "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-6,
     "bos_token_id": 2,
     "eos_token_id": 1,
     "tie_word_embeddings": True,
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
 }
-# transformers' Gemma2Config defaults (Hub configs leave out what equals them; those before
-# layer_types slide every other layer, as transformers fills it in)
-_GEMMA2_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 256000,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-6,
-    "bos_token_id": 2,
-    "eos_token_id": 1,
-    "tie_word_embeddings": True,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "final_logit_softcapping": 30.0,
-    "attn_logit_softcapping": 50.0,
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {
+        **_GEMMA_COMMON,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+    "gemma3": {
+        **_GEMMA_COMMON,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    },
 }
 _GEMMA_FAMILIES = ("gemma2", "gemma3")
 
@@ -323,7 +315,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         cfg = {**text, **{k: v for k, v in top.items() if v is not None}}
     gemma = family in _GEMMA_FAMILIES
     if gemma:
-        cfg = {**(_GEMMA3_DEFAULTS if family == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
+        cfg = {**_GEMMA_DEFAULTS[family], **cfg}
     act_field = "hidden_activation" if gemma else "hidden_act"
     act = cfg.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
     if act not in SUPPORTED_ACTIVATIONS:
