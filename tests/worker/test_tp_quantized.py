@@ -33,24 +33,28 @@ from kvserve.planner.capacity import PlanInput, plan
 from kvserve.testing.models import VOCAB, build_hf_model
 
 F32 = {"dtype": "float32"}
-SOURCES = [("Q8_0", 256), ("Q4_K", 512), ("int8", 256)]  # 512: a rank's O columns are 256
+# (source, hidden, architecture); hidden 512: a rank's O columns are whole Q4_K blocks (256)
+SOURCES = [("Q8_0", 256, "llama"), ("Q4_K", 512, "llama"), ("int8", 256, "llama"),
+           ("Q8_0", 256, "qwen2")]  # fmt: skip
 
 
-def _checkpoint(tmp_path: Path, source: str, hidden: int) -> tuple[Path, dict]:
-    """An untied Llama (4 query heads over 2 KV heads: a rank holds 2), as a GGUF file of
-    ``source`` converted, or as a float checkpoint served ``--quantization int8``."""
-    from transformers import LlamaConfig
+def _checkpoint(tmp_path: Path, source: str, hidden: int, arch: str) -> tuple[Path, dict]:
+    """4 query heads over 2 KV heads (a rank holds 2): an untied Llama, or a tied Qwen2
+    (Q/K/V biases; the quantized embedding is the LM head), as a GGUF file of ``source``
+    converted, or as a float checkpoint served ``--quantization int8``."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    config = LlamaConfig(
+    config = (LlamaConfig if arch == "llama" else Qwen2Config)(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=512, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
-        initializer_range=0.1, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+        initializer_range=0.1, bos_token_id=0, eos_token_id=1,
+        tie_word_embeddings=arch != "llama",
     )  # fmt: skip
     model_dir = build_hf_model(config, tmp_path / "hf")
     if source == "int8":
         return model_dir, {"quantization": "int8"}
     qt = gguf.GGMLQuantizationType[source]
-    return convert(write_gguf(model_dir, tmp_path / f"{source}.gguf", "llama", qt)), {}
+    return convert(write_gguf(model_dir, tmp_path / f"{source}.gguf", arch, qt)), {}
 
 
 class _Stub:
@@ -85,9 +89,9 @@ class _RankSum(torch.nn.Module):
         return self.parts[0](x[..., :k]) + self.parts[1](x[..., k:])
 
 
-@pytest.mark.parametrize(("source", "hidden"), SOURCES)
-def test_each_rank_holds_its_part_of_every_quantized_matrix(tmp_path, source, hidden):
-    model_dir, kw = _checkpoint(tmp_path, source, hidden)
+@pytest.mark.parametrize(("source", "hidden", "arch"), SOURCES)
+def test_each_rank_holds_its_part_of_every_quantized_matrix(tmp_path, source, hidden, arch):
+    model_dir, kw = _checkpoint(tmp_path, source, hidden, arch)
     one, *ranks = _models(model_dir, kw)
     spec = load_model_spec(model_dir)
     x = torch.randn(5, hidden)
@@ -105,7 +109,7 @@ def test_each_rank_holds_its_part_of_every_quantized_matrix(tmp_path, source, hi
             want = module(inp)
             got = _RankSum(parts)(inp)
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
-        elif name == "lm_head":
+        elif name in ("lm_head", "lm_head_packed"):  # vocabulary rows (tied: the embedding's)
             assert torch.equal(torch.cat([p(x) for p in parts], -1), module(x))
         else:  # each rank's rows of the fused Q/K/V or gate/up, exactly
             whole, leaf = module(x), name.rpartition(".")[2]
@@ -134,9 +138,9 @@ def _tokens(engine) -> dict[str, list[int]]:
         engine.close()
 
 
-@pytest.mark.parametrize(("source", "hidden"), SOURCES)
-def test_two_ranks_give_one_ranks_tokens_summed_in_rank_order(tmp_path, source, hidden):
-    model_dir, kw = _checkpoint(tmp_path, source, hidden)
+@pytest.mark.parametrize(("source", "hidden", "arch"), SOURCES)
+def test_two_ranks_give_one_ranks_tokens_summed_in_rank_order(tmp_path, source, hidden, arch):
+    model_dir, kw = _checkpoint(tmp_path, source, hidden, arch)
     engine = make_engine(model_dir, tensor_parallel_size=2, max_num_batched_tokens=32, **F32, **kw)
     per_rank = engine.runner.weight_bytes
     got = _tokens(engine)
