@@ -87,6 +87,16 @@ def _target(name: str) -> tuple[str, int, int]:
 _ROUTERS = ("gate", "shared_expert_gate")  # MoE routers: kept in float by int8
 
 
+def int8_shape_ok(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether checkpoint matrix ``name`` of ``shape`` may be quantized by ``--quantization
+    int8`` as far as its name and shape tell: a 2-D ``.weight`` whose rows are whole blocks
+    of 32, not a MoE router (``int8_names`` also needs its module to be a linear or an
+    embedding, which excludes the stacked experts)."""
+    if not name.endswith(".weight") or len(shape) != 2 or shape[1] % 32:
+        return False
+    return _target(name)[0].rpartition(".")[2] not in _ROUTERS
+
+
 def int8_names(model: nn.Module, expected: dict[str, tuple[int, ...]]) -> list[str]:
     """The checkpoint matrices ``--quantization int8`` quantizes: the weight of every
     ``nn.Linear`` (projections, LM head) and ``nn.Embedding`` of ``model`` (before
@@ -96,11 +106,9 @@ def int8_names(model: nn.Module, expected: dict[str, tuple[int, ...]]) -> list[s
     in float) stay in the model's dtype."""
     names = []
     for name, shape in expected.items():
-        if not name.endswith(".weight") or len(shape) != 2 or shape[1] % 32:
+        if not int8_shape_ok(name, shape):
             continue
         module = _target(name)[0]
-        if module.rpartition(".")[2] in _ROUTERS:
-            continue
         try:
             found = model.get_submodule(module)
         except AttributeError:
@@ -117,11 +125,7 @@ class QuantLoad:
     their type)."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        manifest: dict[str, str],
-        keep: bool,
-        requantize: list[str],
+        self, model: nn.Module, manifest: dict[str, str], keep: bool, requantize: list[str]
     ):
         self.model = model
         self.requantize = frozenset(n for n in requantize if n not in manifest)

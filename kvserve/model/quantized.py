@@ -37,6 +37,10 @@ BLOCKS = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
 }
+# bits a weight as the kernels hold each type (``Packed``): the file's, but Q4_K's and
+# Q5_K's 6-bit scales and mins, which are kept as bytes (+1/8 bit a weight)
+SERVED_BITS = {t: size * 8 / per + (0.125 if t in ("Q4_K", "Q5_K") else 0.0)
+               for t, (per, size) in BLOCKS.items()}  # fmt: skip
 # csrc/gguf_gemm.cpp's kinds: Q4_1, Q8_0, Q4_0, Q4_K, Q6_K, Q5_K, and int8 per channel
 _U4, _S8, _Z4, _K4, _K6, _K5, _C8 = 0, 1, 2, 3, 4, 5, 6
 _KINDS = {"Q4_1": _U4, "Q8_0": _S8, "Q4_0": _Z4, "Q4_K": _K4, "Q6_K": _K6, "Q5_K": _K5}

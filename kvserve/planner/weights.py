@@ -3,11 +3,12 @@
 quantized at the size they are served at.
 
 - ``auto``: a converted GGUF directory's raw blocks (``kvserve_quant.json``) of the types
-  served quantized, at the kernel's bits a weight (``quantized.BLOCKS``; Q4_K and Q5_K
-  keep their 6-bit scales as bytes: 4.625 and 5.625 bits where the file has 4.5 and 5.5).
-- ``int8``: those, and every other 2-D ``.weight`` matrix ``--quantization int8``
-  quantizes (rows of whole blocks of 32; not the MoE experts or routers, not norms) at
-  one byte a weight plus a float32 scale a row.
+  served quantized, at the kernels' bits a weight (``quantized.SERVED_BITS``: Q4_K and
+  Q5_K keep their 6-bit scales as bytes, 4.625 and 5.625 bits where the file has 4.5 and
+  5.5).
+- ``int8``: those, and every other matrix ``--quantization int8`` quantizes
+  (``quant_load.int8_shape_ok``; not the MoE experts) at one byte a weight plus a float32
+  scale a row.
 
 A preset (no checkpoint to read) is planned in ``--dtype``.
 """
@@ -16,18 +17,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
-from kvserve.model.quant_load import read_manifest
-from kvserve.model.quantized import BLOCKS
+from kvserve.model.quant_load import int8_shape_ok, read_manifest
+from kvserve.model.quantized import BLOCKS, SERVED_BITS
 from kvserve.utils import parse_dtype
 
 QUANTIZATION = ("none", "auto", "int8")
-# the kernel's bits a weight per GGML type (model/quantized.py, Packed)
-_SERVED_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625,
-                "Q8_0": 8.5}  # fmt: skip
-_FLOAT_KEPT = (".experts.", "mlp.gate.weight", "shared_expert_gate.weight", "norm")
 
 
 def weight_bytes(model: str, num_params: int, dtype: str, quantization: str) -> int:
@@ -35,7 +31,7 @@ def weight_bytes(model: str, num_params: int, dtype: str, quantization: str) -> 
     ``quantization``; ValueError for an unknown mode."""
     if quantization not in QUANTIZATION:
         raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATION}")
-    elem = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+    elem = parse_dtype(dtype).itemsize
     path = Path(model)
     path = path.parent if path.name == "config.json" else path
     if quantization == "none" or not path.is_dir():
@@ -44,20 +40,21 @@ def weight_bytes(model: str, num_params: int, dtype: str, quantization: str) -> 
     numel, served = 0, 0.0
     for name, (rows, cols) in _matrices(path).items():
         ggml_type = manifest.get(name)
-        if ggml_type in _SERVED_BITS:
+        if ggml_type in SERVED_BITS:
             per, size = BLOCKS[ggml_type]
             k = cols // size * per  # raw rows: [rows, row bytes]
             numel += rows * k
-            served += rows * k * _SERVED_BITS[ggml_type] / 8
-        elif ggml_type is None and quantization == "int8" and _int8(name, cols):
+            served += rows * k * SERVED_BITS[ggml_type] / 8
+        elif ggml_type is None and quantization == "int8" and _int8(name, rows, cols):
             numel += rows * cols
             served += rows * (cols + 4)
     return int(served) + (num_params - numel) * elem
 
 
-def _int8(name: str, cols: int) -> bool:
-    """Whether ``--quantization int8`` quantizes float matrix ``name`` of ``cols`` columns."""
-    return name.endswith(".weight") and cols % 32 == 0 and not any(s in name for s in _FLOAT_KEPT)
+def _int8(name: str, rows: int, cols: int) -> bool:
+    """Whether ``--quantization int8`` quantizes checkpoint matrix ``name``: what
+    ``int8_shape_ok`` allows but a MoE expert's (stacked by the model, kept in float)."""
+    return ".experts." not in name and int8_shape_ok(name, (rows, cols))
 
 
 def _matrices(path: Path) -> dict[str, tuple[int, int]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import amx_switched, attention_reference, paged_batch
+from helpers import amx_switched, attention_reference, paged_batch, quantized_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,9 +89,7 @@ def test_cpu_kernel_caps_scores_and_stays_invariant(dtype, heads, d, window, lay
 
 
 def test_cpu_kernel_caps_int8_caches():
-    """8-bit codes (rows and tiles): the cap applies to the dequantized scores."""
-    from helpers import quantized_blocks
-
+    """int8 codes with per-token scales: the cap applies to the dequantized scores."""
     assert load_cpu_kernels()
     g = torch.Generator().manual_seed(3)
     seqs, nb, tables, lens, starts = paged_batch([(40, 5), (70, 0), (17, 16)], 16, g)
