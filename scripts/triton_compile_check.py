@@ -41,21 +41,26 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
     for q, c, scales in caches:
         for d, window in ((128, False), (80, True)):
             ptrs = dict(Q=q, K=c, V=c, KS="fp16" if scales == 1 else "fp32" if scales else c,
-                        Out=q)  # fmt: skip
+                        SL="fp32", Out=q)  # fmt: skip
             ptrs["VS"] = ptrs["KS"]
-            const = dict(attn, D=d, DP=triton.next_power_of_2(d), SCALES=scales, WINDOW=window)
+            # the windowed variant also with gpt-oss's sink logits
+            const = dict(attn, D=d, DP=triton.next_power_of_2(d), SCALES=scales, WINDOW=window,
+                         HAS_SINK=window)  # fmt: skip
             out.append((f"attention q={q} kv={c} d={d} window={window}",
                         ta._attention_kernel, ptrs, const))  # fmt: skip
-    mqa = dict(attn, GROUP=32, BM=32, BQ=1, GP=32, D=128, DP=128, SCALES=0, WINDOW=False)
-    ptrs = dict(Q="bf16", K="bf16", V="bf16", KS="bf16", VS="bf16", Out="bf16")
+    mqa = dict(attn, GROUP=32, BM=32, BQ=1, GP=32, D=128, DP=128, SCALES=0, WINDOW=False,
+               HAS_SINK=False)  # fmt: skip
+    ptrs = dict(Q="bf16", K="bf16", V="bf16", KS="bf16", VS="bf16", SL="fp32", Out="bf16")
     out.append(("attention q=bf16 MQA (32 heads on 1)", ta._attention_kernel, ptrs, mqa))
     ptrs = dict(Q="bf16", K="bf16", V="bf16", KS="bf16", VS="bf16", PM="fp32", PL="fp32",
                 PACC="fp32")  # fmt: skip
     const = dict(attn, D=128, DP=128, SCALES=0, WINDOW=True, NSPLIT=8)
     out.append(("split-KV q=bf16 d=128", ta._split_kernel, ptrs, const))
-    ptrs = dict(PM="fp32", PL="fp32", PACC="fp32", Out="bf16")
-    const = dict(GROUP=4, BM=bm, BQ=bq, GP=gp, D=128, DP=128, SPL=ta.SPLIT, NSPLIT=8)
-    out.append(("merge d=128", ta._merge_kernel, ptrs, const))
+    ptrs = dict(PM="fp32", PL="fp32", PACC="fp32", SL="fp32", Out="bf16")
+    for sink in (False, True):
+        const = dict(GROUP=4, BM=bm, BQ=bq, GP=gp, D=128, DP=128, SPL=ta.SPLIT, NSPLIT=8,
+                     HAS_SINK=sink)  # fmt: skip
+        out.append((f"merge d=128 sinks={sink}", ta._merge_kernel, ptrs, const))
     out.append(("write bf16", tw._write_plain_kernel, dict(X="bf16", C="bf16"),
                dict(D=128, DP=128)))  # fmt: skip
     for code, int8, mbits, emin in (("i8", True, 0, 0), ("fp8e4nv", False, 3, -6),

@@ -138,9 +138,12 @@ def paged_batch(seqs: list[tuple[int, int]], bs: int, g: torch.Generator):
     return seqs, nb, tables.contiguous(), lens, starts
 
 
-def attention_reference(q, k, v, table, ctx, n, bs, window, sinks, scale, softcap=0.0):
+def attention_reference(
+    q, k, v, table, ctx, n, bs, window, sinks, scale, softcap=0.0, sink_logits=None
+):
     """float32 softmax attention of the last ``n`` of ``ctx`` positions, from a block table;
-    scores soft-capped to ``softcap * tanh(score / softcap)`` when ``softcap`` > 0."""
+    scores soft-capped to ``softcap * tanh(score / softcap)`` when ``softcap`` > 0; with
+    ``sink_logits`` ``[heads]`` one more softmax column per head, its weight dropped."""
     hkv, d = k.shape[2], k.shape[3]
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
     kk = k.reshape(-1, hkv, d)[slots].float()
@@ -157,7 +160,11 @@ def attention_reference(q, k, v, table, ctx, n, bs, window, sinks, scale, softca
         s = torch.einsum("hd,thd->ht", q[j].float(), kk) * scale
         if softcap > 0:
             s = torch.tanh(s / softcap) * softcap
-        s = s.masked_fill(~ok, -math.inf).softmax(-1)
+        s = s.masked_fill(~ok, -math.inf)
+        if sink_logits is not None:
+            s = torch.cat([s, sink_logits.float()[:, None]], dim=1).softmax(-1)[:, :-1]
+        else:
+            s = s.softmax(-1)
         out[j] = torch.einsum("ht,thd->hd", s, vv)
     return out
 

@@ -111,10 +111,14 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         softcap: float = 0.0,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the step's K/V ``[tokens, kv_heads, dim]`` into ``kv_cache`` and return
         the attention output of ``q`` ``[tokens, heads, dim]``; scores are ``q·k * scale``,
-        soft-capped to ``softcap * tanh(score / softcap)`` when ``softcap`` > 0."""
+        soft-capped to ``softcap * tanh(score / softcap)`` when ``softcap`` > 0.
+        ``sink_logits`` (float32 ``[heads]``, gpt-oss) adds one softmax column per head
+        holding that logit, whose weight is dropped (a row's weights sum to less than 1).
+        """
         ...
 
 
@@ -190,15 +194,16 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         softcap: float = 0.0,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         quantized = isinstance(kv_cache, QuantizedKVCache)
         self.write(k, v, kv_cache, meta)
         if not meta.prefills:  # pure decode step: no output buffer to assemble
-            return self.decode(q, kv_cache, meta, scale, softcap)
+            return self.decode(q, kv_cache, meta, scale, softcap, sink_logits)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self.decode(
-                q[: meta.num_decodes], kv_cache, meta, scale, softcap
+                q[: meta.num_decodes], kv_cache, meta, scale, softcap, sink_logits
             )
         own = None
         if self.own_window is not None:  # the prefill chunks' masks follow the decodes'
@@ -217,7 +222,7 @@ class TorchPagedAttention:
             else:
                 kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            o = _sdpa(qp, kp, vp, mask, mask is None, scale, softcap)
+            o = _sdpa(qp, kp, vp, mask, mask is None, scale, softcap, sink_logits)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out
 
@@ -228,13 +233,15 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         softcap: float = 0.0,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one new token per sequence, ``q`` ``[B, Hq, D]`` → ``[B, Hq, D]``."""
         tables = meta.decode_block_tables
         kd = self._context(kv_cache, 0, tables, q.dtype)
         vd = self._context(kv_cache, 1, tables, q.dtype)
         mask = self._own_masks(meta)[0] if self.own_window is not None else meta.decode_mask
-        return _sdpa(q.unsqueeze(2), kd, vd, mask, False, scale, softcap).squeeze(2)
+        sdpa = _sdpa(q.unsqueeze(2), kd, vd, mask, False, scale, softcap, sink_logits)
+        return sdpa.squeeze(2)
 
 
 def _sdpa(
@@ -245,13 +252,16 @@ def _sdpa(
     causal: bool,
     scale: float,
     softcap: float,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` of ``q`` ``[B, Hq, L, D]`` over ``k``/``v``
     ``[B, Hkv, S, D]`` (GQA): ``mask`` boolean (True: visible), or else causal (L = S) when
     ``causal``, everything visible when not. With
     ``softcap`` > 0, which SDPA has no argument for, the scores are soft-capped in float32
-    before the mask and the softmax, as transformers' eager attention computes them."""
-    if softcap <= 0:
+    before the mask and the softmax, as transformers' eager attention computes them; with
+    ``sink_logits`` ``[Hq]`` the softmax has one more column per head, that logit, whose
+    weight is dropped (gpt-oss, as transformers computes it)."""
+    if softcap <= 0 and sink_logits is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
@@ -259,12 +269,17 @@ def _sdpa(
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     s = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     if mask is None and causal:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), vf).to(q.dtype)
+    if sink_logits is None:
+        return torch.matmul(torch.softmax(s, dim=-1), vf).to(q.dtype)
+    sink = sink_logits.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p, vf).to(q.dtype)
 
 
 def _heads_dense(*xs: torch.Tensor) -> bool:
@@ -330,13 +345,13 @@ class CpuPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
         softcap: float = 0.0,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.write(k, v, kv_cache, meta)
         assert meta.seq_block_tables is not None and meta.seq_lens is not None
         assert meta.query_start is not None
-        return self._attend(
-            q, kv_cache, meta.seq_block_tables, meta.seq_lens, meta.query_start, scale, softcap
-        )
+        tables, lens, starts = meta.seq_block_tables, meta.seq_lens, meta.query_start
+        return self._attend(q, kv_cache, tables, lens, starts, scale, softcap, sink_logits)
 
     def decode(
         self,
@@ -345,12 +360,13 @@ class CpuPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
         softcap: float = 0.0,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query row per sequence (the decode fields of ``meta``), ``[B, Hq, D]``."""
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
         starts = torch.arange(q.shape[0] + 1, dtype=torch.long)
         tables, lens = meta.decode_block_tables, meta.decode_lens
-        return self._attend(q, kv_cache, tables, lens, starts, scale, softcap)
+        return self._attend(q, kv_cache, tables, lens, starts, scale, softcap, sink_logits)
 
     def _attend(
         self,
@@ -361,6 +377,7 @@ class CpuPagedAttention(TorchPagedAttention):
         query_start: torch.Tensor,
         scale: float,
         softcap: float = 0.0,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         data, k_scale, v_scale = kv_tensors(kv_cache)
         blocks = (-1, rows_per_block(self.block_size, data.dim() == 5), *data.shape[2:])
@@ -377,4 +394,5 @@ class CpuPagedAttention(TorchPagedAttention):
             k_scale,
             v_scale,
             softcap,
+            sink_logits,
         )

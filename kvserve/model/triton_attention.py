@@ -71,6 +71,15 @@ def _merge(m_run, l_run, acc_run, m, den, acc):
 
 
 @triton.jit
+def _with_sinks(m_run, l_run, acc_run, SL, heads, row_ok, BM: tl.constexpr, DP: tl.constexpr):
+    """The rows' state merged with their heads' sink logits (gpt-oss): one more softmax
+    column of weight ``exp(sink)`` and no value."""
+    sink = tl.load(SL + heads, mask=row_ok, other=_NEG).to(tl.float32)
+    one = tl.full([BM], 1.0, tl.float32)
+    return _merge(m_run, l_run, acc_run, sink, one, tl.zeros([BM, DP], tl.float32))
+
+
+@triton.jit
 def _key_tiles(q, pos, row_ok, m, den, acc, lo, hi, table, ctx_len, K, V, KS, VS,
                kvh, sk_slot, sk_head, ss_slot, window, sinks, scale, softcap,
                PAGE: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -188,12 +197,12 @@ def _tile(query_start, seq_lens, num_seqs, pid, kvh, BQ: tl.constexpr, GP: tl.co
 
 
 @triton.jit
-def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_seqs,
+def _attention_kernel(Q, K, V, KS, VS, SL, Out, tables, query_start, seq_lens, num_seqs,
                       sq_row, sq_head, so_row, so_head, st_row, sk_slot, sk_head, ss_slot,
                       window, sinks, scale, softcap, GROUP: tl.constexpr, PAGE: tl.constexpr,
                       BM: tl.constexpr, BQ: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
                       D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr, SCALES: tl.constexpr,
-                      WINDOW: tl.constexpr):  # fmt: skip
+                      WINDOW: tl.constexpr, HAS_SINK: tl.constexpr):  # fmt: skip
     """One program: ``BQ`` tokens of one sequence × the query heads of one KV head (K/V
     read once for the group), every split merged."""
     kvh = tl.program_id(1)
@@ -214,6 +223,8 @@ def _attention_kernel(Q, K, V, KS, VS, Out, tables, query_start, seq_lens, num_s
                                      sk_slot, sk_head, ss_slot, window, sinks, scale, softcap, PAGE,
                                      BM, BN, D, DP, SPL, SCALES, WINDOW)  # fmt: skip
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc)
+        if HAS_SINK:
+            m_run, l_run, acc_run = _with_sinks(m_run, l_run, acc_run, SL, heads, row_ok, BM, DP)
         out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
         o_off = toks[:, None] * so_row + heads[:, None] * so_head + d[None, :]
         tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=q_mask)
@@ -249,10 +260,10 @@ def _split_kernel(Q, K, V, KS, VS, PM, PL, PACC, tables, query_start, seq_lens, 
 
 
 @triton.jit
-def _merge_kernel(PM, PL, PACC, Out, seq_lens, query_start, num_seqs, so_row, so_head,
+def _merge_kernel(PM, PL, PACC, SL, Out, seq_lens, query_start, num_seqs, so_row, so_head,
                   GROUP: tl.constexpr, BM: tl.constexpr, BQ: tl.constexpr, GP: tl.constexpr,
                   D: tl.constexpr, DP: tl.constexpr, SPL: tl.constexpr,
-                  NSPLIT: tl.constexpr):  # fmt: skip
+                  NSPLIT: tl.constexpr, HAS_SINK: tl.constexpr):  # fmt: skip
     """A tile's splits merged in split order, as ``_attention_kernel`` merges them."""
     kvh = tl.program_id(1)
     _, toks, heads, _, row_ok, _, pos_max, live = _tile(
@@ -270,6 +281,8 @@ def _merge_kernel(PM, PL, PACC, Out, seq_lens, query_start, num_seqs, so_row, so
             acc = tl.load(PACC + state[:, None] * DP + d[None, :], mask=row_ok[:, None],
                           other=0.0)  # fmt: skip
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc)
+        if HAS_SINK:
+            m_run, l_run, acc_run = _with_sinks(m_run, l_run, acc_run, SL, heads, row_ok, BM, DP)
         out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
         o_mask = row_ok[:, None] & (d[None, :] < D)
         o_off = toks[:, None] * so_row + heads[:, None] * so_head + d[None, :]
@@ -308,6 +321,7 @@ def paged_attention(
     max_context: int | None = None,
     split_kv: bool | None = None,
     softcap: float = 0.0,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``[T, Hq, D]`` of ``q`` ``[T, Hq, D]`` (sequence after sequence,
     rows of sequence s from ``query_start[s]``, its context ``seq_lens[s]`` tokens
@@ -317,7 +331,9 @@ def paged_attention(
     longest ``seq_lens``; read from the device when None) sizes the split-KV grid;
     ``split_kv`` None takes the split-KV kernels for a decode-only step of more than one
     split. Either way a row gets the same bits (the module's determinism rule).
-    ``softcap`` > 0 soft-caps the scaled scores, ``cap * tanh(score / cap)`` (Gemma 2)."""
+    ``softcap`` > 0 soft-caps the scaled scores, ``cap * tanh(score / cap)`` (Gemma 2).
+    ``sink_logits`` (float32 ``[Hq]``, gpt-oss): one more softmax column per head holding
+    that logit, whose weight is dropped; merged after every split, in either kernel."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     seqs = seq_lens.shape[0]
@@ -344,11 +360,13 @@ def paged_attention(
         tables, query_start, seq_lens, seqs, q.stride(0), q.stride(1),
     )  # fmt: skip
     ss_slot = k_scale.stride(0) if k_scale is not None and kind == 1 else 0
+    sl = sink_logits if sink_logits is not None else out  # not read without HAS_SINK
     cache = (tables.stride(0), k_cache.stride(0), k_cache.stride(1), ss_slot)
     if not split_kv:
         _attention_kernel[(grid_m, hkv)](
-            q, k_cache, v_cache, ks, vs, out, *geometry[:4], q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), *cache, window, sinks, scale, softcap, **common,
+            q, k_cache, v_cache, ks, vs, sl, out, *geometry[:4], q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), *cache, window, sinks, scale, softcap,
+            HAS_SINK=sink_logits is not None, **common,
         )  # fmt: skip
         return out
     pm = torch.empty((t, hq, nsplit), dtype=torch.float32, device=q.device)
@@ -359,8 +377,8 @@ def paged_attention(
         NSPLIT=nsplit, **common,
     )  # fmt: skip
     _merge_kernel[(grid_m, hkv)](
-        pm, pl, pacc, out, seq_lens, query_start, seqs, out.stride(0), out.stride(1),
+        pm, pl, pacc, sl, out, seq_lens, query_start, seqs, out.stride(0), out.stride(1),
         GROUP=group, BM=bm, BQ=bq, GP=gp, D=d, DP=dp, SPL=SPLIT, NSPLIT=nsplit,
-        enable_fp_fusion=False,
+        HAS_SINK=sink_logits is not None, enable_fp_fusion=False,
     )  # fmt: skip
     return out

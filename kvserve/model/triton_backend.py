@@ -95,6 +95,7 @@ class TritonPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
         softcap: float = 0.0,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.write(k, v, kv_cache, meta)
         assert meta.seq_block_tables is not None and meta.seq_lens is not None
@@ -115,4 +116,5 @@ class TritonPagedAttention(TorchPagedAttention):
             self.block_size,
             meta.max_position + 1,
             softcap=softcap,
+            sink_logits=sink_logits,
         )

@@ -24,6 +24,17 @@ namespace kvserve_cell {
 constexpr int CELL = 16;            // keys per cell = lanes of one AVX-512 float register
 constexpr float NEG_BIG = -1e30f;   // finite "minus infinity" (the build uses -ffast-math)
 
+// What a query row's accumulator is multiplied by at the end: 1 / l; with a sink logit
+// (gpt-oss: a learned score per head, one more softmax column whose value is dropped) the
+// row's state (m, l) merged with the sink's (sink, 1): e^(m - M) / (l e^(m - M) + e^(sink - M)),
+// M = max(m, sink). Per row: it never depends on other rows.
+inline float row_scale(float m, float l, const float* sink) {
+  if (sink == nullptr) return 1.f / l;
+  const float top = std::max(m, *sink);
+  const float corr = std::exp(m - top);
+  return corr / (l * corr + std::exp(*sink - top));
+}
+
 // out[j * CELL + i] = rows[i][j] for j < W, i < CELL: one cell's rows, transposed. The
 // elements are 32-bit (a float, or a pair of bf16), moved as bits.
 template <int W>

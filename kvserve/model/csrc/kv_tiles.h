@@ -67,11 +67,12 @@ bool tiles_readable(at::ScalarType q, at::ScalarType cache, int64_t d);
 // An 8-bit cache comes with its float16 scales k_scale, v_scale [slots / TILE, Hkv, TILE]
 // (scale_index); a bf16 cache with none (nullptr). `softcap` > 0 soft-caps the scores
 // (cap · tanh(score / cap)), which the AMX kernel does not: such calls take the AVX-512 one.
+// sink_logits: float32 [Hq] (one more softmax column per head), or nullptr.
 void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& tables, const at::Tensor& lens,
                      const at::Tensor& query_start, at::Tensor& out, double scale,
                      double softcap, int64_t window, int64_t sinks, const c10::Half* k_scale,
-                     const c10::Half* v_scale);
+                     const c10::Half* v_scale, const float* sink_logits);
 
 // True when bf16 tiles are read on AMX tiles (paged_attention_amx.cpp): a build and CPU
 // with AMX-BF16, the tile state granted, and the kernel not turned off (attention_use_amx).
@@ -81,6 +82,7 @@ bool attention_amx_usable();
 void attention_tiles_amx(const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& tables,
                          const at::Tensor& lens, const at::Tensor& query_start, at::Tensor& out,
-                         double scale, int64_t window, int64_t sinks);
+                         double scale, int64_t window, int64_t sinks,
+                         const float* sink_logits);
 
 }  // namespace kvserve_tiles

@@ -58,7 +58,8 @@ template <int D, typename qt, typename ct>
 void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& tables, const at::Tensor& lens,
                       const at::Tensor& query_start, at::Tensor& out, double scale,
-                      double softcap, int64_t window, int64_t sinks, Scales scales) {
+                      double softcap, int64_t window, int64_t sinks, Scales scales,
+                      const float* sink_logits) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   const int64_t S = lens.size(0), Hq = q.size(1);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
@@ -245,7 +246,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t tok = qs[s] + item.r0 + r;
         for (int64_t h = h0; h < h1; ++h)
           for (int64_t g = 0; g < G; ++g) {
-            const float inv = 1.f / l[h * tile * G + r * G + g];
+            const int64_t a = h * tile * G + r * G + g;
+            const float inv = kvserve_cell::row_scale(
+                m[a], l[a], sink_logits ? sink_logits + h * G + g : nullptr);
             for (int64_t d = 0; d < D; ++d)
               store(op, (tok * Hq + h * G + g) * D + d,
                     acc[h * per_head + (r * G + g) * D + d] * inv);
@@ -255,11 +258,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   }
 }
 
-#define KV_ARGS q, k, v, t, l, qs, o, s, cp, w, sk, sc
+#define KV_ARGS q, k, v, t, l, qs, o, s, cp, w, sk, sc, sl
 #define KV_PARAMS                                                                         \
   const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &t,    \
       const at::Tensor &l, const at::Tensor &qs, at::Tensor &o, double s, double cp,      \
-      int64_t w, int64_t sk, Scales sc
+      int64_t w, int64_t sk, Scales sc, const float* sl
 
 template <typename qt, typename ct>
 void dispatch_dim(KV_PARAMS) {
@@ -298,13 +301,21 @@ void dispatch_cache(KV_PARAMS) {
 // positions are attended as well. An int8 cache comes with float16 scales [slots, kv_heads]
 // per token and head (k_scale, v_scale), an fp8 cache with the same or with float32 scales
 // [kv_heads] per head. softcap > 0 soft-caps the scaled scores, cap · tanh(score / cap)
-// (Gemma 2's attn_logit_softcapping); 0 leaves them as they are.
+// (Gemma 2's attn_logit_softcapping); 0 leaves them as they are. sink_logits, float32
+// [heads] (gpt-oss), adds one softmax column per head holding that logit, whose value is
+// dropped: a row's weights then sum to less than 1 (row_scale).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& tables,
                            const at::Tensor& lens, const at::Tensor& query_start, double scale,
                            int64_t window, int64_t sinks, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale, double softcap) {
+                           const std::optional<at::Tensor>& v_scale, double softcap,
+                           const std::optional<at::Tensor>& sink_logits) {
   TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none)");
+  TORCH_CHECK(!sink_logits.has_value() ||
+                  (sink_logits->scalar_type() == at::kFloat && sink_logits->dim() == 1 &&
+                   sink_logits->size(0) == q.size(1) && sink_logits->is_contiguous()),
+              "paged_attention: sink_logits must be contiguous float32 [heads]");
+  const float* sl = sink_logits.has_value() ? sink_logits->data_ptr<float>() : nullptr;
   TORCH_CHECK(q.dim() == 3 && (k_cache.dim() == 4 || k_cache.dim() == 5) &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(-1) == q.size(2),
               "paged_attention: caches must be [blocks, block_size, kv_heads, head_dim] (rows) "
@@ -360,7 +371,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       vs = vsc.data_ptr<c10::Half>();
     }
     kvserve_tiles::attention_tiles(qc, kc, vc, tc, lc, qsc, out, scale, softcap, window, sinks,
-                                   ks, vs);
+                                   ks, vs, sl);
     return out;
   }
   Scales scales;
@@ -398,15 +409,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   switch (qc.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(qc, kc, vc, tc, lc, qsc, out, scale, softcap, window, sinks,
-                                    scales);
+                                    scales, sl);
       break;
     case at::kBFloat16:
       dispatch_cache<c10::BFloat16>(qc, kc, vc, tc, lc, qsc, out, scale, softcap, window, sinks,
-                                    scales);
+                                    scales, sl);
       break;
     case at::kHalf:
       dispatch_cache<c10::Half>(qc, kc, vc, tc, lc, qsc, out, scale, softcap, window, sinks,
-                                    scales);
+                                    scales, sl);
       break;
     default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", qc.scalar_type());
   }
@@ -425,7 +436,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("tiled_kv_supported(int head_dim) -> bool", TORCH_FN(tiled_kv_supported));
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor lens, Tensor query_start, float scale, int window, int sinks=0, "
-        "Tensor? k_scale=None, Tensor? v_scale=None, float softcap=0.) -> Tensor");
+        "Tensor? k_scale=None, Tensor? v_scale=None, float softcap=0., "
+        "Tensor? sink_logits=None) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
 
@@ -437,6 +449,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const std::optional<at::Tensor>& k_scale,
                            const std::optional<at::Tensor>& v_scale, double softcap) {
   return ::paged_attention(q, k_cache, v_cache, tables, lens, query_start, scale, window, sinks,
-                           k_scale, v_scale, softcap);
+                           k_scale, v_scale, softcap, std::nullopt);
 }
 }  // namespace kvserve

@@ -278,13 +278,14 @@ constexpr int64_t a_steps() {
 template <int D>
 void amx_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& query_start,
-                at::Tensor& out, double scale, int64_t window, int64_t sinks) {
+                at::Tensor& out, double scale, int64_t window, int64_t sinks,
+                const float* sink_logits) {
   // rows per item: 32 for G = 3 (6 A tiles per copy of a span's V), up to 128 for G = 1.
   // Against 16 rows for G = 3, prefill attention 8 x 256 tokens took 0.92x the time; 64
   // rows gave the same as 32.
   const int64_t G = q.size(1) / k_cache.size(2);
   const TiledCall call(q, k_cache, v_cache, tables, lens, query_start, out,
-                       16 * std::max<int64_t>(1, 8 / G), window, sinks);
+                       16 * std::max<int64_t>(1, 8 / G), window, sinks, sink_logits);
   std::atomic<int64_t> counter{0};
   const float sc = static_cast<float>(scale);
 
@@ -355,13 +356,14 @@ void amx_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 void attention_tiles_amx(const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& tables,
                          const at::Tensor& lens, const at::Tensor& query_start, at::Tensor& out,
-                         double scale, int64_t window, int64_t sinks) {
+                         double scale, int64_t window, int64_t sinks,
+                         const float* sink_logits) {
   TORCH_CHECK(attention_amx_usable(), "paged_attention: the AMX kernel cannot run here");
 #ifdef KVSERVE_AMX_ATTENTION
 #define KVSERVE_AMX_D(d)                                                                   \
   case d:                                                                                  \
     return amx_kernel<d>(q, k_cache, v_cache, tables, lens, query_start, out, scale, window, \
-                         sinks);
+                         sinks, sink_logits);
   switch (q.size(2)) {
     KVSERVE_AMX_D(32)
     KVSERVE_AMX_D(64)

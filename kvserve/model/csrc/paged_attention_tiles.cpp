@@ -52,11 +52,12 @@ template <int D, typename CT>
 void tiles_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tables, const at::Tensor& lens,
                   const at::Tensor& query_start, at::Tensor& out, double scale, double softcap,
-                  int64_t window, int64_t sinks, const c10::Half* ksp, const c10::Half* vsp) {
+                  int64_t window, int64_t sinks, const c10::Half* ksp, const c10::Half* vsp,
+                  const float* sink_logits) {
   const int64_t G = q.size(1) / k_cache.size(2);
   const TiledCall call(q, k_cache, v_cache, tables, lens, query_start, out,
                        std::max<int64_t>(1, kvserve_items::TILE_FLOATS / (G * D)), window,
-                       sinks);
+                       sinks, sink_logits);
   const int64_t Hkv = call.Hkv;
   std::atomic<int64_t> counter{0};
 
@@ -170,11 +171,11 @@ void tiles_for_codes(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const at::Tensor& tables, const at::Tensor& lens,
                      const at::Tensor& query_start, at::Tensor& out, double scale,
                      double softcap, int64_t window, int64_t sinks, const c10::Half* ks,
-                     const c10::Half* vs) {
+                     const c10::Half* vs, const float* sl) {
 #define KVSERVE_TILES_D(d)                                                                 \
   case d:                                                                                  \
     return tiles_kernel<d, CT>(q, k_cache, v_cache, tables, lens, query_start, out, scale, \
-                               softcap, window, sinks, ks, vs);
+                               softcap, window, sinks, ks, vs, sl);
   switch (q.size(2)) {
     KVSERVE_TILES_D(32)
     KVSERVE_TILES_D(64)
@@ -193,18 +194,18 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const at::Tensor& tables, const at::Tensor& lens,
                      const at::Tensor& query_start, at::Tensor& out, double scale,
                      double softcap, int64_t window, int64_t sinks, const c10::Half* ks,
-                     const c10::Half* vs) {
+                     const c10::Half* vs, const float* sink_logits) {
 #ifdef __AVX512BF16__
   const auto run = [&](auto tag) {
     using CT = decltype(tag);
     tiles_for_codes<CT>(q, k_cache, v_cache, tables, lens, query_start, out, scale, softcap,
-                        window, sinks, ks, vs);
+                        window, sinks, ks, vs, sink_logits);
   };
   switch (k_cache.scalar_type()) {
     case at::kBFloat16:
       if (attention_amx_usable() && softcap == 0)
         return attention_tiles_amx(q, k_cache, v_cache, tables, lens, query_start, out, scale,
-                                   window, sinks);
+                                   window, sinks, sink_logits);
       return run(c10::BFloat16{});
     case at::kChar: return run(int8_t{});
     case at::kFloat8_e4m3fn: return run(c10::Float8_e4m3fn{});

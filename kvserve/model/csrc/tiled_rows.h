@@ -24,7 +24,8 @@ namespace kvserve_tiles {
 struct TiledCall {
   TiledCall(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& query_start,
-            at::Tensor& out, int64_t tile, int64_t window, int64_t sinks)
+            at::Tensor& out, int64_t tile, int64_t window, int64_t sinks,
+            const float* sink_logits)
       : S(lens.size(0)), Hq(q.size(1)), BS(k_cache.size(1) * TILE), Hkv(k_cache.size(2)),
         G(Hq / Hkv), MB(tables.size(1)), D(q.size(2)), q_row(q.stride(0)), row(Hkv * D),
         tile(tile), window(window), sinks(sinks),
@@ -32,7 +33,8 @@ struct TiledCall {
         k(static_cast<const char*>(k_cache.data_ptr())),
         v(static_cast<const char*>(v_cache.data_ptr())), tables(tables.data_ptr<int64_t>()),
         lens(lens.data_ptr<int64_t>()), qs(query_start.data_ptr<int64_t>()),
-        out(out.data_ptr<c10::BFloat16>()), threads(at::get_num_threads()),
+        out(out.data_ptr<c10::BFloat16>()), sink_logits(sink_logits),
+        threads(at::get_num_threads()),
         items(kvserve_items::make_items(S, qs, this->lens, tile, Hkv, window, sinks, threads)),
         lines{k, v, this->tables, MB, BS, row * static_cast<int64_t>(k_cache.element_size()),
               true} {}
@@ -63,6 +65,7 @@ struct TiledCall {
   const int64_t* const lens;
   const int64_t* const qs;
   c10::BFloat16* const out;
+  const float* const sink_logits;  // float32 [Hq] (gpt-oss), or nullptr
   const int threads;
   const std::vector<kvserve_items::Item> items;
   const kvserve_items::CellLines lines;
@@ -94,14 +97,16 @@ struct ItemRows {
     }
   }
 
-  // Writes the item's rows to c.out: each A row's acc / l, rounded to bf16.
+  // Writes the item's rows to c.out: each A row's acc / l (with the head's sink logit:
+  // kvserve_cell::row_scale), rounded to bf16.
   void finish(const TiledCall& c, const kvserve_items::Item& item) const {
     for (int64_t r = 0; r < item.r1 - item.r0; ++r) {
       const int64_t tok = c.qs[item.seq] + item.r0 + r;
       for (int64_t h = item.h0; h < item.h1; ++h)
         for (int64_t g = 0; g < c.G; ++g) {
           const int64_t a = h * per_head + r * c.G + g;
-          const float inv = 1.f / l[a];
+          const float* sink = c.sink_logits ? c.sink_logits + h * c.G + g : nullptr;
+          const float inv = kvserve_cell::row_scale(m[a], l[a], sink);
           const float* x = acc.data() + a * c.D;
           c10::BFloat16* o = c.out + (tok * c.Hq + h * c.G + g) * c.D;
 #pragma omp simd
