@@ -73,6 +73,8 @@ class Attention(nn.Module):
         self.k_norm = norm_class(spec.head_dim, spec.rms_norm_eps, ops) if qk_norm else None
         self.scale = spec.attention_scale
         self.softcap = spec.attn_logit_softcap or 0.0  # Gemma 2's score soft-capping
+        # gpt-oss: a learned logit per head, one more softmax column whose value is dropped
+        self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
         self.backend = backend
         self.ops = ops
         self.tp = tp
@@ -93,7 +95,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rope(positions, q, k, *rope)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
+        sinks = None if self.sinks is None else self.sinks.float()
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.softcap, sinks)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -288,6 +291,8 @@ class LlamaForCausalLM(nn.Module):
             out[p + "self_attn.o_proj.weight"] = (s.hidden_size, q)
             if s.o_proj_bias:
                 out[p + "self_attn.o_proj.bias"] = (s.hidden_size,)
+            if s.attention_sinks:
+                out[p + "self_attn.sinks"] = (s.num_heads,)
             if s.qk_norm:
                 out[p + "self_attn.q_norm.weight"] = (s.head_dim,)
                 out[p + "self_attn.k_norm.weight"] = (s.head_dim,)

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from kvserve.model.attention import AttentionBackend
 from kvserve.model.gemma import GemmaForCausalLM
+from kvserve.model.gpt_oss import MXFP4_BLOCKS, MXFP4_SCALES, expand, model_names
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import TorchOps
 from kvserve.model.parallel import TPGroup
@@ -124,7 +125,7 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     files = checkpoint_files(model_dir)
     ours = {n: text_tensor_name(spec, n) for n in files}  # checkpoint name → the model's
-    present = {n for n in ours.values() if n is not None}
+    present = {m for n in ours.values() if n is not None for m in model_names(spec, n)}
     missing = [n for n in expected if n not in present]
     if missing:
         raise WeightLoadError(
@@ -140,8 +141,16 @@ def load_model(
         for path, names in sorted(by_file.items()):
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in names:
-                    tensor = f.get_slice(name)
-                    _load_one(model, expected, path, ours[name], tensor, dtype, quant)  # type: ignore[arg-type]
+                    own: str = ours[name]  # type: ignore[assignment]
+                    targets = model_names(spec, own)
+                    if len(targets) == 1:  # read through the rank's slices
+                        tslice = f.get_slice(name)
+                        _load_one(model, expected, path, targets[0], tslice, dtype, quant)
+                    elif targets:  # a stacked tensor: split into the model's (gpt-oss's experts)
+                        scales = _scales_of(files, path, name)
+                        parts = _expand(spec, path, own, f.get_tensor(name), scales)
+                        for part, tensor in parts:
+                            _load_one(model, expected, path, part, _Whole(tensor), dtype, quant)
                     bar.update(1)
     quant.finish(dtype)
     model.init_rope(device, max_positions)
@@ -200,6 +209,38 @@ def load_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, 
                 pair.append(float(f.get_tensor(name).float().max()))
         scales.append((pair[0], pair[1]))
     return scales
+
+
+def _expand(spec: ModelSpec, path: Path, name: str, tensor: torch.Tensor, scales):
+    try:
+        return expand(spec, name, tensor, scales)
+    except ValueError as e:
+        raise WeightLoadError(f"{path}: {e}") from None
+
+
+def _scales_of(files: dict[str, Path], path: Path, name: str) -> torch.Tensor | None:
+    """The MXFP4 scales of blocks tensor ``name`` (from whichever shard holds them); None
+    for a tensor that is not MXFP4 blocks. Raises ``WeightLoadError`` when they are missing."""
+    if not name.endswith(MXFP4_BLOCKS):
+        return None
+    scales = name.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES
+    if scales not in files:
+        raise WeightLoadError(f"{path}: MXFP4 tensor {name!r} comes without {scales!r}")
+    with safe_open(str(files[scales]), framework="pt", device="cpu") as f:
+        return f.get_tensor(scales)
+
+
+class _Whole:
+    """A tensor in memory read as a safetensors slice is (``_load_one``'s argument)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
 
 
 def _keeps_quantized(quantization: str, device: torch.device) -> bool:

@@ -58,12 +58,33 @@ class GeluMLP(MLP):
         return F.gelu(gate, approximate="tanh") * up
 
 
+class ClampedSwiGLU(MLP):
+    """gpt-oss's expert activation: the gate clamped above and up to ``±limit``, then
+    ``gate * sigmoid(alpha * gate) * (up + 1)`` (the checkpoint's interleaved gate/up
+    columns are split into halves at load: ``model/gpt_oss.py``)."""
+
+    silu_fusable = None
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TPGroup | None):
+        super().__init__(spec, ops, tp)
+        assert spec.swiglu_limit is not None
+        self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
 class SparseMoE(nn.Module):
     """Top-k routed experts: ``gate`` (the router, ``[experts, hidden]``) and ``experts``,
     dense SwiGLU MLPs of ``spec.moe_intermediate_size``.
 
     Routing as transformers computes it: softmax of the router logits in float32, the
-    top ``num_experts_per_tok``, renormalised to sum to 1 when ``spec.norm_topk_prob``.
+    top ``num_experts_per_tok``, renormalised to sum to 1 when ``spec.norm_topk_prob``;
+    gpt-oss (``spec.softmax_after_topk``): the top logits of a router with a bias, then
+    their softmax, into experts of ``ClampedSwiGLU`` with biases.
     The tokens are grouped by expert (one gather), each expert runs once over its group,
     and each token's expert outputs, weighted in float32, are summed in top-k slot order
     (a sum over one row's own values: it does not depend on the other tokens). Under
@@ -81,9 +102,11 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.top_k = spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
-        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.softmax_after_topk = spec.softmax_after_topk
+        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
         expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size)
-        self.experts = nn.ModuleList(MLP(expert, ops, None) for _ in range(spec.num_experts))
+        kind = MLP if spec.swiglu_limit is None else ClampedSwiGLU
+        self.experts = nn.ModuleList(kind(expert, ops, None) for _ in range(spec.num_experts))
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Module | None = None
         if spec.shared_expert_intermediate_size:
@@ -94,10 +117,14 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = self.gate(x).float()
+        if self.softmax_after_topk:
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs by expert
         grouped = x.index_select(0, order // self.top_k)  # each expert's tokens together
@@ -155,6 +182,8 @@ def mlp_weights(spec: ModelSpec, layer: int, prefix: str) -> dict[str, tuple[int
     out: dict[str, tuple[int, ...]] = {}
     if spec.is_moe_layer(layer):
         out[mlp + "gate.weight"] = (spec.num_experts, h)
+        if spec.router_bias:
+            out[mlp + "gate.bias"] = (spec.num_experts,)
         if spec.shared_expert_intermediate_size:
             out[mlp + "shared_expert_gate.weight"] = (1, h)
     names = ("gate_proj", "up_proj", "down_proj")

@@ -151,6 +151,8 @@ class ShardPlan:
             return torch.cat([tslice[a:b] for a, b in self._fused_rows(leaf)])
         if leaf == "q_proj":
             return tslice[self.q_head_start * d : (self.q_head_start + self.num_heads) * d]
+        if name.endswith(".self_attn.sinks"):  # gpt-oss: one logit per query head
+            return tslice[self.q_head_start : self.q_head_start + self.num_heads]
         if leaf in ("k_proj", "v_proj"):
             a = self.kv_head_start * d
             return tslice[a : a + self.num_kv_heads * d]
@@ -225,6 +227,8 @@ class ShardPlan:
             return (sum(b - a for a, b in self._fused_rows(leaf)), *full[1:])
         if leaf == "q_proj":
             return (self.num_heads * d, *full[1:])
+        if name.endswith(".self_attn.sinks"):
+            return (self.num_heads,)
         if leaf in ("k_proj", "v_proj"):
             return (self.num_kv_heads * d, *full[1:])
         leaf, _, inter = self._ffn(name)

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -139,6 +140,14 @@ class ModelSpec:
     # Qwen2-MoE: one shared expert every token goes through, scaled by a sigmoid gate
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: a router with a bias whose top-k logits are softmaxed (not all of them),
+    # experts with biases and a clamped SwiGLU (gate clamped above, up to ±limit,
+    # gate·sigmoid(alpha·gate)·(up + 1)), and a learned sink logit per attention head
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    attention_sinks: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         """Layer ``layer``'s MLP is a routed mixture of experts."""
@@ -262,7 +271,7 @@ def _windows(cfg: dict[str, Any], family: str, path: Path) -> tuple[int | None, 
     if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = None  # as transformers reads these configs: the field is a default
     types = cfg.get("layer_types")
-    if types is None and family in _GEMMA_FAMILIES:
+    if types is None and family in (*_GEMMA_FAMILIES, "gpt_oss"):
         pattern = _get(cfg, "sliding_window_pattern", path, 6 if family == "gemma3" else 2)
         types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
@@ -354,7 +363,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     qwen2 = family in ("qwen2", "qwen2_moe")  # q/k/v biases, none on o_proj
-    attention_bias = family == "qwen2" or bool(cfg.get("attention_bias", False))
+    attention_bias = family == "qwen2" or bool(cfg.get("attention_bias", family == "gpt_oss"))
     if family == "qwen2_moe":
         attention_bias = bool(cfg.get("qkv_bias", True))
     return ModelSpec(
@@ -373,7 +382,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
         o_proj_bias=not qwen2 and attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=family == "gpt_oss" or bool(cfg.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         sliding_window=window,
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -399,7 +408,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
 
 def _moe(cfg: dict[str, Any], family: str, path: Path) -> dict[str, Any]:
     """``ModelSpec``'s mixture-of-experts fields for ``family`` (none for dense ones)."""
-    if family not in ("qwen3_moe", "qwen2_moe", "mixtral"):
+    if family not in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"):
         return {}
     key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
     experts = _get(cfg, key, path)
@@ -409,7 +418,7 @@ def _moe(cfg: dict[str, Any], family: str, path: Path) -> dict[str, Any]:
             f"{path}: field 'num_experts_per_tok'={top_k} must be in 1..{key}={experts}"
         )
     n = _get(cfg, "num_hidden_layers", path)
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         inter, norm, dense = _get(cfg, "intermediate_size", path), True, ()
     else:
         inter = _get(cfg, "moe_intermediate_size", path)
@@ -431,4 +440,19 @@ def _moe(cfg: dict[str, Any], family: str, path: Path) -> dict[str, Any]:
         "shared_expert_intermediate_size": (
             _get(cfg, "shared_expert_intermediate_size", path) if family == "qwen2_moe" else 0
         ),
+        **(_gpt_oss(cfg, path) if family == "gpt_oss" else {}),
+    }
+
+
+def _gpt_oss(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """gpt-oss's fields of ``ModelSpec`` (transformers' ``GptOssConfig`` defaults)."""
+    limit = _get(cfg, "swiglu_limit", path, 7.0, float)
+    if limit <= 0:
+        raise ModelConfigError(f"{path}: field 'swiglu_limit'={limit} must be > 0")
+    return {
+        "router_bias": True,
+        "softmax_after_topk": True,
+        "swiglu_limit": limit,
+        "swiglu_alpha": _get(cfg, "swiglu_alpha", path, 1.702, float),
+        "attention_sinks": True,
     }

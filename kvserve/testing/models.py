@@ -30,6 +30,7 @@ def tiny_configs() -> dict[str, object]:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -146,6 +147,26 @@ def tiny_configs() -> dict[str, object]:
             num_experts_per_tok=2,
             tie_word_embeddings=False,
         ),
+        # not in ARCHS (tests/model/test_gpt_oss.py): sliding (12) and global layers
+        # alternating, a sink logit per head, biases everywhere, 4 experts top-2 with the
+        # clamped SwiGLU (a limit these weights reach), YaRN
+        "gpt_oss": GptOssConfig(
+            **{**common, "intermediate_size": 32},
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=12,
+            swiglu_limit=0.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+            tie_word_embeddings=False,
+        ),
     }
 
 
@@ -161,6 +182,8 @@ def build_hf_model(kind: str | object, out: Path, dtype: torch.dtype = torch.flo
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".sinks"):  # gpt-oss: logits that outweigh some rows' keys
+                p.copy_(torch.randn_like(p) * 2)
     model.save_pretrained(out)
     build_tokenizer(out, VOCAB)
     return out
