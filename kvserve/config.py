@@ -289,7 +289,7 @@ class EngineArgs:
         "auto",
         "hybrid: a model with sliding and global layers keeps only the window's KV for the "
         "sliding ones (one block table per layer group); uniform: one table for all layers; "
-        "auto: hybrid for such a model unless a cluster is on",
+        "auto: hybrid for such a model, else uniform",
         KV_LAYOUTS,
     )
     max_num_batched_tokens: int = _arg(2048, "token budget of one engine step")

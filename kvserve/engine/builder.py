@@ -108,7 +108,7 @@ class EngineBuilder:
             sinks = 4 if self.cache_config.sliding_window else 0
         self.attention_sinks = sinks if self.window is not None else 0
         self.cache_config = self._resolve_kv_scales(self.cache_config)
-        self.cache_config = self._resolve_kv_layout(args, self.cache_config)
+        self.cache_config = self._resolve_kv_layout(self.cache_config)
         self.parallel = args.parallel_config()
         shard_inputs = ShardInputs(
             self.model_config,
@@ -386,24 +386,15 @@ class EngineBuilder:
         head = cache.calculate_kv_scales or has_kv_scales(self.model_dir)
         return dataclasses.replace(cache, kv_cache_scales="head" if head else "token")
 
-    def _resolve_kv_layout(self, args: EngineArgs, cache: CacheConfig) -> CacheConfig:
-        """``kv_layout`` ``auto`` → ``hybrid`` for a model with sliding and global layers
-        unless a cluster is on (its pre-warmed blocks are not per group yet), else
-        ``uniform``. Refuses (EngineError) ``hybrid`` where it cannot apply."""
-        if cache.kv_layout == "hybrid":
-            if not self.spec.hybrid:
-                raise EngineError(
-                    f"kv_layout hybrid: every layer of {self.spec.architecture} attends "
-                    "alike; the hybrid layout is for models with sliding and global layers"
-                )
-            if args.cluster:
-                raise EngineError(
-                    "kv_layout hybrid does not work with a cluster (replication) yet; drop "
-                    "--cluster or use kv_layout uniform"
-                )
-        hybrid = self.spec.hybrid and cache.kv_layout != "uniform" and not args.cluster
-        if self.spec.hybrid and cache.kv_layout == "auto" and args.cluster:
-            logger.info("KV layout uniform: a cluster is not wired for the hybrid one")
+    def _resolve_kv_layout(self, cache: CacheConfig) -> CacheConfig:
+        """``kv_layout`` ``auto`` → ``hybrid`` for a model with sliding and global layers,
+        else ``uniform``. Refuses (EngineError) ``hybrid`` where it cannot apply."""
+        if cache.kv_layout == "hybrid" and not self.spec.hybrid:
+            raise EngineError(
+                f"kv_layout hybrid: every layer of {self.spec.architecture} attends "
+                "alike; the hybrid layout is for models with sliding and global layers"
+            )
+        hybrid = self.spec.hybrid and cache.kv_layout != "uniform"
         return dataclasses.replace(cache, kv_layout="hybrid" if hybrid else "uniform")
 
     def _check_parallel(self, args: EngineArgs) -> None:

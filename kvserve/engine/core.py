@@ -211,7 +211,8 @@ class EngineCore:
             verified, refused = accept_push(e.offloader, call.body)
             load = e.offloader.place_warm(verified)  # and into the device pool, pre-warmed
             e.scheduler.add_copies(load)
-            return [len(verified), refused, len(load.blocks) if load is not None else 0]
+            placed = len(load.rows) if load is not None else 0  # logical blocks
+            return [len(verified), refused, placed]
         if isinstance(call, PutRecords | GetRecord | DeleteRecords):
             return _records(e.offloader.store if e.offloader else None, call)
         if isinstance(call, ReadCheckpoint):

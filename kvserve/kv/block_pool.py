@@ -193,6 +193,22 @@ class BlockPool:
             self.events.stored(DEVICE, (block_hash,))
         return b
 
+    def place_warm_pages(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]
+    ) -> list[int] | None:
+        """``place_warm`` for one logical block's page in each KV group (the hybrid layout:
+        ``block_hashes`` the pages' names, ``hybrid_prefix.group_hash``): a block for
+        every hash, or None, changing nothing, when pre-warm is off, any of them is cached
+        already, or the pool cannot place them all (so no page is named without its KV)."""
+        k = len(block_hashes)
+        if self.warm_limit < k or any(h in self._index for h in block_hashes):
+            return None
+        if min(k, self.warm_limit - len(self._warm)) > len(self._free):
+            return None  # each placement below the limit takes a free block
+        placed = [self.place_warm(h, token_ids) for h in block_hashes]
+        assert all(b is not None for b in placed), placed
+        return placed  # type: ignore[return-value]
+
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash in the prefix index (used and cached-free blocks)."""
         return list(self._index)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.kv.hybrid_prefix import group_hash
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.store import serde
@@ -199,18 +200,24 @@ class KVOffloader:
     # ---- pre-warm ------------------------------------------------------------------------
     def place_warm(self, items: Sequence[tuple[bytes, list[int], memoryview]]) -> KVLoad | None:
         """Verified blocks (hash, token ids, payload) pushed from another worker, placed
-        into free device blocks as pre-warmed prefix blocks (``BlockPool.place_warm``):
-        the copy of their rows into those blocks, for the next step (None: none placed —
+        into free device blocks as pre-warmed prefix blocks (``BlockPool.place_warm``; in
+        the hybrid layout a page in each group, named as prefix caching names it): the
+        copy of their rows into those blocks, for the next step (None: none placed —
         pre-warm off, already cached, or no room)."""
-        blocks, payloads = [], []
+        groups = len(self.kv.windows)
+        pages: list[list[int]] = [[] for _ in range(groups)]
+        payloads = []
         for key, tokens, payload in items:
-            b = self.kv.pool.place_warm(key, tokens)
-            if b is not None:
-                blocks.append(b)
+            names = [group_hash(key, g) for g in range(groups)]
+            placed = self.kv.pool.place_warm_pages(names, tokens)
+            if placed is not None:
+                for group, b in zip(pages, placed, strict=True):
+                    group.append(b)
                 payloads.append(np.frombuffer(payload, dtype=np.uint8))
-        if not blocks:
+        if not payloads:
             return None
-        return KVLoad("pre-warm", blocks, torch.from_numpy(np.stack(payloads)))
+        blocks = [b for group in pages for b in group]  # each group's pages in turn
+        return KVLoad("pre-warm", blocks, torch.from_numpy(np.stack(payloads)), groups)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -182,6 +182,41 @@ def test_a_standby_resumes_the_stream_exactly(url, llama_dir, temperature):
     b.close()
 
 
+def test_a_hybrid_engine_replicates_and_its_standby_resumes_exactly(url, model_dirs):
+    """Gemma 3's sliding and global layers in the hybrid layout (``auto`` in a cluster):
+    primary A replicates a session, standby B resumes it from the record, restoring the
+    stored blocks into a page in every group; the stream equals an uninterrupted run."""
+    from helpers import make_engine, random_prompts, run_to_end
+
+    from kvserve.sampling import SamplingParams
+
+    model = model_dirs["gemma3"]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=50, ignore_eos=True)
+    prompt = random_prompts([70], seed=13)[0]  # many 12-token windows long
+    plain = make_engine(model)
+    plain.add_request("ref", prompt, params)
+    want = run_to_end(plain)["ref"]
+    ha = dict(kv_store=(url,), cluster=url, replicate_every=16)
+    a = make_engine(model, node_id="ha-a", **ha)
+    assert a.kv.hybrid
+    req = a.add_request("x", prompt, params, session_id="hybrid")
+    while len(req.output_token_ids) < 37:
+        a.step()
+    assert a.replicator.flush() and a.offloader.store.flush()
+    delivered = list(req.output_token_ids)
+    coord = Coordinator.from_url(url)
+    owner = coord.owner("hybrid")
+    record = SessionRecord.from_json(owner.state)
+    b = make_engine(model, node_id="ha-b", **ha)
+    assert b.kv.hybrid
+    resumed = b.resume_request("x-b", record, delivered, seen_epoch=owner.epoch)
+    assert run_to_end(b)["x-b"] == want
+    assert resumed.num_cached_tokens >= 96 and b.offloader.num_loaded_blocks >= 6
+    b.check_integrity()
+    a.close()
+    b.close()
+
+
 def test_a_standby_prewarms_the_session_and_resumes_from_its_host_tier(url, llama_dir):
     """The primary names standby B; each publish tells B, whose pre-warmer copies the
     session's replicated blocks from Redis into B's host tier. B's takeover then reads

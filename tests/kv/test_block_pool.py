@@ -140,3 +140,21 @@ def test_pre_warmed_blocks_are_evicted_before_any_other_cached_block(seq):
             assert pool.num_warm == 0
         pool.check_integrity()
         assert pool.num_used == len(set(held))
+
+
+def test_a_blocks_pages_are_prewarmed_all_or_none():
+    """``place_warm_pages`` (one page per KV group): with room for fewer than all pages,
+    or one of them named already, nothing is placed or named."""
+    pool = BlockPool(6, warm_limit=4)
+    held = pool.allocate(4)
+    assert held is not None and pool.num_free == 2
+    names = [bytes([1]) * 16, bytes([2]) * 16, bytes([3]) * 16]
+    assert pool.place_warm_pages(names, [7]) is None  # 3 pages, 2 free blocks
+    assert pool.num_warm == 0 and pool.lookup(names[0], [7]) is None
+    pages = pool.place_warm_pages(names[:2], [7])
+    assert pages is not None and len(set(pages)) == 2 and pool.num_warm == 2
+    assert [pool.lookup(n, [7]) for n in names[:2]] == pages
+    pool.free(held[:2])
+    assert pool.place_warm_pages([names[2], names[0]], [7]) is None  # names[0] is placed
+    assert pool.lookup(names[2], [7]) is None
+    pool.check_integrity()
