@@ -91,7 +91,7 @@ def int8_shape_ok(name: str, shape: tuple[int, ...]) -> bool:
     """Whether checkpoint matrix ``name`` of ``shape`` may be quantized by ``--quantization
     int8`` as far as its name and shape tell: a 2-D ``.weight`` whose rows are whole blocks
     of 32, not a MoE router (``int8_names`` also needs its module to be a linear or an
-    embedding, which excludes the stacked experts)."""
+    embedding)."""
     if not name.endswith(".weight") or len(shape) != 2 or shape[1] % 32:
         return False
     return _target(name)[0].rpartition(".")[2] not in _ROUTERS
@@ -100,10 +100,10 @@ def int8_shape_ok(name: str, shape: tuple[int, ...]) -> bool:
 def int8_names(model: nn.Module, expected: dict[str, tuple[int, ...]]) -> list[str]:
     """The checkpoint matrices ``--quantization int8`` quantizes: the weight of every
     ``nn.Linear`` (projections, LM head) and ``nn.Embedding`` of ``model`` (before
-    ``QuantLoad`` plans it) whose rows are whole blocks of 32. Norms, biases, stacked MoE
-    experts (not ``nn.Linear``) and the MoE routers (``gate``, ``shared_expert_gate``:
-    tiny, and their rounding would move tokens between experts, as llama.cpp keeps them
-    in float) stay in the model's dtype."""
+    ``QuantLoad`` plans it) whose rows are whole blocks of 32, every MoE expert's
+    projections included. Norms, biases and the MoE routers (``gate``,
+    ``shared_expert_gate``: tiny, and their rounding would move tokens between experts, as
+    llama.cpp keeps them in float) stay in the model's dtype."""
     names = []
     for name, shape in expected.items():
         if not int8_shape_ok(name, shape):

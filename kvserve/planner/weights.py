@@ -7,8 +7,8 @@ quantized at the size they are served at.
   Q5_K keep their 6-bit scales as bytes, 4.625 and 5.625 bits where the file has 4.5 and
   5.5).
 - ``int8``: those, and every other matrix ``--quantization int8`` quantizes
-  (``quant_load.int8_shape_ok``; not the MoE experts) at one byte a weight plus a float32
-  scale a row.
+  (``quant_load.int8_shape_ok``: every expert's projections too, not the routers) at one
+  byte a weight plus a float32 scale a row.
 
 A preset (no checkpoint to read) is planned in ``--dtype``.
 """
@@ -19,8 +19,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from kvserve.model.gpt_oss import model_names
 from kvserve.model.quant_load import int8_shape_ok, read_manifest
 from kvserve.model.quantized import BLOCKS, SERVED_BITS
+from kvserve.model.spec import load_model_spec
 from kvserve.utils import parse_dtype
 
 QUANTIZATION = ("none", "auto", "int8")
@@ -52,18 +54,27 @@ def weight_bytes(model: str, num_params: int, dtype: str, quantization: str) -> 
 
 
 def _int8(name: str, rows: int, cols: int) -> bool:
-    """Whether ``--quantization int8`` quantizes checkpoint matrix ``name``: what
-    ``int8_shape_ok`` allows but a MoE expert's (stacked by the model, kept in float)."""
-    return ".experts." not in name and int8_shape_ok(name, (rows, cols))
+    """Whether ``--quantization int8`` quantizes checkpoint matrix ``name``
+    (``int8_shape_ok``: the model's every expert projection too, never a router)."""
+    return int8_shape_ok(name, (rows, cols))
 
 
 def _matrices(path: Path) -> dict[str, tuple[int, int]]:
-    """Every 2-D tensor of the checkpoint in ``path`` and its shape (headers only)."""
+    """Every matrix of the checkpoint in ``path`` and its ``[out, in]`` shape (headers
+    only): its 2-D tensors, and each expert's projections of a stacked gpt-oss tensor
+    (``[experts, in, out]``, or MXFP4 blocks ``[experts, out, groups, 16]``) under the
+    model's names for them."""
+    spec = load_model_spec(path) if (path / "config.json").is_file() else None
     out: dict[str, tuple[int, int]] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shape = f.get_slice(name).get_shape()
+                shape = [int(n) for n in f.get_slice(name).get_shape()]
+                parts = model_names(spec, name) if spec is not None else [name]
                 if len(shape) == 2:
-                    out[name] = (int(shape[0]), int(shape[1]))
+                    out[name] = (shape[0], shape[1])
+                elif len(parts) > 1 and len(shape) in (3, 4):  # stacked experts
+                    rows, cols = (shape[1], shape[2] * 32) if len(shape) == 4 else shape[2:0:-1]
+                    per = len(parts) // shape[0]  # gate and up: the rows halved
+                    out.update((part, (rows // per, cols)) for part in parts)
     return out

@@ -149,3 +149,18 @@ def test_does_not_fit_says_why_and_which_tp_would():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0 and "try --tp 4" in out.stdout and "L40S" in out.stdout
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_int8_plan_counts_a_mixture_of_experts_as_the_engine_holds_it(model_dirs, arch, tmp_path):
+    """``--quantization int8`` quantizes every expert's projections (each an ``nn.Linear``
+    of the model, whatever the checkpoint stacks), not the routers: the planner counts
+    the bytes the engine holds."""
+    from kvserve.model.quantized import weight_bytes
+    from kvserve.testing.models import build_hf_model
+
+    model = model_dirs.get(arch) or build_hf_model(arch, tmp_path / arch)
+    engine = make_engine(model, quantization="int8", dtype="float32")
+    held = weight_bytes(engine.model)
+    planned = plan(PlanInput(model=str(model), dtype="float32", quantization="int8"))
+    assert abs(planned.weight_bytes - held) <= 0.03 * held, (planned.weight_bytes, held)
