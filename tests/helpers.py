@@ -53,6 +53,23 @@ def step_finished(engine: LLMEngine, done: dict[str, list[int]]) -> None:
             done[d.request_id] = list(live[d.request_id].output_token_ids)
 
 
+def step_logits(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """Run ``prompts`` (requests ``r0``, ``r1``, …) greedily to the end, keeping the
+    logits each step sampled from: (output token ids, logits per step) per request."""
+    engine.runner.keep_logits = True
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(max_tokens))
+    steps: dict[str, list[torch.Tensor]] = {f"r{i}": [] for i in range(len(prompts))}
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        step_finished(engine, outputs)
+        for rid, logits in engine.runner.last_logits.items():
+            steps[rid].append(logits)
+    return outputs, steps
+
+
 def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 

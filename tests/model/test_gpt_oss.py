@@ -18,7 +18,7 @@ from helpers import (
     make_engine,
     random_prompts,
     run_to_end,
-    step_finished,
+    step_logits,
 )
 from safetensors.torch import load_file, save_file
 
@@ -51,16 +51,8 @@ def test_logits_match_transformers_at_every_step(gpt_oss_dir, backend):
     engine = make_engine(gpt_oss_dir, max_num_batched_tokens=24, attention_backend=backend)
     moe = engine.model.layers[0].mlp
     assert isinstance(moe, SparseMoE) and isinstance(moe.experts[0], ClampedSwiGLU)
-    engine.runner.keep_logits = True
     prompts = random_prompts(LENGTHS, seed=4)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, greedy(6))
-    steps: dict[str, list[torch.Tensor]] = {f"r{i}": [] for i in range(len(prompts))}
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        step_finished(engine, outputs)
-        for rid, logits in engine.runner.last_logits.items():
-            steps[rid].append(logits)
+    outputs, steps = step_logits(engine, prompts, 6)
     ref_model = hf_model(gpt_oss_dir)
     for i, p in enumerate(prompts):
         with torch.no_grad():
@@ -168,20 +160,12 @@ def test_an_mxfp4_checkpoint_serves_its_dequantized_weights(gpt_oss_dir, tmp_pat
                 (d / f.name).write_bytes(f.read_bytes())
         save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
         dirs[kind] = d
-    outs = {}
-    for kind, d in dirs.items():
-        engine = make_engine(d, max_num_batched_tokens=24)
-        engine.runner.keep_logits = True
-        for i, p in enumerate(random_prompts([30, 13], seed=9)):
-            engine.add_request(f"r{i}", p, greedy(8))
-        logits: list[torch.Tensor] = []
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            step_finished(engine, done)
-            logits += [engine.runner.last_logits[r] for r in sorted(engine.runner.last_logits)]
-        outs[kind] = (done, torch.stack(logits))
-    assert outs["mxfp4"][0] == outs["dense"][0]
-    assert torch.allclose(outs["mxfp4"][1], outs["dense"][1], atol=1e-5)
+    prompts = random_prompts([30, 13], seed=9)
+    mx_out, mx_logits = step_logits(make_engine(dirs["mxfp4"]), prompts, 8)
+    out, logits = step_logits(make_engine(dirs["dense"]), prompts, 8)
+    assert mx_out == out
+    for rid, steps in logits.items():
+        assert torch.allclose(torch.stack(mx_logits[rid]), torch.stack(steps), atol=1e-5)
 
 
 def test_two_ranks_give_one_ranks_logprobs(gpt_oss_dir):

@@ -13,6 +13,7 @@ from helpers import (
     random_prompts,
     run_to_end,
     step_finished,
+    step_logits,
 )
 
 LENGTHS = [1, 15, 16, 17, 40]  # one token, around one block, more than two blocks
@@ -24,16 +25,8 @@ ATOL = 1e-4
 def test_logits_match_hf_for_prefill_and_every_decode_step(model_dirs, arch, backend):
     """Chunked prefill is forced (24-token budget): chunks, decodes and mixes all occur."""
     engine = make_engine(model_dirs[arch], max_num_batched_tokens=24, attention_backend=backend)
-    engine.runner.keep_logits = True
     prompts = random_prompts(LENGTHS)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, greedy(6))
-    steps: dict[str, list[torch.Tensor]] = {f"r{i}": [] for i in range(len(prompts))}
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        step_finished(engine, outputs)
-        for rid, logits in engine.runner.last_logits.items():
-            steps[rid].append(logits)
+    outputs, steps = step_logits(engine, prompts, 6)
     ref_model = hf_model(model_dirs[arch])
     for i, p in enumerate(prompts):
         rid = f"r{i}"
