@@ -13,6 +13,7 @@ construction) the MoE layer is batch-invariant too.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,52 @@ class ClampedSwiGLU(MLP):
         return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
 
 
+@dataclass(frozen=True)
+class ExpertKernel:
+    """Every expert of a ``SparseMoE`` through one ``moe_experts`` call (``csrc/
+    moe_experts.cpp``): their packed weights and biases, in expert order. The same kernel
+    functions as the experts' own modules, so the same bits, without a Python call per
+    expert."""
+
+    gate_up: list[torch.Tensor]
+    gate_up_bias: list[torch.Tensor | None]
+    down: list[torch.Tensor]
+    down_bias: list[torch.Tensor | None]
+    inter: int
+    hidden: int
+
+    @classmethod
+    def of(cls, experts: nn.ModuleList) -> ExpertKernel | None:
+        """The kernel for ``experts`` after ``prepack_linears``, or None unless every one is
+        a SwiGLU ``MLP`` on kvserve's bf16 GEMM (``KernelGateUpSilu``, ``KernelLinear``)."""
+        from kvserve.model.linear import KernelGateUpSilu, KernelLinear
+
+        if not all(
+            type(e) is MLP
+            and isinstance(e.gate_up_proj, KernelGateUpSilu)
+            and isinstance(e.down_proj, KernelLinear)
+            for e in experts
+        ):
+            return None
+        first = experts[0]
+        return cls(
+            [e.gate_up_proj.packed_weight for e in experts],
+            [e.gate_up_proj.bias for e in experts],
+            [e.down_proj.packed_weight for e in experts],
+            [e.down_proj.bias for e in experts],
+            first.gate_up_proj.out_features,
+            first.down_proj.out_features,
+        )
+
+    def __call__(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``grouped`` ``[rows, hidden]``, expert e's ``counts[e]`` rows after expert
+        e - 1's → each row through its expert, ``[rows, hidden]``."""
+        return torch.ops.kvserve.moe_experts(
+            grouped, counts, self.gate_up, self.gate_up_bias, self.down, self.down_bias,
+            self.inter, self.hidden,
+        )  # fmt: skip
+
+
 class SparseMoE(nn.Module):
     """Top-k routed experts: ``gate`` (the router, ``[experts, hidden]``) and ``experts``,
     dense SwiGLU MLPs of ``spec.moe_intermediate_size``.
@@ -107,6 +154,8 @@ class SparseMoE(nn.Module):
         expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size)
         kind = MLP if spec.swiglu_limit is None else ClampedSwiGLU
         self.experts = nn.ModuleList(kind(expert, ops, None) for _ in range(spec.num_experts))
+        # every expert in one C++ call, set by use_expert_kernel after prepack_linears
+        self.expert_kernel: ExpertKernel | None = None
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Module | None = None
         if spec.shared_expert_intermediate_size:
@@ -129,18 +178,34 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs by expert
         grouped = x.index_select(0, order // self.top_k)  # each expert's tokens together
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        parts, start = [], 0
-        for expert, n in zip(self.experts, counts, strict=True):
-            if n:
-                parts.append(expert(grouped[start : start + n]))
-                start += n
-        h = torch.cat(parts).float() * weights.flatten()[order, None]
+        if self.expert_kernel is not None:
+            h = self.expert_kernel(grouped.contiguous(), counts)
+        else:
+            parts, start = [], 0
+            for expert, n in zip(self.experts, counts, strict=True):
+                if n:
+                    parts.append(expert(grouped[start : start + n]))
+                    start += n
+            h = torch.cat(parts)
+        h = h.float() * weights.flatten()[order, None]
         # back to (token, slot) order; each token's k outputs summed in slot order
         h = h[torch.argsort(order)].view(x.shape[0], self.top_k, -1)
         out = h.sum(dim=1).to(x.dtype)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def use_expert_kernels(model: nn.Module) -> int:
+    """Give every ``SparseMoE`` of ``model`` (after ``prepack_linears``) its
+    ``ExpertKernel`` where its experts run on kvserve's bf16 GEMM; returns how many got
+    one (the rest keep the loop over their expert modules)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.expert_kernel = ExpertKernel.of(module.experts)
+            count += module.expert_kernel is not None
+    return count
 
 
 def make_mlp(spec: ModelSpec, ops: TorchOps, tp: TPGroup | None, layer: int) -> nn.Module:

@@ -32,6 +32,7 @@ from kvserve.model.kv_smoothing import key_means
 from kvserve.model.linear import prepack_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_kv_scales, load_model
+from kvserve.model.mlp import use_expert_kernels
 from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.parallel import ShardPlan, TPGroup
 from kvserve.model.quantized import weight_bytes
@@ -193,6 +194,7 @@ class ShardBuilder:
             triton_ops.make_batch_invariant(self.model)
         elif inp.model_config.attention_backend != "torch":
             prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
+            use_expert_kernels(self.model)  # a MoE's experts in one C++ call where they can
             self.model.fused_stack = FusedStack.build(self.model)  # None unless all kernels
         self.kv_spec = rank_kv_spec(
             inp, self.kv_format, plan.rank, plan.size, tiled=self.backend.tiled
