@@ -16,7 +16,7 @@ MACHINES = {
     "Zen 4": "2 vCPU AMD EPYC (Zen 4: AVX-512 BF16 and VNNI, no AMX), 24 GiB — the "
     "machine of the current sessions",
     "Xeon AMX": "2 vCPU Intel Xeon with AMX-BF16 (family 6, model 167), 24 GiB — an "
-    "earlier session's machine",
+    "earlier session's machine, and the 2026-12-07 session's",
     "2-core VM": "a 2-core x86_64 VM of the earliest sessions whose CPU the notebook does not name",
 }
 
@@ -265,6 +265,25 @@ FIGURES: tuple[Figure, ...] = (
         "kvserve",
         "--shape gemma3 --engines kvserve,vllm --repeat 3",
         "Model families",
+    ),
+    _offline(
+        "Gemma 3 270M shape bf16, offline 32 × 256 → 128",
+        "offline_gemma3_amx.json",
+        "kvserve",
+        "--shape gemma3 --engines kvserve,vllm --repeat 3",
+        "Model families on an AMX machine",
+        machine="Xeon AMX",
+        commit="1a2d411",
+    ),
+    _offline(
+        "Qwen3-MoE (64 experts, top 8, ~0.9B) bf16, offline 32 × 256 → 128: the experts in "
+        "one C++ call (0.61× before it, same machine)",
+        "offline_qwen3moe_amx.json",
+        "kvserve",
+        "--shape qwen3moe --engines kvserve,vllm --repeat 3",
+        "Model families on an AMX machine",
+        machine="Xeon AMX",
+        commit="281ff40",
     ),
     _offline(
         "Qwen3-MoE (64 experts, top 8, ~0.9B) bf16, offline 32 × 256 → 128",
