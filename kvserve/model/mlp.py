@@ -72,10 +72,7 @@ class ClampedSwiGLU(MLP):
         self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
 
     def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(-self.limit, self.limit)
-        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+        return self.ops.clamped_swiglu(gate_up, self.alpha, self.limit)
 
 
 @dataclass(frozen=True)
@@ -91,28 +88,41 @@ class ExpertKernel:
     down_bias: list[torch.Tensor | None]
     inter: int
     hidden: int
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU (ops.clamped_swiglu)
 
     @classmethod
     def of(cls, experts: nn.ModuleList) -> ExpertKernel | None:
         """The kernel for ``experts`` after ``prepack_linears``, or None unless every one is
-        a SwiGLU ``MLP`` on kvserve's bf16 GEMM (``KernelGateUpSilu``, ``KernelLinear``)."""
+        a SwiGLU ``MLP`` on kvserve's bf16 GEMM (``KernelGateUpSilu``, ``KernelLinear``) or
+        a ``ClampedSwiGLU`` on it (``KernelLinear`` twice, the C++ ops)."""
         from kvserve.model.linear import KernelGateUpSilu, KernelLinear
+        from kvserve.model.ops import CpuKernelOps
 
-        if not all(
-            type(e) is MLP
-            and isinstance(e.gate_up_proj, KernelGateUpSilu)
-            and isinstance(e.down_proj, KernelLinear)
-            for e in experts
-        ):
+        def fits(e: nn.Module) -> bool:
+            if not isinstance(e.down_proj, KernelLinear):
+                return False
+            if type(e) is MLP:
+                return isinstance(e.gate_up_proj, KernelGateUpSilu)
+            return (
+                type(e) is ClampedSwiGLU
+                and type(e.gate_up_proj) is KernelLinear
+                and isinstance(e.ops, CpuKernelOps)
+            )
+
+        if not all(fits(e) for e in experts):
             return None
         first = experts[0]
+        clamped = isinstance(first, ClampedSwiGLU)
         return cls(
             [e.gate_up_proj.packed_weight for e in experts],
             [e.gate_up_proj.bias for e in experts],
             [e.down_proj.packed_weight for e in experts],
             [e.down_proj.bias for e in experts],
-            first.gate_up_proj.out_features,
+            first.inter,
             first.down_proj.out_features,
+            first.alpha if clamped else 1.0,
+            first.limit if clamped else 0.0,
         )
 
     def __call__(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -120,7 +130,7 @@ class ExpertKernel:
         e - 1's → each row through its expert, ``[rows, hidden]``."""
         return torch.ops.kvserve.moe_experts(
             grouped, counts, self.gate_up, self.gate_up_bias, self.down, self.down_bias,
-            self.inter, self.hidden,
+            self.inter, self.hidden, self.swiglu_alpha, self.swiglu_limit,
         )  # fmt: skip
 
 

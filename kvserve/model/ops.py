@@ -30,6 +30,15 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's expert activation of ``gate_up`` ``[..., 2 * inter]`` laid out
+        ``[gate; up]``: the gate clamped above at ``limit``, up to ``±limit``, then
+        ``gate * sigmoid(alpha * gate) * (up + 1)`` (transformers' ``GptOssExperts``)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
     def rope(
         self,
         positions: torch.Tensor,
@@ -67,6 +76,14 @@ class CpuKernelOps(TorchOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvserve.silu_and_mul(gate_up)
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """bf16 rows in one C++ pass (float math, rounded once: what ``moe_experts`` runs,
+        so the expert loop and the one-call kernel agree bit for bit); other dtypes and
+        layouts as ``TorchOps``."""
+        if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+            return super().clamped_swiglu(gate_up, alpha, limit)
+        return torch.ops.kvserve.clamped_swiglu(gate_up, alpha, limit)
 
     def rope(
         self,

@@ -2,7 +2,8 @@
 //
 // x holds the layer's routed rows grouped by expert (counts[e] rows for expert e, experts
 // in order). Each group goes through its expert's fused gate/up GEMM with SiLU-and-mul
-// and its down GEMM: the very kernel functions (bf16_gemm.cpp) the Python loop over
+// (or, with swiglu_limit > 0, gpt-oss's: the gate/up GEMM, then clamped_swiglu) and its
+// down GEMM: the very kernel functions (bf16_gemm.cpp) the Python loop over
 // KernelGateUpSilu / KernelLinear modules calls, so a row gets the same bits either way
 // (each GEMM item is computed whole by one thread: neither the thread nor the chunking
 // changes a row). What this saves is the loop's Python: ~1000 expert calls a decode step
@@ -19,6 +20,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -28,11 +30,34 @@ namespace {
 
 constexpr int64_t kFewRows = 64;
 
+// gpt-oss's expert activation over rows [gate (inter) | up (inter)] of bf16: the gate
+// clamped above at `limit`, up to ±limit, then gate · sigmoid(alpha · gate) · (up + 1),
+// in float and rounded once to bf16. Element by element: a row never depends on another.
+at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 &&
+                  gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "clamped_swiglu: gate_up must be bf16 [rows, 2 * inter] with contiguous rows");
+  const int64_t m = gate_up.size(0), inter = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  auto out = at::empty({m, inter}, gate_up.options());
+  const auto* in = gate_up.data_ptr<c10::BFloat16>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
+  for (int64_t r = 0; r < m; ++r) {
+    const c10::BFloat16* row = in + r * ld;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = std::min(static_cast<float>(row[i]), lim);
+      const float u = std::min(std::max(static_cast<float>(row[inter + i]), -lim), lim);
+      o[r * inter + i] = static_cast<c10::BFloat16>(g / (1.f + std::exp(-a * g)) * (u + 1.f));
+    }
+  }
+  return out;
+}
+
 at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef counts, at::TensorList gate_up,
                        const c10::List<std::optional<at::Tensor>>& gate_up_bias,
                        at::TensorList down,
                        const c10::List<std::optional<at::Tensor>>& down_bias, int64_t inter,
-                       int64_t hidden) {
+                       int64_t hidden, double swiglu_alpha, double swiglu_limit) {
   const int64_t experts = static_cast<int64_t>(counts.size());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "moe_experts: x must be contiguous bf16 [rows, in]");
@@ -60,7 +85,11 @@ at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef counts, at::TensorLi
   const int64_t row_bytes = hidden * out.element_size();
   auto run = [&](int64_t e) {
     const auto rows = x.narrow(0, start[e], counts[e]);
-    const auto g = kvserve::bf16_linear_silu_mul(rows, gate_up[e], gate_up_bias.get(e), inter);
+    const auto g =
+        swiglu_limit > 0
+            ? clamped_swiglu(kvserve::bf16_linear(rows, gate_up[e], gate_up_bias.get(e), 2 * inter),
+                             swiglu_alpha, swiglu_limit)
+            : kvserve::bf16_linear_silu_mul(rows, gate_up[e], gate_up_bias.get(e), inter);
     const auto y = kvserve::bf16_linear(g, down[e], down_bias.get(e), hidden);
     std::memcpy(dst + start[e] * row_bytes, y.data_ptr(), counts[e] * row_bytes);
   };
@@ -80,6 +109,9 @@ at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef counts, at::TensorLi
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("moe_experts(Tensor x, int[] counts, Tensor[] gate_up, Tensor?[] gate_up_bias, "
-        "Tensor[] down, Tensor?[] down_bias, int inter, int hidden) -> Tensor");
+        "Tensor[] down, Tensor?[] down_bias, int inter, int hidden, float swiglu_alpha=1., "
+        "float swiglu_limit=0.) -> Tensor");
   m.impl("moe_experts", c10::DispatchKey::CPU, TORCH_FN(moe_experts));
+  m.def("clamped_swiglu(Tensor gate_up, float alpha, float limit) -> Tensor");
+  m.impl("clamped_swiglu", c10::DispatchKey::CPU, TORCH_FN(clamped_swiglu));
 }
