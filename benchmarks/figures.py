@@ -286,6 +286,16 @@ FIGURES: tuple[Figure, ...] = (
         commit="281ff40",
     ),
     _offline(
+        "gpt-oss shape (32 experts, top 4, sinks, ~1.0B) bf16, offline 32 × 256 → 128 "
+        "(0.70× before the one-call experts, same machine)",
+        "offline_gptoss_amx.json",
+        "kvserve",
+        "--shape gptoss --engines kvserve,vllm --repeat 3",
+        "Model families on an AMX machine",
+        machine="Xeon AMX",
+        commit="4426c5c",
+    ),
+    _offline(
         "Qwen3-MoE (64 experts, top 8, ~0.9B) bf16, offline 32 × 256 → 128",
         "offline_qwen3moe.json",
         "kvserve",
