@@ -1,13 +1,14 @@
 """The feed-forward half of a decoder layer: dense (SwiGLU, GeGLU) or a sparse mixture of
-experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral).
+experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, gpt-oss).
 
 A dense MLP fuses gate and up into one projection at load time; under tensor parallelism
 each rank holds a slice of the intermediate size and the down projection's partial sums
 are all-reduced. ``SparseMoE`` routes each token to its top-k experts, runs each expert
 once over all the tokens routed to it (one GEMM pair per expert hit, never a loop over
-tokens) and sums each token's weighted outputs over its own top-k slots, so a token's
-result does not depend on the other tokens of the step: with kvserve's bf16 GEMM (batch-invariant by
-construction) the MoE layer is batch-invariant too.
+tokens; with bf16 experts on the CPU every expert of the layer in one C++ call,
+``ExpertKernel``) and sums each token's weighted outputs over its own top-k slots, so a
+token's result does not depend on the other tokens of the step: with kvserve's bf16 GEMM
+(batch-invariant by construction) the MoE layer is batch-invariant too.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class SparseMoE(nn.Module):
         expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size)
         kind = MLP if spec.swiglu_limit is None else ClampedSwiGLU
         self.experts = nn.ModuleList(kind(expert, ops, None) for _ in range(spec.num_experts))
-        # every expert in one C++ call, set by use_expert_kernel after prepack_linears
+        # every expert in one C++ call, set by use_expert_kernels after prepack_linears
         self.expert_kernel: ExpertKernel | None = None
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Module | None = None
