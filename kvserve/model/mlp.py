@@ -190,7 +190,7 @@ class SparseMoE(nn.Module):
         grouped = x.index_select(0, order // self.top_k)  # each expert's tokens together
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         if self.expert_kernel is not None:
-            h = self.expert_kernel(grouped.contiguous(), counts)
+            h = self.expert_kernel(grouped, counts)  # index_select: contiguous rows
         else:
             parts, start = [], 0
             for expert, n in zip(self.experts, counts, strict=True):
