@@ -44,7 +44,8 @@ INSTALL_NOTE = "install-build.txt"  # setup.py's one line on why it built nothin
 _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
     "shm_all_reduce", "shm_gather", "quantize_kv", "write_kv", "bf16_linear",
-    "bf16_linear_silu_mul", "argmax_rows", "decoder_stack", "gguf_linear",
+    "bf16_linear_silu_mul", "argmax_rows", "decoder_stack", "gguf_linear", "gemma_rms_norm",
+    "gelu_tanh_and_mul",
 )  # fmt: skip
 _loaded: Path | None = None
 

@@ -26,24 +26,23 @@ from kvserve.model.spec import ModelSpec
 
 
 class GemmaRMSNorm(nn.Module):
-    """``x / rms(x) * (1 + w)`` in float32, cast to ``x``'s dtype at the end."""
+    """``x / rms(x) * (1 + w)`` in float32, cast to ``x``'s dtype at the end
+    (``ops.gemma_rms_norm``: one C++ pass with the CPU kernels)."""
 
     def __init__(self, dim: int, eps: float, ops: TorchOps | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.ops = ops or TorchOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return self.ops.gemma_rms_norm(x, self.weight, self.eps)
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``."""
-        residual = residual + x
-        return self(residual), residual
+        """``(norm(residual + x), residual + x)``; may update ``residual`` in place."""
+        return self.ops.gemma_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -61,12 +60,12 @@ class GemmaDecoderLayer(nn.Module):
     ):
         super().__init__()
         eps, h = spec.rms_norm_eps, spec.hidden_size
-        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.input_layernorm = GemmaRMSNorm(h, eps, ops)
         self.self_attn = Attention(spec, backend, ops, tp, norm_class=GemmaRMSNorm)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, ops)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, ops)
         self.mlp = make_mlp(spec, ops, tp, layer)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, ops)
 
     def forward(
         self,
@@ -77,13 +76,15 @@ class GemmaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``llama.DecoderLayer``: ``(block output, residual)``, whose sum is the output."""
-        if residual is not None:
-            x = residual + x
-        h = self.self_attn(positions, self.input_layernorm(x), rope, kv_cache, meta)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return self.post_feedforward_layernorm(h), x
+        """As ``llama.DecoderLayer``: ``(block output, residual)``, whose sum is the output;
+        each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, rope, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm.add_forward(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

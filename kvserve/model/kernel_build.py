@@ -54,6 +54,7 @@ SOURCES = (
     "decoder_stack.cpp",
     "gguf_gemm.cpp",
     "moe_experts.cpp",
+    "gemma_ops.cpp",
 )
 # -ffast-math but no reassociation: batch invariance rests on it. One source compiled for
 # two element types (an 8-bit decode row reads codes in place, a prefill row reads them

@@ -17,7 +17,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.ops import TorchOps
@@ -56,8 +55,7 @@ class GeluMLP(MLP):
     silu_fusable = None
 
     def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return self.ops.gelu_tanh_and_mul(gate_up)
 
 
 class ClampedSwiGLU(MLP):

@@ -26,9 +26,28 @@ class TorchOps:
         residual = residual + x
         return self.rms_norm(residual, w, eps), residual
 
+    def gemma_rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: ``x / rms(x) * (1 + w)`` in float32, cast to ``x``'s dtype once
+        at the end (HF ``GemmaRMSNorm``)."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * (1.0 + w.float())).to(x.dtype)
+
+    def gemma_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gemma_rms_norm(residual + x), residual + x)``; may update ``residual``."""
+        residual = residual + x
+        return self.gemma_rms_norm(residual, w, eps), residual
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU over ``[..., gate | up]``: ``gelu_pytorch_tanh(gate) * up`` (Gemma)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         """gpt-oss's expert activation of ``gate_up`` ``[..., 2 * inter]`` laid out
@@ -74,8 +93,27 @@ class CpuKernelOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.kvserve.add_rms_norm(x, residual, w, eps), residual
 
+    def gemma_rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """One C++ pass (``csrc/gemma_ops.cpp``) for 2-D and 3-D ``x`` whose last dimension
+        is contiguous (the q/k views of the qkv output qualify); others as ``TorchOps``."""
+        if x.dim() not in (2, 3) or x.stride(-1) != 1:
+            return super().gemma_rms_norm(x, w, eps)
+        return torch.ops.kvserve.gemma_rms_norm(x, w, eps)
+
+    def gemma_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (x.is_contiguous() and residual.is_contiguous()):
+            return super().gemma_add_rms_norm(x, residual, w, eps)
+        return torch.ops.kvserve.gemma_add_rms_norm(x, residual, w, eps), residual
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvserve.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2 or gate_up.stride(1) != 1:
+            return super().gelu_tanh_and_mul(gate_up)
+        return torch.ops.kvserve.gelu_tanh_and_mul(gate_up)
 
     def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         """bf16 rows in one C++ pass (float math, rounded once: what ``moe_experts`` runs,
