@@ -33,7 +33,7 @@ def test_gemma_norms_match_reference(dtype, width):
     if dtype == torch.float32:
         assert _ulps(got, want) < 1e-5
     else:  # float math, one rounding at the end, as HF: at most one ulp off on a tie
-        assert _ulps(got, want) <= 2 ** -7 and (got != want).float().mean() < 0.01
+        assert _ulps(got, want) <= 2**-7 and (got != want).float().mean() < 0.01
     res_f, res_r = res.clone(), res.clone()
     out_f, res_f = fused.gemma_add_rms_norm(x, res_f, w, 1e-6)
     out_r, res_r = ref.gemma_add_rms_norm(x, res_r, w, 1e-6)
