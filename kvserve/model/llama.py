@@ -252,9 +252,15 @@ class LlamaForCausalLM(nn.Module):
         x.mul_(mine.unsqueeze(-1).to(x.dtype))  # other ranks' rows are zero here
         return self.tp.all_reduce(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(
+        self, hidden: torch.Tensor, argmax_only: bool = False
+    ) -> torch.Tensor | None:
         """float32 ``[rows, vocab]``; under tensor parallelism every rank must call it with
-        the same rows (a collective), and only rank 0 gets the logits (others: None)."""
+        the same rows (a collective), and only rank 0 gets the logits (others: None).
+
+        ``argmax_only`` (the rows only need their argmax: ``sampling.argmax_only``): on one
+        rank and without soft-capping, the LM head's output is returned in its own dtype,
+        sparing a float32 copy of ``[rows, vocab]`` (~3 ms a step for a 262k vocabulary)."""
         if self.lm_head_packed is not None:
             logits = self.lm_head_packed(hidden)
         elif self.lm_head is not None:
@@ -267,6 +273,8 @@ class LlamaForCausalLM(nn.Module):
         if logits is None:
             return None
         cap = self.spec.final_logit_softcap
+        if argmax_only and cap is None and self.tp is None:
+            return logits
         logits = logits.float()
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

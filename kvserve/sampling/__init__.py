@@ -10,7 +10,7 @@ from kvserve.sampling.params import (
     child_seed,
     position_seed,
 )
-from kvserve.sampling.sampler import SampleResult, sample, token_logprobs
+from kvserve.sampling.sampler import SampleResult, argmax_only, sample, token_logprobs
 
 __all__ = [
     "Logprob",
@@ -18,6 +18,7 @@ __all__ = [
     "SampleRow",
     "SamplingParams",
     "StructuredSpec",
+    "argmax_only",
     "child_seed",
     "position_seed",
     "sample",

@@ -39,7 +39,8 @@ def _may_empty(row: SampleRow) -> bool:
     return row.mask is not None and bool(row.suppress or p.allowed_token_ids or banned)
 
 
-def _needs_processing(row: SampleRow) -> bool:
+def needs_processing(row: SampleRow) -> bool:
+    """Whether ``row``'s logits change before sampling, grammar masks aside."""
     p = row.params
     return bool(
         row.suppress or p.allowed_token_ids is not None or p.logit_bias or p.penalized
@@ -53,7 +54,7 @@ def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     fragile = [i for i in guided if _may_empty(rows[i])]
     raw = logits[fragile].clone() if fragile else None
     for i, row in enumerate(rows):
-        if _needs_processing(row):
+        if needs_processing(row):
             _process_row(logits[i], row)
     if guided:  # every grammar mask at once: one unpack, one fill
         allowed = unpack_bitmask(torch.stack([rows[i].mask for i in guided]), vocab)

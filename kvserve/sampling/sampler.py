@@ -16,7 +16,7 @@ import torch
 
 from kvserve.model.cpu_kernels import kernels_loaded
 from kvserve.sampling.params import Logprob, SampleRow, position_seed
-from kvserve.sampling.processors import process_logits
+from kvserve.sampling.processors import needs_processing, process_logits
 
 
 @dataclass
@@ -59,7 +59,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     over rows in parallel (the same indices: first maximum, NaN counts as the maximum)."""
     if (
         logits.device.type == "cpu"
-        and logits.dtype == torch.float32
+        and logits.dtype in (torch.float32, torch.bfloat16)
         and logits.dim() == 2
         and logits.shape[1] > 0
         and logits.stride(1) == 1
@@ -69,9 +69,23 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def argmax_only(rows: list[SampleRow]) -> bool:
+    """Whether every row needs only its logits' argmax: greedy, no logprobs, no grammar
+    mask and no logits processor. Such logits may stay in the model's dtype: the argmax of
+    bf16 values is that of their (exact) float32 conversion."""
+    return all(
+        r.params.greedy and r.params.logprobs is None and r.mask is None
+        and not needs_processing(r)
+        for r in rows
+    )  # fmt: skip
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """Pick one token per row of ``logits`` ``[len(rows), vocab]`` (float32; changed in
-    place by the logits processors)."""
+    """Pick one token per row of ``logits`` ``[len(rows), vocab]``: float32 (changed in
+    place by the logits processors), or any float dtype when ``argmax_only(rows)``
+    (otherwise converted to float32 first)."""
+    if logits.dtype != torch.float32 and not argmax_only(rows):
+        logits = logits.float()
     process_logits(logits, rows)
     tokens = _argmax(logits)
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.sampling import sample, token_logprobs
+from kvserve.sampling import argmax_only, sample, token_logprobs
 from kvserve.sched.output import SchedulerOutput, StepResult
 from kvserve.store.offloader import KVSave
 from kvserve.store.tiered import TieredStore
@@ -112,7 +112,9 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = None
         if inputs.logit_rows.numel():
-            logits = self.model.compute_logits(hidden[inputs.logit_rows])
+            argmax = self.is_driver and not inputs.prompt and not self.keep_logits
+            argmax = argmax and argmax_only(inputs.rows)
+            logits = self.model.compute_logits(hidden[inputs.logit_rows], argmax)
         if not self.is_driver:
             return None
         prompt_lps: dict[str, list[dict]] = {}

@@ -123,5 +123,39 @@ def test_the_cpu_argmax_kernel_picks_torch_argmax(vocab):
     wide = torch.randn(3, vocab + 5, generator=g)
     assert torch.equal(torch.ops.kvserve.argmax_rows(wide[:, :vocab]), wide[:, :vocab].argmax(-1))
     assert torch.ops.kvserve.argmax_rows(torch.empty(0, vocab)).shape == (0,)
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.kvserve.argmax_rows(x.bfloat16())
+    # bf16 logits (the LM head's own, for rows that need only their argmax): the index of
+    # their exact float32 conversion, ties (many more in bf16) and NaNs included
+    half = x.bfloat16()
+    assert torch.equal(torch.ops.kvserve.argmax_rows(half), half.float().argmax(dim=-1))
+    assert torch.equal(_argmax(half), half.float().argmax(dim=-1))
+    half_wide = wide.bfloat16()[:, :vocab]
+    assert torch.equal(torch.ops.kvserve.argmax_rows(half_wide), half_wide.float().argmax(-1))
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        torch.ops.kvserve.argmax_rows(x.half())
+
+
+def test_only_plain_greedy_rows_sample_from_bf16_logits():
+    """``argmax_only`` holds for greedy rows with nothing else to do; any other row makes
+    ``sample`` convert bf16 logits to float32 first, so it picks what it picks from
+    float32 logits."""
+    from kvserve.sampling import argmax_only
+
+    greedy = SamplingParams(temperature=0)
+    plain = SampleRow(greedy, seed=1, position=3)
+    assert argmax_only([plain, plain]) and argmax_only([])
+    others = [
+        SampleRow(SamplingParams(temperature=0.8, seed=3), seed=3, position=3),
+        SampleRow(SamplingParams(temperature=0, logprobs=2), seed=1, position=3),
+        SampleRow(SamplingParams(temperature=0, repetition_penalty=1.3), 1, 3, output_ids=[5]),
+        SampleRow(SamplingParams(temperature=0, logit_bias={7: 100.0}), seed=1, position=3),
+        SampleRow(greedy, seed=1, position=3, suppress=(2,)),
+    ]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 64, generator=g).bfloat16()
+    for other in others:
+        assert not argmax_only([plain, other])
+        rows = [plain, other]
+        want = sample(logits.float(), rows)
+        got = sample(logits.clone(), rows)
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    assert sample(logits, [plain, plain]).token_ids == logits.float().argmax(-1).tolist()

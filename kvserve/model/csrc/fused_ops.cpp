@@ -265,9 +265,22 @@ at::Tensor rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const a
   return q;
 }
 
+#ifdef KVSERVE_AVX512_BF16
+// 16 values of a row from x + i (lanes past `live` are -inf), widened to float.
+inline __m512 argmax_load(const float* x, __mmask16 live) {
+  return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, x);
+}
+inline __m512 argmax_load(const c10::BFloat16* x, __mmask16 live) {
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                            kvserve_cpu::widen_bf16(_mm256_maskz_loadu_epi16(live, x)));
+}
+#endif
+
 // Index of the first maximum of x[0, n) (n >= 1), as torch.argmax: a NaN counts as the
-// maximum (the first NaN wins); an all -inf row gives 0.
-inline int64_t argmax_row(const float* x, int64_t n) {
+// maximum (the first NaN wins); an all -inf row gives 0. A bf16 row gives the index its
+// float32 conversion (exact) would.
+template <typename T>
+inline int64_t argmax_row(const T* x, int64_t n) {
 #ifdef KVSERVE_AVX512_BF16
   const __m512i step = _mm512_set1_epi32(16);
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf_bits = _mm512_set1_epi32(0x7F800000);
@@ -276,8 +289,7 @@ inline int64_t argmax_row(const float* x, int64_t n) {
   __m512i best_idx = idx;
   __mmask16 nan = 0;
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live = kvserve_cpu::first_lanes(n - i);
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, x + i);
+    const __m512 v = argmax_load(x + i, kvserve_cpu::first_lanes(n - i));
     nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf_bits);
     const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: first wins
     best = _mm512_mask_mov_ps(best, gt, v);
@@ -293,25 +305,30 @@ inline int64_t argmax_row(const float* x, int64_t n) {
 #endif
   int64_t arg = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (kvserve_cpu::is_nan(x[i])) return i;
-    if (x[i] > x[arg]) arg = i;
+    const float v = to_f(x[i]);
+    if (kvserve_cpu::is_nan(v)) return i;
+    if (v > to_f(x[arg])) arg = i;
   }
   return arg;
 }
 
-// x [R, V] float32 with unit column stride, V >= 1 (V < 2^31) -> int64 [R]: each row's
-// torch.argmax, rows in parallel.
+// x [R, V] float32 or bf16 with unit column stride, V >= 1 (V < 2^31) -> int64 [R]: each
+// row's torch.argmax, rows in parallel.
 at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "argmax_rows: x must be [R, V] float32 with contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.stride(1) == 1,
+              "argmax_rows: x must be [R, V] float32 or bf16 with contiguous rows");
   TORCH_CHECK(x.size(1) >= 1 && x.size(1) < INT32_MAX, "argmax_rows: bad row length");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   auto out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * stride, n);
-  });
+  const auto each_row = [&](const auto* xp) {
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * stride, n);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) each_row(x.data_ptr<float>());
+  else each_row(x.data_ptr<c10::BFloat16>());
   return out;
 }
 
