@@ -5,10 +5,11 @@ A dense MLP fuses gate and up into one projection at load time; under tensor par
 each rank holds a slice of the intermediate size and the down projection's partial sums
 are all-reduced. ``SparseMoE`` routes each token to its top-k experts, runs each expert
 once over all the tokens routed to it (one GEMM pair per expert hit, never a loop over
-tokens; with bf16 experts on the CPU every expert of the layer in one C++ call,
-``ExpertKernel``) and sums each token's weighted outputs over its own top-k slots, so a
-token's result does not depend on the other tokens of the step: with kvserve's bf16 GEMM
-(batch-invariant by construction) the MoE layer is batch-invariant too.
+tokens; on the CPU every expert of the layer in one C++ call, ``ExpertKernel`` for bf16
+experts, ``QuantizedExpertKernel`` for quantized ones) and sums each token's weighted
+outputs over its own top-k slots, so a token's result does not depend on the other tokens
+of the step: with kvserve's GEMMs (batch-invariant by construction) the MoE layer is
+batch-invariant too.
 """
 
 from __future__ import annotations
@@ -124,12 +125,81 @@ class ExpertKernel:
             first.limit if clamped else 0.0,
         )
 
-    def __call__(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def __call__(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """``grouped`` ``[rows, hidden]``, expert e's ``counts[e]`` rows after expert
         e - 1's → each row through its expert, ``[rows, hidden]``."""
         return torch.ops.kvserve.moe_experts(
             grouped, counts, self.gate_up, self.gate_up_bias, self.down, self.down_bias,
             self.inter, self.hidden, self.swiglu_alpha, self.swiglu_limit,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QuantizedExpertKernel:
+    """Every expert of a ``SparseMoE`` whose weights are kept quantized (a GGUF file's,
+    ``--quantization int8``'s: ``quantized.GGUFLinear``) through one
+    ``moe_experts_quantized`` call: each expert's gate/up parts and down part, flattened
+    to (qs, d, aux) triples in expert order. The same kernels as the modules' loop."""
+
+    gate_up: list[torch.Tensor]
+    gate_up_kinds: list[int]
+    gate_up_ns: list[int]
+    gate_up_bias: list[torch.Tensor | None]
+    down: list[torch.Tensor]
+    down_kind: int
+    down_bias: list[torch.Tensor | None]
+    inter: int
+    hidden: int
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+
+    @classmethod
+    def of(cls, experts: nn.ModuleList) -> QuantizedExpertKernel | None:
+        """The kernel for ``experts``, or None unless every one is a SwiGLU ``MLP`` or a
+        ``ClampedSwiGLU`` on C++ ops whose projections are ``GGUFLinear`` of the same
+        part kinds and sizes (down: one part)."""
+        from kvserve.model.ops import CpuKernelOps
+        from kvserve.model.quantized import GGUFLinear
+
+        def layout(e: nn.Module) -> tuple | None:
+            up, down = e.gate_up_proj, e.down_proj
+            if type(e) not in (MLP, ClampedSwiGLU) or not isinstance(e.ops, CpuKernelOps):
+                return None
+            if not (isinstance(up, GGUFLinear) and isinstance(down, GGUFLinear)):
+                return None
+            if len(down.parts) != 1:
+                return None
+            return tuple((p.kind, p.n) for p in up.parts), down.parts[0].kind
+
+        shapes = {layout(e) for e in experts}
+        if len(shapes) != 1 or None in shapes:
+            return None
+        ((up_parts, down_kind),) = shapes
+        first = experts[0]
+        clamped = isinstance(first, ClampedSwiGLU)
+        return cls(
+            [t for e in experts for p in e.gate_up_proj.parts for t in (p.qs, p.d, p.aux)],
+            [kind for kind, _ in up_parts],
+            [n for _, n in up_parts],
+            [b for e in experts for b in e.gate_up_proj.bias_parts],
+            [t for e in experts for p in e.down_proj.parts for t in (p.qs, p.d, p.aux)],
+            down_kind,
+            [e.down_proj.bias_parts[0] for e in experts],
+            first.inter,
+            first.down_proj.out_features,
+            first.alpha if clamped else 1.0,
+            first.limit if clamped else 0.0,
+        )
+
+    def __call__(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """As ``ExpertKernel``; None where the call does not take ``grouped`` (gpt-oss's
+        activation in another dtype than bf16): the caller loops over the experts."""
+        if self.swiglu_limit > 0 and grouped.dtype != torch.bfloat16:
+            return None
+        return torch.ops.kvserve.moe_experts_quantized(
+            grouped, counts, self.gate_up, self.gate_up_kinds, self.gate_up_ns,
+            self.gate_up_bias, self.down, self.down_kind, self.down_bias, self.inter,
+            self.hidden, self.swiglu_alpha, self.swiglu_limit,
         )  # fmt: skip
 
 
@@ -164,7 +234,7 @@ class SparseMoE(nn.Module):
         kind = MLP if spec.swiglu_limit is None else ClampedSwiGLU
         self.experts = nn.ModuleList(kind(expert, ops, None) for _ in range(spec.num_experts))
         # every expert in one C++ call, set by use_expert_kernels after prepack_linears
-        self.expert_kernel: ExpertKernel | None = None
+        self.expert_kernel: ExpertKernel | QuantizedExpertKernel | None = None
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Module | None = None
         if spec.shared_expert_intermediate_size:
@@ -187,9 +257,10 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs by expert
         grouped = x.index_select(0, order // self.top_k)  # each expert's tokens together
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        h = None
         if self.expert_kernel is not None:
             h = self.expert_kernel(grouped, counts)  # index_select: contiguous rows
-        else:
+        if h is None:
             parts, start = [], 0
             for expert, n in zip(self.experts, counts, strict=True):
                 if n:
@@ -207,12 +278,15 @@ class SparseMoE(nn.Module):
 
 def use_expert_kernels(model: nn.Module) -> int:
     """Give every ``SparseMoE`` of ``model`` (after ``prepack_linears``) its
-    ``ExpertKernel`` where its experts run on kvserve's bf16 GEMM; returns how many got
-    one (the rest keep the loop over their expert modules)."""
+    ``ExpertKernel`` where its experts run on kvserve's bf16 GEMM, or its
+    ``QuantizedExpertKernel`` where they are kept quantized; returns how many got one
+    (the rest keep the loop over their expert modules)."""
     count = 0
     for module in model.modules():
         if isinstance(module, SparseMoE):
-            module.expert_kernel = ExpertKernel.of(module.experts)
+            module.expert_kernel = ExpertKernel.of(module.experts) or QuantizedExpertKernel.of(
+                module.experts
+            )
             count += module.expert_kernel is not None
     return count
 

@@ -8,6 +8,8 @@
 // (each GEMM item is computed whole by one thread: neither the thread nor the chunking
 // changes a row). What this saves is the loop's Python: ~1000 expert calls a decode step
 // on a 64-expert model, each a module call, two slices and an allocation.
+// moe_experts_quantized does the same for experts kept quantized (GGUF blocks,
+// --quantization int8), through gguf_linear (gguf_gemm.cpp) and silu_and_mul.
 //
 // Decode-sized groups (at most kFewRows rows each) run expert-parallel: each thread takes
 // whole experts, streaming their weights, in one parallel region for the layer (the GEMMs'
@@ -53,27 +55,21 @@ at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit)
   return out;
 }
 
-at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef counts, at::TensorList gate_up,
-                       const c10::List<std::optional<at::Tensor>>& gate_up_bias,
-                       at::TensorList down,
-                       const c10::List<std::optional<at::Tensor>>& down_bias, int64_t inter,
-                       int64_t hidden, double swiglu_alpha, double swiglu_limit) {
+// Every expert with rows through fn(e, its rows) -> [counts[e], hidden] of x's dtype, into
+// one [rows, hidden] tensor in x's row order. Decode-sized groups run expert-parallel.
+template <typename Fn>
+at::Tensor each_expert(const char* name, const at::Tensor& x, at::IntArrayRef counts,
+                       int64_t hidden, const Fn& fn) {
   const int64_t experts = static_cast<int64_t>(counts.size());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "moe_experts: x must be contiguous bf16 [rows, in]");
-  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == experts &&
-                  static_cast<int64_t>(down.size()) == experts &&
-                  static_cast<int64_t>(gate_up_bias.size()) == experts &&
-                  static_cast<int64_t>(down_bias.size()) == experts,
-              "moe_experts: one gate/up and one down weight (and bias entry) per expert");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be contiguous [rows, in]");
   std::vector<int64_t> start(experts + 1, 0);
   int64_t most = 0;
   for (int64_t e = 0; e < experts; ++e) {
-    TORCH_CHECK(counts[e] >= 0, "moe_experts: negative count for expert ", e);
+    TORCH_CHECK(counts[e] >= 0, name, ": negative count for expert ", e);
     start[e + 1] = start[e] + counts[e];
     most = std::max(most, counts[e]);
   }
-  TORCH_CHECK(start[experts] == x.size(0), "moe_experts: counts sum to ", start[experts],
+  TORCH_CHECK(start[experts] == x.size(0), name, ": counts sum to ", start[experts],
               ", x has ", x.size(0), " rows");
   auto out = at::empty({x.size(0), hidden}, x.options());
   std::vector<int64_t> hit;  // the experts with rows
@@ -84,13 +80,7 @@ at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef counts, at::TensorLi
   char* dst = static_cast<char*>(out.data_ptr());
   const int64_t row_bytes = hidden * out.element_size();
   auto run = [&](int64_t e) {
-    const auto rows = x.narrow(0, start[e], counts[e]);
-    const auto g =
-        swiglu_limit > 0
-            ? clamped_swiglu(kvserve::bf16_linear(rows, gate_up[e], gate_up_bias.get(e), 2 * inter),
-                             swiglu_alpha, swiglu_limit)
-            : kvserve::bf16_linear_silu_mul(rows, gate_up[e], gate_up_bias.get(e), inter);
-    const auto y = kvserve::bf16_linear(g, down[e], down_bias.get(e), hidden);
+    const auto y = fn(e, x.narrow(0, start[e], counts[e]));
     std::memcpy(dst + start[e] * row_bytes, y.data_ptr(), counts[e] * row_bytes);
   };
   const int64_t n = static_cast<int64_t>(hit.size());
@@ -105,6 +95,65 @@ at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef counts, at::TensorLi
   return out;
 }
 
+at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef counts, at::TensorList gate_up,
+                       const c10::List<std::optional<at::Tensor>>& gate_up_bias,
+                       at::TensorList down,
+                       const c10::List<std::optional<at::Tensor>>& down_bias, int64_t inter,
+                       int64_t hidden, double swiglu_alpha, double swiglu_limit) {
+  const auto experts = counts.size();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "moe_experts: x must be bf16");
+  TORCH_CHECK(gate_up.size() == experts && down.size() == experts &&
+                  gate_up_bias.size() == experts && down_bias.size() == experts,
+              "moe_experts: one gate/up and one down weight (and bias entry) per expert");
+  return each_expert("moe_experts", x, counts, hidden, [&](int64_t e, const at::Tensor& rows) {
+    const auto g =
+        swiglu_limit > 0
+            ? clamped_swiglu(kvserve::bf16_linear(rows, gate_up[e], gate_up_bias.get(e), 2 * inter),
+                             swiglu_alpha, swiglu_limit)
+            : kvserve::bf16_linear_silu_mul(rows, gate_up[e], gate_up_bias.get(e), inter);
+    return kvserve::bf16_linear(g, down[e], down_bias.get(e), hidden);
+  });
+}
+
+// Experts kept quantized (model/quantized.py: a GGUF file's, or --quantization int8's):
+// each expert's gate/up is parts = gate_up_ns.size() parts stacked along its outputs
+// (GGUFLinear.parts: part p of kind gate_up_kinds[p], gate_up_ns[p] outputs, its tensors
+// gate_up[3 (e parts + p) ...] = qs, d, aux, its bias gate_up_bias[e parts + p]), and its
+// down one part (down[3e ...], down_kind, down_bias[e]). Per expert: gguf_linear of each
+// part, concatenated, the activation (silu_and_mul, or clamped_swiglu), gguf_linear of
+// down: what the loop over the GGUFLinear modules computes, bit for bit.
+at::Tensor moe_experts_quantized(
+    const at::Tensor& x, at::IntArrayRef counts, at::TensorList gate_up,
+    at::IntArrayRef gate_up_kinds, at::IntArrayRef gate_up_ns,
+    const c10::List<std::optional<at::Tensor>>& gate_up_bias, at::TensorList down,
+    int64_t down_kind, const c10::List<std::optional<at::Tensor>>& down_bias, int64_t inter,
+    int64_t hidden, double swiglu_alpha, double swiglu_limit) {
+  const auto experts = counts.size(), parts = gate_up_ns.size();
+  int64_t outs = 0;
+  for (const int64_t n : gate_up_ns) outs += n;
+  TORCH_CHECK(parts >= 1 && gate_up_kinds.size() == parts && outs == 2 * inter,
+              "moe_experts_quantized: gate/up parts must have a kind each and 2 * inter "
+              "outputs in all");
+  TORCH_CHECK(gate_up.size() == 3 * parts * experts && gate_up_bias.size() == parts * experts &&
+                  down.size() == 3 * experts && down_bias.size() == experts,
+              "moe_experts_quantized: qs, d, aux (and a bias entry) per part per expert");
+  return each_expert("moe_experts_quantized", x, counts, hidden,
+                     [&](int64_t e, const at::Tensor& rows) {
+    std::vector<at::Tensor> ys;
+    for (size_t p = 0; p < parts; ++p) {
+      const size_t i = e * parts + p;
+      ys.push_back(kvserve::gguf_linear(rows, gate_up[3 * i], gate_up[3 * i + 1],
+                                        gate_up[3 * i + 2], gate_up_kinds[p], gate_up_ns[p],
+                                        gate_up_bias.get(i)));
+    }
+    const auto y = parts == 1 ? ys[0] : at::cat(ys, 1);
+    const auto g = swiglu_limit > 0 ? clamped_swiglu(y, swiglu_alpha, swiglu_limit)
+                                    : kvserve::silu_and_mul(y);
+    return kvserve::gguf_linear(g, down[3 * e], down[3 * e + 1], down[3 * e + 2], down_kind,
+                                hidden, down_bias.get(e));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
@@ -112,6 +161,11 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor[] down, Tensor?[] down_bias, int inter, int hidden, float swiglu_alpha=1., "
         "float swiglu_limit=0.) -> Tensor");
   m.impl("moe_experts", c10::DispatchKey::CPU, TORCH_FN(moe_experts));
+  m.def("moe_experts_quantized(Tensor x, int[] counts, Tensor[] gate_up, int[] gate_up_kinds, "
+        "int[] gate_up_ns, Tensor?[] gate_up_bias, Tensor[] down, int down_kind, "
+        "Tensor?[] down_bias, int inter, int hidden, float swiglu_alpha=1., "
+        "float swiglu_limit=0.) -> Tensor");
+  m.impl("moe_experts_quantized", c10::DispatchKey::CPU, TORCH_FN(moe_experts_quantized));
   m.def("clamped_swiglu(Tensor gate_up, float alpha, float limit) -> Tensor");
   m.impl("clamped_swiglu", c10::DispatchKey::CPU, TORCH_FN(clamped_swiglu));
 }
