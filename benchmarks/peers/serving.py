@@ -15,6 +15,10 @@ core's busy loop time spent outside the model runner (``engine_not_forward_frac`
 
     python benchmarks/peers/serving.py --out benchmarks/results/serving.json
     python benchmarks/peers/serving.py --real --out benchmarks/results/serving_real.json
+    python benchmarks/peers/serving.py --shape gemma3 --out benchmarks/results/serving_gemma3.json
+
+``--shape`` serves another random shape (``gemma3``, ``qwen3moe``, ``gptoss``: their
+vocabularies get a word-level tokenizer of their size, ``bench.word_tokenizer``).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from kvserve.testing.bench import (
     ENGINE_COUNTERS,
     engine_seconds,
     kvserve_cmd,
+    vocab_of,
     wait_ready,
     with_tokenizer,
 )
+from kvserve.testing.models import SHAPES
 from kvserve.testing.models import build_bench_model as build_model
 from kvserve.testing.procs import stop_process
 
@@ -131,6 +137,13 @@ def main() -> None:
         help="serve SmolLM2-135M-Instruct (benchmarks/peers/real_model.py) instead of the "
         "random shape",
     )
+    ap.add_argument(
+        "--shape",
+        default="smol",
+        choices=sorted(SHAPES),
+        help="the random-weight checkpoint's shape (kvserve.testing.models.SHAPES); one "
+        "with a larger vocabulary than the bundled tokenizer's gets a word-level tokenizer",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="kvserve, vLLM, kvserve, vLLM …")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--out", default="benchmarks/results/serving.json")
@@ -141,7 +154,9 @@ def main() -> None:
 
         model, vocab = build_real_model(Path("/tmp/kvserve-bench/smollm2-135m-instruct")), 49152
     else:
-        model, vocab = with_tokenizer(build_model(Path(args.model_dir))), 8192
+        path = Path(args.model_dir if args.shape == "smol" else f"/tmp/kvserve-bench/{args.shape}")
+        model = with_tokenizer(build_model(path, args.shape))
+        vocab = vocab_of(model)
     outdir = Path(args.out).with_suffix("")
     outdir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)  # kvserve's engine core preloads tcmalloc by itself

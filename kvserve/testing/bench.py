@@ -32,12 +32,38 @@ ENGINE_COUNTERS = (
 
 def with_tokenizer(model: Path) -> Path:
     """``model`` with the bundled model's tokenizer files copied in where it has none (a
-    random-weight checkpoint has none); returns ``model``."""
+    random-weight checkpoint has none); returns ``model``. A checkpoint whose vocabulary is
+    larger than the bundled tokenizer's gets a word-level tokenizer of its own size
+    instead (``word_tokenizer``), so that every token it can emit decodes."""
     from kvserve.default_model import default_model_path
 
+    if all((model / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return model
+    vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 0)
+    bundled = default_model_path()
+    if vocab > json.loads((bundled / "config.json").read_text())["vocab_size"]:
+        return word_tokenizer(model, vocab)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if not (model / name).exists():
-            shutil.copy(default_model_path() / name, model / name)
+            shutil.copy(bundled / name, model / name)
+    return model
+
+
+def word_tokenizer(model: Path, vocab: int) -> Path:
+    """Write a word-level tokenizer of ``vocab`` words (``w0`` … ``w{vocab - 1}``, split on
+    whitespace; ``w0`` unknown, ``w1`` end of sequence) into ``model``; returns ``model``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(model / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "w0",
+        "eos_token": "w1",
+        "model_max_length": 1 << 20,
+    }
+    (model / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return model
 
 
