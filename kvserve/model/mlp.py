@@ -260,17 +260,18 @@ class SparseMoE(nn.Module):
         h = None
         if self.expert_kernel is not None:
             h = self.expert_kernel(grouped, counts)  # index_select: contiguous rows
-        if h is None:
+        if h is not None:  # weighted and summed per token in C++ too
+            out = torch.ops.kvserve.moe_combine(h, weights.contiguous(), order)
+        else:
             parts, start = [], 0
             for expert, n in zip(self.experts, counts, strict=True):
                 if n:
                     parts.append(expert(grouped[start : start + n]))
                     start += n
-            h = torch.cat(parts)
-        h = h.float() * weights.flatten()[order, None]
-        # back to (token, slot) order; each token's k outputs summed in slot order
-        h = h[torch.argsort(order)].view(x.shape[0], self.top_k, -1)
-        out = h.sum(dim=1).to(x.dtype)
+            h = torch.cat(parts).float() * weights.flatten()[order, None]
+            # back to (token, slot) order; each token's k outputs summed in slot order
+            h = h[torch.argsort(order)].view(x.shape[0], self.top_k, -1)
+            out = h.sum(dim=1).to(x.dtype)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -154,6 +154,50 @@ at::Tensor moe_experts_quantized(
   });
 }
 
+// The experts' outputs back to their tokens: out[t] = T(sum over slots s < k, in order,
+// of float(h[pos(t, s)]) * weights[t, s]), where pos inverts `order` (order[i] = the flat
+// (token, slot) index t * k + s whose expert output is h's row i). A token's sum reads only
+// its own rows, in slot order: it does not depend on the other tokens. h [n * k, hidden]
+// bf16/fp16/float32 with contiguous rows, weights [n, k] float32, order [n * k] int64 (a
+// permutation). Returns [n, hidden] of h's dtype.
+at::Tensor moe_combine(const at::Tensor& h, const at::Tensor& weights, const at::Tensor& order) {
+  TORCH_CHECK(weights.dim() == 2 && weights.is_contiguous() && weights.scalar_type() == at::kFloat,
+              "moe_combine: weights must be contiguous float32 [tokens, k]");
+  const int64_t n = weights.size(0), k = weights.size(1), rows = n * k;
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == rows && h.stride(1) == 1 && order.dim() == 1 &&
+                  order.size(0) == rows && order.scalar_type() == at::kLong,
+              "moe_combine: h must be [tokens * k, hidden] with contiguous rows, order [tokens * k] "
+              "int64");
+  const int64_t hidden = h.size(1), ld = h.stride(0);
+  const auto ord = order.contiguous();
+  const int64_t* op = ord.data_ptr<int64_t>();
+  std::vector<int64_t> pos(rows, -1);
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(op[i] >= 0 && op[i] < rows && pos[op[i]] < 0, "moe_combine: order is not a "
+                "permutation");
+    pos[op[i]] = i;
+  }
+  auto out = at::empty({n, hidden}, h.options());
+  const float* w = weights.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "moe_combine", [&] {
+    const scalar_t* hp = h.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(hidden);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t s = 0; s < k; ++s) {
+          const scalar_t* row = hp + pos[t * k + s] * ld;
+          const float ws = w[t * k + s];
+          for (int64_t j = 0; j < hidden; ++j) acc[j] += static_cast<float>(row[j]) * ws;
+        }
+        for (int64_t j = 0; j < hidden; ++j) o[t * hidden + j] = static_cast<scalar_t>(acc[j]);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
@@ -166,6 +210,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor?[] down_bias, int inter, int hidden, float swiglu_alpha=1., "
         "float swiglu_limit=0.) -> Tensor");
   m.impl("moe_experts_quantized", c10::DispatchKey::CPU, TORCH_FN(moe_experts_quantized));
+  m.def("moe_combine(Tensor h, Tensor weights, Tensor order) -> Tensor");
+  m.impl("moe_combine", c10::DispatchKey::CPU, TORCH_FN(moe_combine));
   m.def("clamped_swiglu(Tensor gate_up, float alpha, float limit) -> Tensor");
   m.impl("clamped_swiglu", c10::DispatchKey::CPU, TORCH_FN(clamped_swiglu));
 }
