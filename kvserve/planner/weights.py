@@ -47,16 +47,10 @@ def weight_bytes(model: str, num_params: int, dtype: str, quantization: str) -> 
             k = cols // size * per  # raw rows: [rows, row bytes]
             numel += rows * k
             served += rows * k * SERVED_BITS[ggml_type] / 8
-        elif ggml_type is None and quantization == "int8" and _int8(name, rows, cols):
+        elif ggml_type is None and quantization == "int8" and int8_shape_ok(name, (rows, cols)):
             numel += rows * cols
             served += rows * (cols + 4)
     return int(served) + (num_params - numel) * elem
-
-
-def _int8(name: str, rows: int, cols: int) -> bool:
-    """Whether ``--quantization int8`` quantizes checkpoint matrix ``name``
-    (``int8_shape_ok``: the model's every expert projection too, never a router)."""
-    return int8_shape_ok(name, (rows, cols))
 
 
 def _matrices(path: Path) -> dict[str, tuple[int, int]]:
