@@ -76,6 +76,20 @@ def _offline(
     )  # fmt: skip
 
 
+def _shape_serving(shape: str, name: str, **kw) -> Figure:
+    """A ``benchmarks/peers/serving.py --shape`` figure at 32 concurrent streams (AMX)."""
+    result = f"serving_{shape}_amx.json"
+    return Figure(
+        f"OpenAI server, {name} bf16, 256 → 128, 32 concurrent", "output tok/s", (result,),
+        lambda d: d["summary"]["32"]["kvserve"]["output_throughput"],
+        f"python benchmarks/peers/serving.py --shape {shape} --rounds 2 "
+        f"--out benchmarks/results/{result}",
+        "Model families, the step around the GEMMs", peer=f"{VLLM} OpenAI server",
+        theirs=lambda d: d["summary"]["32"]["vllm"]["output_throughput"],
+        machine="Xeon AMX", **kw,
+    )  # fmt: skip
+
+
 def _serving(result: str, section: str, **kw) -> Figure:
     """A ``benchmarks/peers/serving.py --real`` figure at 32 concurrent streams."""
     return Figure(
@@ -267,33 +281,45 @@ FIGURES: tuple[Figure, ...] = (
         "Model families",
     ),
     _offline(
-        "Gemma 3 270M shape bf16, offline 32 × 256 → 128",
-        "offline_gemma3_amx.json",
+        "Gemma 3 270M shape bf16, offline 32 × 256 → 128: Gemma's norms and GeGLU in C++, "
+        "greedy argmax on bf16 logits (0.94× before, another AMX instance)",
+        "offline_gemma3_amx_fused.json",
         "kvserve",
         "--shape gemma3 --engines kvserve,vllm --repeat 3",
-        "Model families on an AMX machine",
+        "Model families, the step around the GEMMs",
         machine="Xeon AMX",
-        commit="1a2d411",
+        commit="a4ca436",
     ),
+    _shape_serving("gemma3", "Gemma 3 270M shape", commit="f0f203f"),
     _offline(
-        "Qwen3-MoE (64 experts, top 8, ~0.9B) bf16, offline 32 × 256 → 128: the experts in "
-        "one C++ call (0.61× before it, same machine)",
-        "offline_qwen3moe_amx.json",
+        "Qwen3-MoE (64 experts, top 8, ~0.9B) bf16, offline 32 × 256 → 128: experts, "
+        "combine and greedy argmax in C++",
+        "offline_qwen3moe_amx_combine.json",
         "kvserve",
         "--shape qwen3moe --engines kvserve,vllm --repeat 3",
-        "Model families on an AMX machine",
+        "Model families, the step around the GEMMs",
         machine="Xeon AMX",
-        commit="281ff40",
+        commit="1dc8420",
+    ),
+    _shape_serving("qwen3moe", "Qwen3-MoE shape", commit="1dc8420"),
+    _offline(
+        "Qwen3-MoE --quantization int8 (experts int8, one C++ call), offline 32 × 256 → 128",
+        "offline_qwen3moe_amx_int8.json",
+        "kvserve-int8",
+        "--shape qwen3moe --engines kvserve,kvserve-int8,vllm --repeat 2",
+        "Model families, the step around the GEMMs",
+        machine="Xeon AMX",
+        commit="f0f203f",
+        peer=f"{VLLM} bf16",
     ),
     _offline(
-        "gpt-oss shape (32 experts, top 4, sinks, ~1.0B) bf16, offline 32 × 256 → 128 "
-        "(0.70× before the one-call experts, same machine)",
-        "offline_gptoss_amx.json",
+        "gpt-oss shape (32 experts, top 4, sinks, ~1.0B) bf16, offline 32 × 256 → 128",
+        "offline_gptoss_amx_combine.json",
         "kvserve",
         "--shape gptoss --engines kvserve,vllm --repeat 3",
-        "Model families on an AMX machine",
+        "Model families, the step around the GEMMs",
         machine="Xeon AMX",
-        commit="4426c5c",
+        commit="1dc8420",
     ),
     _offline(
         "Qwen3-MoE (64 experts, top 8, ~0.9B) bf16, offline 32 × 256 → 128",
