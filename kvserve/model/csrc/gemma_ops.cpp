@@ -19,6 +19,7 @@
 
 #include "attention_cell.h"
 #include "float_convert.h"
+#include "rms16.h"
 
 #include <cmath>
 #include <cstdint>
@@ -49,20 +50,8 @@ inline void gemma_row_bf16(c10::BFloat16* x, const c10::BFloat16* add, const c10
                            c10::BFloat16* out, int64_t n, float eps) {
   using kvserve_cpu::first_lanes;
   using kvserve_cpu::widen_bf16;
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = first_lanes(n - i);
-    __m512 xv = widen_bf16(_mm256_maskz_loadu_epi16(m, x + i));
-    if (add) {
-      const __m256i r = (__m256i)_mm512_cvtneps_pbh(
-          _mm512_add_ps(xv, widen_bf16(_mm256_maskz_loadu_epi16(m, add + i))));
-      _mm256_mask_storeu_epi16(x + i, m, r);
-      xv = widen_bf16(r);
-    }
-    ss = _mm512_fmadd_ps(xv, xv, ss);
-  }
-  const __m512 inv =
-      _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
+  const float ss = kvserve_cpu::add_sum_squares_bf16(x, add, n);
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / static_cast<float>(n) + eps));
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = first_lanes(n - i);
