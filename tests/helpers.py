@@ -197,3 +197,23 @@ def amx_switched(switch: Callable[[bool], bool], name: str) -> Iterator[None]:
         yield
     finally:
         switch(before)
+
+
+def expert_modules(
+    spec, hidden: int, inter: int, count: int, bias: bool, clamped: bool
+) -> torch.nn.ModuleList:
+    """``count`` float32 MoE experts of ``spec``'s family resized to ``hidden`` /
+    ``inter``, on the C++ ops: SwiGLU ``MLP``s, or gpt-oss's ``ClampedSwiGLU`` (limit 0.05,
+    which weights of scale 0.1 reach; alpha 1.702). Seeded: the same experts every call."""
+    import dataclasses
+
+    from kvserve.model.mlp import MLP, ClampedSwiGLU
+    from kvserve.model.ops import CpuKernelOps
+
+    torch.manual_seed(0)
+    shape = dataclasses.replace(
+        spec, hidden_size=hidden, intermediate_size=inter, mlp_bias=bias,
+        swiglu_limit=0.05 if clamped else None, swiglu_alpha=1.702,
+    )  # fmt: skip
+    cls = ClampedSwiGLU if clamped else MLP
+    return torch.nn.ModuleList(cls(shape, CpuKernelOps(), None) for _ in range(count))

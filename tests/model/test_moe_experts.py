@@ -6,15 +6,13 @@ bf16 experts on the CPU."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from helpers import amx_switched, make_engine
+from helpers import amx_switched, expert_modules, make_engine
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.linear import KernelGateUpSilu, kernel_gemm_preferred, prepack_linears
-from kvserve.model.mlp import MLP, ClampedSwiGLU, ExpertKernel, SparseMoE
+from kvserve.model.mlp import ExpertKernel, SparseMoE
 from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.spec import load_model_spec
 
@@ -29,13 +27,7 @@ def spec(model_dirs):
 def _experts(spec, bias: bool, kind: str = "silu") -> torch.nn.ModuleList:
     """bf16 experts as the engine holds them after ``prepack_linears``: SwiGLU, or
     gpt-oss's clamped one (a limit these weights reach)."""
-    torch.manual_seed(0)
-    shape = dataclasses.replace(
-        spec, hidden_size=HIDDEN, intermediate_size=INTER, mlp_bias=bias,
-        swiglu_limit=0.05 if kind == "clamped" else None, swiglu_alpha=1.702,
-    )  # fmt: skip
-    cls = ClampedSwiGLU if kind == "clamped" else MLP
-    experts = torch.nn.ModuleList(cls(shape, CpuKernelOps(), None) for _ in range(EXPERTS))
+    experts = expert_modules(spec, HIDDEN, INTER, EXPERTS, bias, kind == "clamped")
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape) * 0.1)

@@ -7,17 +7,15 @@ the call for ``--quantization int8``."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from helpers import make_engine
+from helpers import expert_modules, make_engine
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
-from kvserve.model.mlp import MLP, ClampedSwiGLU, ExpertKernel, QuantizedExpertKernel, SparseMoE
-from kvserve.model.ops import CpuKernelOps, TorchOps
+from kvserve.model.mlp import ExpertKernel, QuantizedExpertKernel, SparseMoE
+from kvserve.model.ops import TorchOps
 from kvserve.model.quantized import GGUFLinear, pack, pack_int8
 from kvserve.model.spec import load_model_spec
 
@@ -39,13 +37,7 @@ def _gguf(w: torch.Tensor, kind: str) -> object:
 def _experts(spec, bias: bool, layout: str, kind: str = "silu") -> torch.nn.ModuleList:
     """Experts as the engine holds them with quantized weights: gate/up one int8 part
     (``int8``), or gate in Q8_0 and up in Q4_0 (``two``), down int8."""
-    torch.manual_seed(0)
-    shape = dataclasses.replace(
-        spec, hidden_size=HIDDEN, intermediate_size=INTER, mlp_bias=bias,
-        swiglu_limit=0.05 if kind == "clamped" else None, swiglu_alpha=1.702,
-    )  # fmt: skip
-    cls = ClampedSwiGLU if kind == "clamped" else MLP
-    experts = torch.nn.ModuleList(cls(shape, CpuKernelOps(), None) for _ in range(EXPERTS))
+    experts = expert_modules(spec, HIDDEN, INTER, EXPERTS, bias, kind == "clamped")
     with torch.no_grad():
         for e in experts:
             up, down = e.gate_up_proj, e.down_proj
