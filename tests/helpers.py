@@ -217,3 +217,14 @@ def expert_modules(
     )  # fmt: skip
     cls = ClampedSwiGLU if clamped else MLP
     return torch.nn.ModuleList(cls(shape, CpuKernelOps(), None) for _ in range(count))
+
+
+def experts_looped(experts: torch.nn.ModuleList, x: torch.Tensor, counts: list[int]):
+    """``x``'s rows grouped by expert (``counts[e]`` for expert e) through their expert
+    modules one by one: what a one-call expert kernel must equal."""
+    parts, start = [], 0
+    for expert, n in zip(experts, counts, strict=True):
+        if n:
+            parts.append(expert(x[start : start + n]))
+            start += n
+    return torch.cat(parts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import amx_switched, expert_modules, make_engine
+from helpers import amx_switched, expert_modules, experts_looped, make_engine
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.linear import KernelGateUpSilu, kernel_gemm_preferred, prepack_linears
@@ -51,12 +51,8 @@ def test_one_call_gives_the_loops_bits(spec, kind, bias, gemm, counts):
     x = (torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(1))).bfloat16()
     with amx_switched(torch.ops.kvserve.bf16_gemm_use_amx, gemm):
         got = kernel(x, counts)
-        parts, start = [], 0
-        for e, n in zip(experts, counts, strict=True):
-            if n:
-                parts.append(e(x[start : start + n]))
-                start += n
-    assert torch.equal(got, torch.cat(parts))
+        want = experts_looped(experts, x, counts)
+    assert torch.equal(got, want)
 
 
 def test_other_experts_keep_the_loop(spec):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from helpers import expert_modules, make_engine
+from helpers import expert_modules, experts_looped, make_engine
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.mlp import ExpertKernel, QuantizedExpertKernel, SparseMoE
@@ -67,12 +67,7 @@ def test_one_call_gives_the_loops_bits(spec, layout, bias, kind, counts):
     assert kernel is not None and len(kernel.gate_up_ns) == (2 if layout == "two" else 1)
     x = (torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(1))).bfloat16()
     got = kernel(x, counts)
-    parts, start = [], 0
-    for e, n in zip(experts, counts, strict=True):
-        if n:
-            parts.append(e(x[start : start + n]))
-            start += n
-    want = torch.cat(parts)
+    want = experts_looped(experts, x, counts)
     assert got is not None and torch.equal(got, want)
     assert want.abs().max() > 0  # the experts compute something
 
