@@ -375,6 +375,23 @@ FIGURES: tuple[Figure, ...] = (
         ),
     ),
     Figure(
+        "GGUF Q4_K_M, Llama-3.2-1B shape, one stream 32 → 256 (median of 3 round ratios; "
+        "2.35× kvserve's own bf16 in the same rounds)",
+        "tok/s",
+        ("gguf_decode_q4_k_m_amx.json",),
+        lambda *ds: statistics.median(_runs(ds, _Q4KM)),
+        "python benchmarks/peers/gguf_decode.py --only q4_k_m --repeat 3 "
+        "--out benchmarks/results/gguf_decode_q4_k_m_amx.json",
+        "GGUF Q4_K_M on an AMX machine",
+        machine="Xeon AMX",
+        commit="c6fc844",
+        peer=LLAMACPP,
+        theirs=lambda *ds: statistics.median(_runs(ds, _Q4KM_CPP)),
+        ratio=lambda *ds: statistics.median(
+            a / b for a, b in zip(_runs(ds, _Q4KM), _runs(ds, _Q4KM_CPP), strict=True)
+        ),
+    ),
+    Figure(
         "GGUF GEMV, one decode row over Llama-3.2-1B-shaped Q4_K layers (~140 MB): weight "
         "bytes a second ÷ a plain streaming read of as many bytes, same round (median of 5)",
         "ratio",
