@@ -16,6 +16,16 @@
 #define KVSERVE_AVX512_BF16 1
 #endif
 
+// Runs __VA_ARGS__ with T the element type of `dtype` (float32, bf16 or fp16); any other
+// dtype is an error naming the op NAME.
+#define KVSERVE_DISPATCH_FLOAT(dtype, NAME, ...)                               \
+  switch (dtype) {                                                             \
+    case at::kFloat: { using T = float; __VA_ARGS__; break; }                  \
+    case at::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; }       \
+    case at::kHalf: { using T = c10::Half; __VA_ARGS__; break; }               \
+    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);           \
+  }
+
 namespace kvserve_cpu {
 
 inline float to_f(float v) { return v; }

@@ -34,13 +34,6 @@ inline float rnd(float v) {  // round to T and back, as storing in a T tensor wo
   return to_f(from_f<T>(v));
 }
 
-#define KV_DISPATCH(dtype, NAME, ...)                                          \
-  switch (dtype) {                                                             \
-    case at::kFloat: { using T = float; __VA_ARGS__; break; }                  \
-    case at::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; }       \
-    case at::kHalf: { using T = c10::Half; __VA_ARGS__; break; }               \
-    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);           \
-  }
 
 // out = w * T(x * rsqrt(mean(x^2) + eps)), statistics in float32 (HF LlamaRMSNorm). With
 // `add`, first x += add (rounded to T, stored in x): the residual update and the norm of a
@@ -52,7 +45,7 @@ inline void rms_row_bf16(c10::BFloat16* x, const c10::BFloat16* add, const c10::
                          c10::BFloat16* out, int64_t n, float eps) {
   using kvserve_cpu::first_lanes;
   using kvserve_cpu::widen_bf16;
-  const float ss = kvserve_cpu::add_sum_squares_bf16(x, add, n);
+  const float ss = kvserve_cpu::add_sum_squares(x, add, n);
   const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = first_lanes(n - i);
@@ -79,17 +72,7 @@ void rms_rows(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t n, f
     for (int64_t r = b; r < e; ++r) {
       T* xr = x + r * n;
       T* orow = out + r * n;
-      if (add) {
-        const T* ar = add + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(ar[i]));
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = to_f(xr[i]);
-        ss += v * v;
-      }
+      const float ss = kvserve_cpu::add_sum_squares(xr, add ? add + r * n : nullptr, n);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) orow[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(xr[i]) * inv));
@@ -102,7 +85,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: dtype mismatch");
   auto out = at::empty_like(x);
   const int64_t n = x.size(-1), rows = x.numel() / n;
-  KV_DISPATCH(x.scalar_type(), "rms_norm",
+  KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm",
               rms_rows<T>(const_cast<T*>(x.data_ptr<T>()), nullptr, w.data_ptr<T>(),
                           out.data_ptr<T>(), rows, n, static_cast<float>(eps)));
   return out;
@@ -115,7 +98,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: shape mismatch");
   auto out = at::empty_like(x);
   const int64_t n = x.size(-1), rows = x.numel() / n;
-  KV_DISPATCH(x.scalar_type(), "add_rms_norm",
+  KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm",
               rms_rows<T>(residual.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<T>(),
                           out.data_ptr<T>(), rows, n, static_cast<float>(eps)));
   return out;
@@ -169,7 +152,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2, "silu_and_mul: 2-D contiguous");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto out = at::empty({rows, inter}, gate_up.options());
-  KV_DISPATCH(gate_up.scalar_type(), "silu_and_mul",
+  KVSERVE_DISPATCH_FLOAT(gate_up.scalar_type(), "silu_and_mul",
               silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter));
   return out;
 }
@@ -249,7 +232,7 @@ at::Tensor rope(const at::Tensor& positions, at::Tensor q, at::Tensor k, const a
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "rope: positions must be contiguous int64");
   const int64_t* pos = positions.data_ptr<int64_t>();
-  KV_DISPATCH(q.scalar_type(), "rope",
+  KVSERVE_DISPATCH_FLOAT(q.scalar_type(), "rope",
               rope_impl<T>(pos, q, k, cos.data_ptr<T>(), sin.data_ptr<T>()));
   return q;
 }

@@ -30,14 +30,6 @@ namespace {
 using kvserve_cpu::from_f;
 using kvserve_cpu::to_f;
 
-#define GEMMA_DISPATCH(dtype, NAME, ...)                                       \
-  switch (dtype) {                                                             \
-    case at::kFloat: { using T = float; __VA_ARGS__; break; }                  \
-    case at::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; }       \
-    case at::kHalf: { using T = c10::Half; __VA_ARGS__; break; }               \
-    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);           \
-  }
-
 // Where row r of x starts: x is [outer, inner, n] with strides (s0, s1, 1) (2-D: inner 1).
 struct Rows {
   int64_t inner, s0, s1;
@@ -50,7 +42,7 @@ inline void gemma_row_bf16(c10::BFloat16* x, const c10::BFloat16* add, const c10
                            c10::BFloat16* out, int64_t n, float eps) {
   using kvserve_cpu::first_lanes;
   using kvserve_cpu::widen_bf16;
-  const float ss = kvserve_cpu::add_sum_squares_bf16(x, add, n);
+  const float ss = kvserve_cpu::add_sum_squares(x, add, n);
   const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / static_cast<float>(n) + eps));
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
@@ -68,10 +60,7 @@ void gemma_row(T* x, const T* add, const T* w, T* out, int64_t n, float eps) {
 #ifdef KVSERVE_AVX512_BF16
   if constexpr (std::is_same_v<T, c10::BFloat16>) return gemma_row_bf16(x, add, w, out, n, eps);
 #endif
-  if (add)
-    for (int64_t i = 0; i < n; ++i) x[i] = from_f<T>(to_f(x[i]) + to_f(add[i]));
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float ss = kvserve_cpu::add_sum_squares(x, add, n);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(x[i]) * inv * (1.f + to_f(w[i])));
 }
@@ -92,7 +81,7 @@ at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
   const Rows at_row = x.dim() == 2 ? Rows{1, x.stride(0), 0}
                                    : Rows{x.size(1), x.stride(0), x.stride(1)};
-  GEMMA_DISPATCH(x.scalar_type(), "gemma_rms_norm", {
+  KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "gemma_rms_norm", {
     T* xp = const_cast<T*>(x.data_ptr<T>());  // read only: `add` is null
     T* op = out.data_ptr<T>();
     const T* wp = w.data_ptr<T>();
@@ -113,7 +102,7 @@ at::Tensor gemma_add_rms_norm(const at::Tensor& x, at::Tensor residual, const at
   check_weight("gemma_add_rms_norm", x, w);
   auto out = at::empty(x.sizes(), x.options());
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
-  GEMMA_DISPATCH(x.scalar_type(), "gemma_add_rms_norm", {
+  KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "gemma_add_rms_norm", {
     T* rp = residual.data_ptr<T>();
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
@@ -164,7 +153,7 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
               "gelu_tanh_and_mul: gate_up must be [rows, 2 * inter] with contiguous rows");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, ld = gate_up.stride(0);
   auto out = at::empty({rows, inter}, gate_up.options());
-  GEMMA_DISPATCH(gate_up.scalar_type(), "gelu_tanh_and_mul", {
+  KVSERVE_DISPATCH_FLOAT(gate_up.scalar_type(), "gelu_tanh_and_mul", {
     const T* gp = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
