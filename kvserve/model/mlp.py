@@ -75,6 +75,14 @@ class ClampedSwiGLU(MLP):
         return self.ops.clamped_swiglu(gate_up, self.alpha, self.limit)
 
 
+def _swiglu_clamp(expert: nn.Module) -> tuple[float, float]:
+    """The one-call kernels' ``(swiglu_alpha, swiglu_limit)`` of ``expert``: gpt-oss's
+    clamped SwiGLU's, or ``(1.0, 0.0)`` (plain SwiGLU)."""
+    if isinstance(expert, ClampedSwiGLU):
+        return expert.alpha, expert.limit
+    return 1.0, 0.0
+
+
 @dataclass(frozen=True)
 class ExpertKernel:
     """Every expert of a ``SparseMoE`` through one ``moe_experts`` call (``csrc/
@@ -113,7 +121,6 @@ class ExpertKernel:
         if not all(fits(e) for e in experts):
             return None
         first = experts[0]
-        clamped = isinstance(first, ClampedSwiGLU)
         return cls(
             [e.gate_up_proj.packed_weight for e in experts],
             [e.gate_up_proj.bias for e in experts],
@@ -121,11 +128,10 @@ class ExpertKernel:
             [e.down_proj.bias for e in experts],
             first.inter,
             first.down_proj.out_features,
-            first.alpha if clamped else 1.0,
-            first.limit if clamped else 0.0,
+            *_swiglu_clamp(first),
         )
 
-    def __call__(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    def __call__(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``grouped`` ``[rows, hidden]``, expert e's ``counts[e]`` rows after expert
         e - 1's → each row through its expert, ``[rows, hidden]``."""
         return torch.ops.kvserve.moe_experts(
@@ -176,7 +182,6 @@ class QuantizedExpertKernel:
             return None
         ((up_parts, down_kind),) = shapes
         first = experts[0]
-        clamped = isinstance(first, ClampedSwiGLU)
         return cls(
             [t for e in experts for p in e.gate_up_proj.parts for t in (p.qs, p.d, p.aux)],
             [kind for kind, _ in up_parts],
@@ -187,8 +192,7 @@ class QuantizedExpertKernel:
             [e.down_proj.bias_parts[0] for e in experts],
             first.inter,
             first.down_proj.out_features,
-            first.alpha if clamped else 1.0,
-            first.limit if clamped else 0.0,
+            *_swiglu_clamp(first),
         )
 
     def __call__(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
