@@ -392,6 +392,19 @@ FIGURES: tuple[Figure, ...] = (
         ),
     ),
     Figure(
+        "GGUF Q4_1, real SmolLM2-135M, one stream 32 → 256",
+        "tok/s",
+        ("gguf_decode_smollm2_amx.json",),
+        lambda d: _r(d, "smollm2-q4_1 single kvserve quantization=auto", "median_tokens_per_s"),
+        "python benchmarks/peers/gguf_decode.py --only smollm2 --repeat 3 "
+        "--out benchmarks/results/gguf_decode_smollm2_amx.json",
+        "GGUF Q4_K_M on an AMX machine",
+        machine="Xeon AMX",
+        commit="b9180b8",
+        peer=LLAMACPP,
+        theirs=lambda d: _r(d, "smollm2-q4_1 single llamacpp", "median_tokens_per_s"),
+    ),
+    Figure(
         "GGUF GEMV, one decode row over Llama-3.2-1B-shaped Q4_K layers (~140 MB): weight "
         "bytes a second ÷ a plain streaming read of as many bytes, same round (median of 5)",
         "ratio",
