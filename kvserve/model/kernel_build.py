@@ -53,6 +53,7 @@ SOURCES = (
     "bf16_gemm_amx.cpp",
     "decoder_stack.cpp",
     "gguf_gemm.cpp",
+    "gguf_amx.cpp",
     "moe_experts.cpp",
     "gemma_ops.cpp",
 )

@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "float_convert.h"
+#include "gguf_amx.h"
 #include "gguf_blocks.h"
 #include "gguf_tile_vnni.h"
 #include "gguf_c8.h"
@@ -78,6 +79,11 @@ bool vnni_built() {
 
 // Sets whether the VNNI kernel runs where built; returns the previous setting (tests).
 bool gguf_gemm_use_vnni(bool enable) { return g_use_vnni.exchange(enable); }
+
+// Sets whether the AMX-INT8 tiles may run (s8, c8; gguf_amx.h); returns the previous
+// setting (tests).
+bool gguf_gemm_use_amx(bool enable) { return amx_int8_enable(enable); }
+bool gguf_gemm_amx() { return amx_int8_ready(); }
 
 
 // One row: codes, scales and sums of its nb blocks of QB (32, or c8's 128) values.
@@ -186,8 +192,38 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
 }
 
 
+// The s8 and c8 kinds on AMX-INT8 tiles (gguf_amx.h): items of kRowChunk rows x a span of
+// group pairs whose weights stay in L2, 32 rows x 2 groups a tile pass. The same bits as
+// the VNNI tile's.
+template <typename O>
+void run_amx(int kind, const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) {
+  const int64_t groups = (w.n + 15) / 16, pairs = (groups + 1) / 2;
+  const int64_t span = std::clamp<int64_t>(kL2Weights / (2 * a.nb * (w.qbytes + 64)), 1, 8);
+  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  const int64_t spans = (pairs + span - 1) / span;
+  at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
+    float acc[kAmxGroups][kAmxRows][16];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c = item / spans, p0 = item % spans * span;
+      const int64_t rend = std::min(m, (c + 1) * kRowChunk);
+      const int64_t pend = std::min(pairs, p0 + span);
+      for (int64_t r0 = c * kRowChunk; r0 < rend; r0 += kAmxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, rend - r0));
+        for (int64_t p = p0; p < pend; ++p) {
+          const int ng = static_cast<int>(std::min<int64_t>(2, groups - 2 * p));
+          tile_amx(kind, a, r0, rows, w, 2 * p, ng, acc);
+          for (int j = 0; j < ng; ++j)
+            store_rows<O>(acc[j], rows, 2 * p + j, w.n, bias, out + r0 * w.n, w.n);
+        }
+      }
+    }
+    amx_release();
+  });
+}
+
 template <int KIND, typename O>
 void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) {
+  if (g_use_vnni.load() && amx_int8_takes(KIND, m)) return run_amx<O>(KIND, a, m, w, bias, out);
   const int64_t groups = (w.n + 15) / 16;
   const bool vnni = vnni_built() && g_use_vnni.load();
   // An item is a chunk of rows times a span of groups whose weights stay in L2 while every
@@ -347,6 +383,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_gemm_vnni() -> bool", &vnni_built);
   m.def("gguf_gemm_use_vnni(bool enable) -> bool", &gguf_gemm_use_vnni);
+  m.def("gguf_gemm_amx() -> bool", &gguf_gemm_amx);
+  m.def("gguf_gemm_use_amx(bool enable) -> bool", &gguf_gemm_use_amx);
   m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor aux, int kind, int n, Tensor? bias) "
         "-> Tensor");
 }
