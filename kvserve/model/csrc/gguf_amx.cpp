@@ -30,9 +30,11 @@ bool amx_int8_enable(bool enable) { return g_enabled.exchange(enable); }
 namespace kvserve_gguf {
 namespace {
 
-// Rows of AMX's products from which it beats the VNNI tile (measured with
-// benchmarks/gguf_int8_rows.py: at 16 rows the tiles are ~1.5x faster, at 8 about even).
-constexpr int64_t kMinRows = 16;
+// Rows of AMX's products from which it beats the VNNI tile (benchmarks/kernels/
+// gguf_int8_rows.py on a 1B layer, Xeon AMX, ms, VNNI -> tiles): int8 at M = 1 1.42 ->
+// 1.35, 4 2.22 -> 1.41, 32 8.5 -> 3.7; Q8_0 at M = 1 1.39 -> 1.40 (both at the memory
+// floor), 2 1.52 -> 1.45, 8 2.95 -> 2.17, 32 10.9 -> 5.8.
+constexpr int64_t kMinRows = 2;
 
 // The configuration loaded on this thread: rows of the two halves and K bytes a step;
 // -1: none (released, or never loaded).

@@ -1,7 +1,6 @@
 // gguf_gemm.cpp's int8 kinds on AMX-INT8 tiles (Sapphire Rapids and later): s8 (Q8_0) and
-// c8 (--quantization int8) for products of many rows (prefill, large decode batches), where
-// the VNNI tile is bound by its dot products (~0.8 TOPS on 2 cores measured, against the
-// tiles' several).
+// c8 (--quantization int8) for products of 2 rows and more. The VNNI tile is bound by its
+// dot products from a few rows on (~0.8 TOPS on this 2-core machine; the tiles ~2).
 //
 // The packed weights are already AMX's B operand: a weight group's chunks of 4 K values for
 // 16 rows lie 64 bytes apart, block after block, so K/4 consecutive chunks are a tile of
@@ -22,7 +21,7 @@
 
 namespace kvserve_gguf {
 
-constexpr int64_t kAmxRows = 32;  // rows of one AMX tile pass: two A tiles of 16
+constexpr int64_t kAmxRows = 32;  // rows of one tile pass: two A tiles of 16
 constexpr int kAmxGroups = 2;     // weight groups of one pass: two B tiles of 16 outputs
 
 // True when this build has AMX-INT8 and the process holds the tile state (asked once).
