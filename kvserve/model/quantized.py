@@ -195,10 +195,16 @@ def pack(raw: np.ndarray, ggml_type: str, k: int) -> Packed:
     )
 
 
+def c8_block(k: int) -> int:
+    """Values per activation block of kind c8 over rows of ``k``: 128 where ``k`` allows,
+    else 32 (``csrc/gguf_c8.h``'s ``c8_block``)."""
+    return 128 if k % 128 == 0 else 32
+
+
 def pack_int8(w: torch.Tensor, amax: torch.Tensor | None = None) -> Packed:
     """Float rows ``[n, k]`` as int8 with one scale per row (``--quantization int8``,
-    kernel kind c8: ``csrc/gguf_c8.h``; activations quantized per 128 values where ``k``
-    allows, else per 32):
+    kernel kind c8: ``csrc/gguf_c8.h``; activations quantized per ``c8_block(k)``
+    values):
     ``d = max|w| / 127`` in float32, codes ``round(w / d)`` (to nearest even), in s8's
     layout (``q + 128``); ``d`` ``[G, 16]``. ``amax`` ``[n]``: the rows' ``max|w|`` when
     ``w`` holds only some of their columns (a tensor-parallel rank's part), so the part's
@@ -315,7 +321,7 @@ def reference_part(p: Packed, x: torch.Tensor) -> torch.Tensor:
     rounds them. Equal to the kernel's bits, up to a double rounding of an FMA emulated in
     float64 (an exact product plus an addend, rounded twice: rarer than 1 in 2^28)."""
     m = x.shape[0]
-    size = 128 if p.kind == _C8 and p.k % 128 == 0 else 32  # c8: wider activation blocks
+    size = c8_block(p.k) if p.kind == _C8 else 32  # c8: wider activation blocks
     blocks = x.float().view(m, -1, size)
     amax = blocks.abs().amax(-1)  # [M, nb]
     # a true division (torch computes ``127 / amax`` as ``127 * (1 / amax)``)

@@ -15,7 +15,7 @@ from helpers import amx_switched
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.kquants import quantize
-from kvserve.model.quantized import GGUFLinear, pack, pack_int8
+from kvserve.model.quantized import GGUFLinear, c8_block, pack, pack_int8
 
 ROWS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 100, 300]  # around the switch, the 16- and 32-row tiles
 
@@ -37,8 +37,13 @@ def int8(n: int, k: int, g: torch.Generator) -> GGUFLinear:
 LAYERS: dict[str, tuple[Callable[..., GGUFLinear], int]] = {
     "q8_0": (q8_0, 160),
     "int8, blocks of 128": (int8, 384),
-    "int8, blocks of 32": (int8, 96),
+    "int8, blocks of 32": (int8, 288),
 }
+
+
+def test_int8_activation_blocks_are_128_wide_where_the_row_allows():
+    got = {name: c8_block(k) for name, (make, k) in LAYERS.items() if make is int8}
+    assert got == {f"int8, blocks of {b}": b for b in (128, 32)}
 
 
 def amx(name: str):

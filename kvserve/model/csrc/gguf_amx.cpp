@@ -64,15 +64,13 @@ template <int KIND, bool TWO, int NG>
 void tile(const QAct& a, int64_t r0, int n0, int n1, const QWeight& w, int64_t g,
           float (*acc)[kAmxRows][16]) {
   const int qbv = KIND == kC8 ? static_cast<int>(a.ab * kQB) : static_cast<int>(kQB);
-  const int kb = qbv >= 64 ? 64 : 32, steps = qbv / kb;
+  const int kb = qbv % 64 == 0 ? 64 : 32, steps = qbv / kb;
   const int64_t nab = a.nb * kQB / qbv;  // activation blocks a row
   const uint8_t* w0 = w.qs + g * a.nb * w.qbytes;
   const uint8_t* w1 = w0 + a.nb * w.qbytes;
   const int8_t* x0 = a.q + r0 * a.k;
   const int8_t* x1 = x0 + 16 * a.k;
   const int rows = n0 + n1;
-  for (int j = 0; j < NG; ++j)
-    for (int r = 0; r < rows; ++r) _mm512_storeu_ps(acc[j][r], _mm512_setzero_ps());
   Sums sums[2];
   // the products of block B, into tmm0-3
   auto issue = [&](int64_t B) {
@@ -104,13 +102,18 @@ void tile(const QAct& a, int64_t r0, int n0, int n1, const QWeight& w, int64_t g
       if constexpr (NG == 2) _tile_stored(3, s.v[1][1], 64);
     }
   };
-  // block B's float steps, the VNNI tile's (gguf_c8.h, gguf_tile_vnni.h)
+  // block B's float steps, the VNNI tile's (gguf_c8.h, gguf_tile_vnni.h): the accumulators
+  // start at zero in the first block's FMA, and c8's take the row scale in the last's
   auto finish = [&](const Sums& s, int64_t B) {
     __m512 dw[NG];
     if constexpr (KIND == kS8)
       for (int j = 0; j < NG; ++j)
         dw[j] = _mm512_cvtph_ps(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(w.d + ((g + j) * a.nb + B) * 16)));
+    else
+      for (int j = 0; j < NG; ++j)
+        dw[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(w.d) + (g + j) * 16);
+    const bool first = B == 0, last = B == nab - 1;
     for (int r = 0; r < rows; ++r) {
       const int h = r / 16, i = r % 16;
       const int64_t at = (r0 + r) * nab + B;
@@ -125,7 +128,9 @@ void tile(const QAct& a, int64_t r0, int n0, int n1, const QWeight& w, int64_t g
           t = _mm512_mul_ps(dw[j], _mm512_sub_ps(_mm512_cvtepi32_ps(isum),
                                                  _mm512_mul_ps(_mm512_set1_ps(128.f), sx)));
         }
-        _mm512_storeu_ps(acc[j][r], _mm512_fmadd_ps(t, dx, _mm512_loadu_ps(acc[j][r])));
+        const __m512 before = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc[j][r]);
+        const __m512 sum = _mm512_fmadd_ps(t, dx, before);
+        _mm512_storeu_ps(acc[j][r], KIND == kC8 && last ? _mm512_mul_ps(sum, dw[j]) : sum);
       }
     }
   };
@@ -136,12 +141,6 @@ void tile(const QAct& a, int64_t r0, int n0, int n1, const QWeight& w, int64_t g
     if (B + 1 < nab) issue(B + 1);
     finish(sums[B % 2], B);
   }
-  if constexpr (KIND == kC8)
-    for (int j = 0; j < NG; ++j) {
-      const __m512 dw = _mm512_loadu_ps(reinterpret_cast<const float*>(w.d) + (g + j) * 16);
-      for (int r = 0; r < rows; ++r)
-        _mm512_storeu_ps(acc[j][r], _mm512_mul_ps(_mm512_loadu_ps(acc[j][r]), dw));
-    }
 }
 
 template <int KIND>

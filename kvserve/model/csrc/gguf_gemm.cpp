@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "float_convert.h"
+#include "gguf_act.h"
 #include "gguf_amx.h"
 #include "gguf_blocks.h"
 #include "gguf_tile_vnni.h"
@@ -85,29 +86,6 @@ bool gguf_gemm_use_vnni(bool enable) { return g_use_vnni.exchange(enable); }
 bool gguf_gemm_use_amx(bool enable) { return amx_int8_enable(enable); }
 bool gguf_gemm_amx() { return amx_int8_ready(); }
 
-
-// One row: codes, scales and sums of its nb blocks of QB (32, or c8's 128) values.
-template <int QB, typename T>
-void quantize_row(const T* x, int64_t nb, int8_t* q, float* d, float* s, float* h) {
-  for (int64_t b = 0; b < nb; ++b) {
-    float v[QB], amax = 0.f;
-    for (int i = 0; i < QB; ++i) {
-      v[i] = to_f(x[b * QB + i]);
-      amax = std::max(amax, std::fabs(v[i]));
-    }
-    const float id = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0, half = 0;
-    for (int i = 0; i < QB; ++i) {
-      const int c = std::clamp(static_cast<int>(std::nearbyint(v[i] * id)), -127, 127);
-      q[b * QB + i] = static_cast<int8_t>(c);
-      sum += c;
-      if (i == QB / 2 - 1) half = sum;
-    }
-    d[b] = amax * (1.f / 127.f);
-    s[b] = static_cast<float>(sum);
-    h[b] = static_cast<float>(half);
-  }
-}
 
 // Outputs [g*16, g*16 + 16) of `rows` rows: acc[r][16] + bias -> out.
 template <typename O>
@@ -192,22 +170,28 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
 }
 
 
-// The s8 and c8 kinds on AMX-INT8 tiles (gguf_amx.h): items of kRowChunk rows x a span of
-// group pairs whose weights stay in L2, 32 rows x 2 groups a tile pass. The same bits as
-// the VNNI tile's.
+// The s8 and c8 kinds on AMX-INT8 tiles (gguf_amx.h): items of up to kRowChunk rows x a
+// span of group pairs whose weights stay in L2, 32 rows x 2 groups a tile pass. Spans,
+// then chunks, narrow until each thread has 4 items where the product allows (a MoE
+// expert's 576 x 768 at 256 rows was 3 items: one thread did two). The same bits as the
+// VNNI tile's, whatever the split.
 template <typename O>
 void run_amx(int kind, const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) {
   const int64_t groups = (w.n + 15) / 16, pairs = (groups + 1) / 2;
-  const int64_t span = std::clamp<int64_t>(kL2Weights / (2 * a.nb * (w.qbytes + 64)), 1, 8);
-  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  int64_t span = std::clamp<int64_t>(kL2Weights / (2 * a.nb * (w.qbytes + 64)), 1, 8);
+  int64_t rc = kRowChunk;  // a multiple of kAmxRows
+  const int64_t want = 4 * at::get_num_threads();
+  auto items = [&] { return (m + rc - 1) / rc * ((pairs + span - 1) / span); };
+  while (items() < want && span > 1) span = (span + 1) / 2;
+  while (items() < want && rc > kAmxRows) rc /= 2;
   const int64_t spans = (pairs + span - 1) / span;
-  at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items(), 1, [&](int64_t begin, int64_t end) {
     float acc[kAmxGroups][kAmxRows][16];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item / spans, p0 = item % spans * span;
-      const int64_t rend = std::min(m, (c + 1) * kRowChunk);
+      const int64_t rend = std::min(m, (c + 1) * rc);
       const int64_t pend = std::min(pairs, p0 + span);
-      for (int64_t r0 = c * kRowChunk; r0 < rend; r0 += kAmxRows) {
+      for (int64_t r0 = c * rc; r0 < rend; r0 += kAmxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, rend - r0));
         for (int64_t p = p0; p < pend; ++p) {
           const int ng = static_cast<int>(std::min<int64_t>(2, groups - 2 * p));
@@ -269,26 +253,6 @@ void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) 
   });
 }
 
-// Quantizes x [M, K] into q [M, K], d and s [M, K/32]. Rows in parallel from 8 rows on: a
-// decode step's call costs no thread wake-up.
-// wide: blocks of 128 (c8 where K allows, gguf_c8.h), else of 32.
-void quantize_rows(const at::Tensor& x, int8_t* q, float* d, float* s, float* h,
-                   bool wide = false) {
-  const int64_t m = x.size(0), k = x.size(1), nb = k / (wide ? kC8QB : kQB);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_q", [&] {
-    const auto* xp = x.data_ptr<scalar_t>();
-    auto rows = [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const auto* xr = xp + r * x.stride(0);
-        if (wide) quantize_row<kC8QB>(xr, nb, q + r * k, d + r * nb, s + r * nb, h + r * nb);
-        else quantize_row<kQB>(xr, nb, q + r * k, d + r * nb, s + r * nb, h + r * nb);
-      }
-    };
-    if (m < 8) rows(0, m);
-    else at::parallel_for(0, m, 8, rows);
-  });
-}
-
 // x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a
 // repacked weight of `kind` (0: u4, 1: s8, 2: z4, 3: k4, 4: k6, 5: k5, 6: c8 (gguf_c8.h);
 // all but s8, z4, c8 read aux)
@@ -346,9 +310,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   dx.resize(m * nb);
   sx.resize(m * nb);
   hx.resize(m * nb);
-  const bool wide = kind == kC8 && c8_wide(x.size(1));
-  quantize_rows(x, q.data(), dx.data(), sx.data(), hx.data(), wide);
-  const int64_t nab = wide ? nb / (kC8QB / kQB) : nb;  // activation blocks a row
+  const int64_t qb = kind == kC8 ? c8_block(x.size(1)) : kQB;  // values an activation block
+  quantize_rows(x, q.data(), dx.data(), sx.data(), hx.data(), qb, g_use_vnni.load());
+  const int64_t nab = nb / (qb / kQB);  // activation blocks a row
   thread_local std::vector<int32_t> si;  // c8's chains start at -128 sx (exact integers)
   if (kind == kC8) {
     si.resize(m * nab);
