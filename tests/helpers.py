@@ -199,6 +199,17 @@ def amx_switched(switch: Callable[[bool], bool], name: str) -> Iterator[None]:
         switch(before)
 
 
+@contextmanager
+def gguf_portable() -> Iterator[None]:
+    """Within the block the GGUF / int8 kernels run their portable loops (no VNNI, no AMX
+    tiles, scalar activation quantization): the reference the fast paths must equal."""
+    before = torch.ops.kvserve.gguf_gemm_use_vnni(False)
+    try:
+        yield
+    finally:
+        torch.ops.kvserve.gguf_gemm_use_vnni(before)
+
+
 def expert_modules(
     spec, hidden: int, inter: int, count: int, bias: bool, clamped: bool
 ) -> torch.nn.ModuleList:

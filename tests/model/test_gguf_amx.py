@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from helpers import amx_switched
+from helpers import amx_switched, gguf_portable
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.kquants import quantize
@@ -85,16 +85,13 @@ def test_a_row_on_tiles_equals_the_row_alone(layer):
 
 
 def test_turning_simd_off_runs_the_portable_loop_not_the_tiles():
-    """``gguf_gemm_use_vnni(False)`` is the tests' portable reference: it must win over
-    the tiles, and give their bits."""
+    """The portable setting is the tests' reference: it must win over the tiles, and give
+    their bits."""
     g = torch.Generator().manual_seed(5)
     lin = q8_0(48, 128, g)
     x = torch.randn(40, 128, generator=g).bfloat16()
     with amx("amx"):
         fast = lin(x)
-        before = torch.ops.kvserve.gguf_gemm_use_vnni(False)
-        try:
+        with gguf_portable():
             slow = lin(x)
-        finally:
-            torch.ops.kvserve.gguf_gemm_use_vnni(before)
     assert torch.equal(fast, slow)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import gguf_portable
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.kquants import quantize, quantize_q4_k, quantize_q5_k, quantize_q6_k
@@ -113,11 +114,8 @@ def test_the_portable_loop_gives_the_vnni_kernels_bits(ggml_type):
     lin = layer(ggml_type, 56, k, bias=True)
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(2)).bfloat16()
     fast = lin(x)
-    before = torch.ops.kvserve.gguf_gemm_use_vnni(False)
-    try:
+    with gguf_portable():
         slow = lin(x)
-    finally:
-        torch.ops.kvserve.gguf_gemm_use_vnni(before)
     assert torch.equal(fast, slow)
 
 

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHS, MOE_ARCHS, greedy, make_engine, random_prompts, run_to_end
+from helpers import (
+    ARCHS,
+    MOE_ARCHS,
+    gguf_portable,
+    greedy,
+    make_engine,
+    random_prompts,
+    run_to_end,
+)
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
@@ -59,11 +67,8 @@ def test_kernel_equals_its_torch_reference_bit_for_bit(m, n, k):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         got = lin(x.to(dtype))
         assert got.dtype == dtype and torch.equal(got, lin.reference(x.to(dtype)))
-    before = torch.ops.kvserve.gguf_gemm_use_vnni(False)
-    try:
-        assert torch.equal(lin(x.bfloat16()), lin.reference(x.bfloat16()))  # the portable loop
-    finally:
-        torch.ops.kvserve.gguf_gemm_use_vnni(before)
+    with gguf_portable():
+        assert torch.equal(lin(x.bfloat16()), lin.reference(x.bfloat16()))
 
 
 def test_a_row_never_depends_on_the_other_rows():

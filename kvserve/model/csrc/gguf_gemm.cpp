@@ -170,11 +170,32 @@ void tile_portable(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_
 }
 
 
-// The s8 and c8 kinds on AMX-INT8 tiles (gguf_amx.h): items of up to kRowChunk rows x a
-// span of group pairs whose weights stay in L2, 32 rows x 2 groups a tile pass. Spans,
-// then chunks, narrow until each thread has 4 items where the product allows (a MoE
-// expert's 576 x 768 at 256 rows was 3 items: one thread did two). The same bits as the
-// VNNI tile's, whatever the split.
+// Runs tile(r0, rows, u) over every row tile of RT rows and every unit u < units (a group,
+// or a pair of groups), item by item in parallel: an item is a chunk of up to rc rows times
+// a span of units whose weights stay in L2 while every row tile of the chunk passes over
+// them. Each thread calls done() after its items. Which item, tile or thread computes a
+// row changes none of its bits.
+template <int64_t RT, class Tile, class Done>
+void each_tile(int64_t m, int64_t rc, int64_t units, int64_t span, const Tile& tile,
+               const Done& done) {
+  const int64_t chunks = (m + rc - 1) / rc, spans = (units + span - 1) / span;
+  at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c = item / spans, u0 = item % spans * span;
+      const int64_t rend = std::min(m, (c + 1) * rc), uend = std::min(units, u0 + span);
+      for (int64_t r0 = c * rc; r0 < rend; r0 += RT) {
+        const int rows = static_cast<int>(std::min<int64_t>(RT, rend - r0));
+        for (int64_t u = u0; u < uend; ++u) tile(r0, rows, u);
+      }
+    }
+    done();
+  });
+}
+
+// The s8 and c8 kinds on AMX-INT8 tiles (gguf_amx.h): 32 rows x a pair of groups a tile
+// pass. Spans, then chunks, narrow until each thread has 4 items where the product allows
+// (a MoE expert's 576 x 768 at 256 rows was 3 items: one thread did two). The same bits as
+// the VNNI tile's.
 template <typename O>
 void run_amx(int kind, const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) {
   const int64_t groups = (w.n + 15) / 16, pairs = (groups + 1) / 2;
@@ -184,25 +205,13 @@ void run_amx(int kind, const QAct& a, int64_t m, const QWeight& w, const float* 
   auto items = [&] { return (m + rc - 1) / rc * ((pairs + span - 1) / span); };
   while (items() < want && span > 1) span = (span + 1) / 2;
   while (items() < want && rc > kAmxRows) rc /= 2;
-  const int64_t spans = (pairs + span - 1) / span;
-  at::parallel_for(0, items(), 1, [&](int64_t begin, int64_t end) {
+  each_tile<kAmxRows>(m, rc, pairs, span, [&](int64_t r0, int rows, int64_t p) {
     float acc[kAmxGroups][kAmxRows][16];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item / spans, p0 = item % spans * span;
-      const int64_t rend = std::min(m, (c + 1) * rc);
-      const int64_t pend = std::min(pairs, p0 + span);
-      for (int64_t r0 = c * rc; r0 < rend; r0 += kAmxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, rend - r0));
-        for (int64_t p = p0; p < pend; ++p) {
-          const int ng = static_cast<int>(std::min<int64_t>(2, groups - 2 * p));
-          tile_amx(kind, a, r0, rows, w, 2 * p, ng, acc);
-          for (int j = 0; j < ng; ++j)
-            store_rows<O>(acc[j], rows, 2 * p + j, w.n, bias, out + r0 * w.n, w.n);
-        }
-      }
-    }
-    amx_release();
-  });
+    const int ng = static_cast<int>(std::min<int64_t>(2, groups - 2 * p));
+    tile_amx(kind, a, r0, rows, w, 2 * p, ng, acc);
+    for (int j = 0; j < ng; ++j)
+      store_rows<O>(acc[j], rows, 2 * p + j, w.n, bias, out + r0 * w.n, w.n);
+  }, amx_release);
 }
 
 template <int KIND, typename O>
@@ -210,47 +219,33 @@ void run(const QAct& a, int64_t m, const QWeight& w, const float* bias, O* out) 
   if (g_use_vnni.load() && amx_int8_takes(KIND, m)) return run_amx<O>(KIND, a, m, w, bias, out);
   const int64_t groups = (w.n + 15) / 16;
   const bool vnni = vnni_built() && g_use_vnni.load();
-  // An item is a chunk of rows times a span of groups whose weights stay in L2 while every
-  // row tile of the chunk passes over them (at least 4 items a thread where the matrix
-  // allows; one group an item when one tile holds every row: nothing to reuse). Which
-  // tile, span or thread computes a row changes none of its bits.
+  // Items of kRowChunk rows x a span of groups (at least 4 items a thread where the matrix
+  // allows; one group an item when one tile holds every row: nothing to reuse).
   const int64_t per_group = a.nb * (w.qbytes + 64);
   const int64_t want =
       m <= kRowTile ? 1 : std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
   const int64_t span =
       std::clamp<int64_t>(kL2Weights / per_group, 1, std::min<int64_t>(16, want));
-  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
-  const int64_t spans = (groups + span - 1) / span;
-  at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
+  each_tile<kRowTile>(m, kRowChunk, groups, span, [&](int64_t r0, int rows, int64_t g) {
     float acc[kRowTile][16];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item / spans, g0 = item % spans * span;
-      const int64_t rend = std::min(m, (c + 1) * kRowChunk);
-      const int64_t gend = std::min(groups, g0 + span);
-      for (int64_t r0 = c * kRowChunk; r0 < rend; r0 += kRowTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, rend - r0));
-        for (int64_t g = g0; g < gend; ++g) {
-          if constexpr (KIND == kC8) {
+    if constexpr (KIND == kC8) {
 #ifdef KVSERVE_GGUF_VNNI
-            if (vnni) tile_c8_vnni_rows(a, r0, rows, w, g, acc);
-            else tile_c8_portable(a, r0, rows, w, g, acc);
+      if (vnni) tile_c8_vnni_rows(a, r0, rows, w, g, acc);
+      else tile_c8_portable(a, r0, rows, w, g, acc);
 #else
-            tile_c8_portable(a, r0, rows, w, g, acc);
+      tile_c8_portable(a, r0, rows, w, g, acc);
 #endif
-          } else {
+    } else {
 #ifdef KVSERVE_GGUF_VNNI
-            if (vnni) tile_vnni_rows<KIND>(a, r0, rows, w, g, acc);
-            else tile_portable<KIND>(a, r0, rows, w, g, acc);
+      if (vnni) tile_vnni_rows<KIND>(a, r0, rows, w, g, acc);
+      else tile_portable<KIND>(a, r0, rows, w, g, acc);
 #else
-            tile_portable<KIND>(a, r0, rows, w, g, acc);
+      tile_portable<KIND>(a, r0, rows, w, g, acc);
 #endif
-          }
-          (void)vnni;
-          store_rows<O>(acc, rows, g, w.n, bias, out + r0 * w.n, w.n);
-        }
-      }
     }
-  });
+    (void)vnni;
+    store_rows<O>(acc, rows, g, w.n, bias, out + r0 * w.n, w.n);
+  }, [] {});
 }
 
 // x [M, K] (float32, bf16 or fp16; unit column stride), K a multiple of 32; qs, d, aux a
