@@ -90,14 +90,15 @@ def _shape_serving(shape: str, name: str, **kw) -> Figure:
     )  # fmt: skip
 
 
-def _serving(result: str, section: str, **kw) -> Figure:
-    """A ``benchmarks/peers/serving.py --real`` figure at 32 concurrent streams."""
+def _serving(result: str, section: str, concurrency: int = 32, **kw) -> Figure:
+    """A ``benchmarks/peers/serving.py --real`` figure at ``concurrency`` streams."""
+    c = str(concurrency)
     return Figure(
-        "OpenAI server, real SmolLM2-135M bf16, 256 → 128, 32 concurrent", "output tok/s",
-        (result,), lambda d: d["summary"]["32"]["kvserve"]["output_throughput"],
+        f"OpenAI server, real SmolLM2-135M bf16, 256 → 128, {c} concurrent", "output tok/s",
+        (result,), lambda d: d["summary"][c]["kvserve"]["output_throughput"],
         f"python benchmarks/peers/serving.py --real --rounds 2 --out benchmarks/results/{result}",
         section, peer=f"{VLLM} OpenAI server",
-        theirs=lambda d: d["summary"]["32"]["vllm"]["output_throughput"], **kw,
+        theirs=lambda d: d["summary"][c]["vllm"]["output_throughput"], **kw,
     )  # fmt: skip
 
 
@@ -141,7 +142,23 @@ FIGURES: tuple[Figure, ...] = (
         commit="e41ad24",
     ),
     _serving("serving_real_r23.json", "Serving efficiency", commit="e0c289d"),
-    _serving("serving_real_r22.json", "Speed", machine="Xeon AMX", commit="e41ad24"),
+    _serving("serving_real_amx_c2c7ff5.json", "int8 on AMX tiles", machine="Xeon AMX",
+             commit="c2c7ff5"),
+    _serving("serving_real_amx_c2c7ff5.json", "int8 on AMX tiles", concurrency=8,
+             machine="Xeon AMX", commit="c2c7ff5"),
+    Figure(
+        "the server beside the same engine offline, real SmolLM2-135M, c = 8 (median of 2 "
+        "rounds; 292.7 vs 321.8 tok/s)",
+        "online ÷ offline tok/s",
+        ("serve_breakdown_c8_amx.json",),
+        lambda d: d["summary"]["online_vs_offline"],
+        "python benchmarks/features/serve_breakdown.py --rounds 2 --concurrency 8 "
+        "--num-prompts 32 --client openai --out benchmarks/results/serve_breakdown_c8_amx.json",
+        "int8 on AMX tiles",
+        machine="Xeon AMX",
+        commit="c2c7ff5",
+        fmt="{:.2f}",
+    ),
     Figure(
         "the server beside the same engine offline, c = 32 (lowest of 4 runs)",
         "online ÷ offline tok/s",
