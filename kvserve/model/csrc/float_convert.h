@@ -1,6 +1,7 @@
 // Float conversions shared by the CPU kernels, written to vectorize: bf16 <-> float by bit
 // shifts (round to nearest even, the same result as c10::BFloat16; NaN stays NaN); Half
-// goes through c10 (rare on CPU). With AVX-512-BF16 (KVSERVE_AVX512_BF16), 16-lane helpers.
+// goes through c10 (rare on CPU). With AVX-512, 16-lane helpers (some also need its bf16
+// instructions: KVSERVE_AVX512_BF16).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -10,9 +11,11 @@
 #include <cstring>
 
 // AVX-512 with the bf16 instructions and the 256-bit masked forms the kernels use.
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
-#include <immintrin.h>
 #define KVSERVE_AVX512_BF16 1
 #endif
 
@@ -64,8 +67,11 @@ inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
+#endif
 
-// 16 bf16 values (as loaded, or as _mm512_cvtneps_pbh rounded them) -> float.
+#ifdef __AVX512F__
+// 16 bf16 values (as loaded, or as _mm512_cvtneps_pbh rounded them) -> float. Plain
+// AVX-512 (the VNNI kernels use it on CPUs without the bf16 instructions too).
 inline __m512 widen_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }

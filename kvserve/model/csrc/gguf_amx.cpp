@@ -9,7 +9,6 @@
 #include <torch/extension.h>
 
 #include <atomic>
-#include <cstring>
 
 #include "amx_config.h"
 #include "gemm_items.h"

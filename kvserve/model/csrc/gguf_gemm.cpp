@@ -81,10 +81,6 @@ bool vnni_built() {
 // Sets whether the VNNI kernel runs where built; returns the previous setting (tests).
 bool gguf_gemm_use_vnni(bool enable) { return g_use_vnni.exchange(enable); }
 
-// Sets whether the AMX-INT8 tiles may run (s8, c8; gguf_amx.h); returns the previous
-// setting (tests).
-bool gguf_gemm_use_amx(bool enable) { return amx_int8_enable(enable); }
-bool gguf_gemm_amx() { return amx_int8_ready(); }
 
 
 // Outputs [g*16, g*16 + 16) of `rows` rows: acc[r][16] + bias -> out.
@@ -342,8 +338,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_gemm_vnni() -> bool", &vnni_built);
   m.def("gguf_gemm_use_vnni(bool enable) -> bool", &gguf_gemm_use_vnni);
-  m.def("gguf_gemm_amx() -> bool", &gguf_gemm_amx);
-  m.def("gguf_gemm_use_amx(bool enable) -> bool", &gguf_gemm_use_amx);
+  m.def("gguf_gemm_amx() -> bool", &amx_int8_ready);  // the AMX-INT8 tiles (gguf_amx.h)
+  m.def("gguf_gemm_use_amx(bool enable) -> bool", &amx_int8_enable);
   m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor aux, int kind, int n, Tensor? bias) "
         "-> Tensor");
 }
