@@ -331,6 +331,17 @@ FIGURES: tuple[Figure, ...] = (
         peer=f"{VLLM} bf16",
     ),
     _offline(
+        "--quantization int8 on AMX-INT8 tiles, real SmolLM2-135M, offline 32 × 256 → 128 "
+        "(kvserve bf16 in the same run: 761.3, so int8 is 0.74× of it)",
+        "offline_real_amx_int8.json",
+        "kvserve-int8",
+        "--real --engines kvserve,kvserve-int8,vllm --repeat 2",
+        "int8 on AMX tiles",
+        machine="Xeon AMX",
+        commit="ce33a7e",
+        peer=f"{VLLM} bf16",
+    ),
+    _offline(
         "--quantization int8 on AMX-INT8 tiles, Llama-3.2-1B shape, offline 32 × 256 → 128",
         "offline_llama1b_amx_int8.json",
         "kvserve-int8",
