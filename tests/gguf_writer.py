@@ -1,7 +1,8 @@
 """Write an HF test checkpoint as a GGUF file the way llama.cpp's converter does, with the
 ``gguf`` package's writer: its metadata keys, its tensor names (``gguf``'s own name map),
 and its changes to the values (Q/K rows permuted for ``llama``, Gemma's norms stored as
-``1 + w``, a MoE layer's experts stacked per projection). The tokenizer is the checkpoint's
+``1 + w``, a MoE layer's experts stacked per projection; gpt-oss's interleaved gate/up
+columns split and its experts optionally MXFP4). The tokenizer is the checkpoint's
 byte-level BPE, written as ``gpt2`` with the pre-tokenizer name given. And the reference
 reading of such a file: transformers' own GGUF loading (``transformers_from_gguf``).
 """
@@ -47,6 +48,18 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "gpt-oss":  # convert_hf_to_gguf's GptOssModel and TextModel's YaRN keys
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+            w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch in ("gemma2", "gemma3") or (arch == "phi3" and cfg.get("sliding_window")):
@@ -93,10 +106,13 @@ def _tensors(arch: str, cfg: dict, model_dir: Path) -> dict[str, np.ndarray]:
     """HF tensors → GGUF name → float32 array, with llama.cpp's changes applied."""
     hf = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     n = cfg["num_hidden_layers"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], n)
     out: dict[str, np.ndarray] = {}
     experts: dict[str, list[tuple[int, np.ndarray]]] = {}
     for name, value in sorted(hf.items()):
+        if arch == "gpt-oss" and (".mlp.experts." in name or name.endswith(".sinks")):
+            out.update(_gpt_oss(name, value, names))
+            continue
         base, _, leaf = name.rpartition(".")
         if ".mlp.experts." in base:  # model.layers.N.mlp.experts.E.gate_proj
             head, e, proj = base.rsplit(".", 2)
@@ -123,6 +139,22 @@ def _tensors(arch: str, cfg: dict, model_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _gpt_oss(name: str, value: np.ndarray, names: gguf.TensorNameMap) -> dict[str, np.ndarray]:
+    """A gpt-oss tensor as llama.cpp's converter writes it: a sink logit per head as
+    ``attn_sinks.weight``; the stacked experts ``[experts, in, out]`` as ``[experts, out,
+    in]``, gate/up's interleaved columns (and bias entries) split into two tensors."""
+    if name.endswith(".sinks"):
+        return {f"{names.get_name(name)}.weight": value}
+    head, _, stacked = name.rpartition(".")  # model.layers.N.mlp.experts, gate_up_proj…
+    leaf = "bias" if stacked.endswith("_bias") else "weight"
+    if leaf == "weight":
+        value = value.swapaxes(1, 2)  # [experts, out, in]
+    parts = {"down_proj": value}
+    if stacked.startswith("gate_up"):
+        parts = {"gate_proj": value[:, 0::2], "up_proj": value[:, 1::2]}
+    return {f"{names.get_name(f'{head}.{p}')}.{leaf}": v for p, v in parts.items()}
+
+
 def write_gguf(
     model_dir: Path,
     path: Path,
@@ -145,10 +177,14 @@ def write_gguf(
         qt = (overrides or {}).get(kind, quant)
         if (
             qt != gguf.GGMLQuantizationType.F32
+            and name.endswith(".weight")  # biases stay float32, as llama.cpp keeps them
             and value.ndim >= 2
             and value.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0] == 0
         ):
-            w.add_tensor(name, quantize(value, qt.name), raw_dtype=qt)
+            if qt == gguf.GGMLQuantizationType.MXFP4:  # the gguf package's own quantizer
+                w.add_tensor(name, gguf.quants.quantize(value, qt), raw_dtype=qt)
+            else:
+                w.add_tensor(name, quantize(value, qt.name), raw_dtype=qt)
         else:
             w.add_tensor(name, value)
     w.write_header_to_file()

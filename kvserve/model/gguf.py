@@ -14,10 +14,11 @@ converted again; conversion runs under a lock and publishes the directory atomic
 processes starting at once convert once).
 
 Supported: ``general.architecture`` ``llama`` (Llama, Mistral, SmolLM …), ``qwen2``,
-``qwen3``, ``qwen3moe``, ``qwen2moe``, ``phi3``, ``gemma2`` and ``gemma3`` (``model/gguf_arch.py``
-says how each maps to HF), with the tokenizers ``model/gguf_tokenizer.py`` converts. The
-served dtype defaults to bfloat16 (``--dtype`` overrides). Anything else, and a truncated
-or corrupt file, raises ``GGUFError`` naming the file and what is wrong.
+``qwen3``, ``qwen3moe``, ``qwen2moe``, ``phi3``, ``gemma2``, ``gemma3`` and ``gpt-oss``
+(``model/gguf_arch.py`` says how each maps to HF), with the tokenizers
+``model/gguf_tokenizer.py`` converts. The served dtype defaults to bfloat16 (``--dtype``
+overrides). Anything else, and a truncated or corrupt file, raises ``GGUFError`` naming
+the file and what is wrong.
 """
 
 from __future__ import annotations

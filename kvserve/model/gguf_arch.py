@@ -19,6 +19,14 @@ llama.cpp's conventions (``convert_hf_to_gguf.py``), undone here:
 - ``gemma2``: as ``gemma3`` without q/k norms or a local rotary base; every other layer
   slides (the first does), the query scale is hidden / heads for the 46-layer 27B, and the
   attention and final logit soft-capping are in the metadata.
+- ``gpt-oss``: each expert projection stacked ``[experts, out, in]`` (gate and up apart,
+  which HF's checkpoint interleaves; OpenAI's MXFP4 files keep them as MXFP4 blocks,
+  dequantized here like any other type), biases ``[experts, out]``, the router as
+  ``ffn_gate_inp`` with its bias, a sink logit per head (``attn_sinks``); every other layer
+  slides (the first does); YaRN from the metadata, untruncated, and the clamped SwiGLU's
+  limit (7) are gpt-oss's, not in the metadata. The experts become each expert's rows.
+- any architecture: ``rope.scaling.type`` ``linear`` or ``yarn`` (its factor, original
+  context and, when present, beta_fast/beta_slow).
 
 Anything else raises ``GGUFError`` naming the architecture and the supported ones.
 """
@@ -40,6 +48,7 @@ HF_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 _GEMMA3_PATTERN = 6  # llama.cpp: every 6th layer attends globally
 _GEMMA_NORMS = ("gemma2", "gemma3")  # RMSNorm weights stored as 1 + w
@@ -69,6 +78,11 @@ _LAYER_NAMES_BY_ARCH = {
     "gemma2": _GEMMA_LAYER_NAMES,
     "gemma3": _GEMMA_LAYER_NAMES,
     "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "gpt-oss": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.router",
+        "attn_sinks": "self_attn.sinks",
+    },
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen2moe": {
         "ffn_gate_inp": "mlp.gate",
@@ -153,13 +167,22 @@ def hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
         "dtype": "bfloat16",  # the serving default; the tensors themselves are float32
     }
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
+    if scaling not in ("none", "linear", "yarn"):
         raise GGUFError(f"{arch}.rope.scaling.type {scaling!r} is not supported")
-    if scaling == "linear":
+    if scaling != "none":
         config["rope_scaling"] = {
-            "rope_type": "linear",
+            "rope_type": scaling,
             "factor": float(get("rope.scaling.factor")),
         }
+    if scaling == "yarn":
+        yarn = config["rope_scaling"]
+        yarn["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+        for key in ("beta_fast", "beta_slow"):
+            value = get(f"rope.scaling.yarn_{key}", None)
+            if value:
+                yarn[key] = float(value)
+        if arch == "gpt-oss":
+            yarn["truncate"] = False  # OpenAI's config: the ramp's ends are not rounded
     if arch == "qwen2":
         config["attention_bias"] = True  # Qwen2's q/k/v biases (the files carry them)
     elif arch in ("qwen3moe", "qwen2moe"):
@@ -208,6 +231,20 @@ def hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
             },
             query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
         )
+    elif arch == "gpt-oss":
+        del config["hidden_act"]
+        config.update(
+            model_type="gpt_oss",
+            intermediate_size=int(get("expert_feed_forward_length")),
+            num_local_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            sliding_window=int(get("attention.sliding_window")),
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ],
+            attention_bias=True,
+            swiglu_limit=7.0,
+        )
     elif arch == "gemma2":
         del config["hidden_act"]
         window = get("attention.sliding_window", None)
@@ -246,7 +283,7 @@ def hf_tensors(
         raise GGUFError(f"tensor {name!r} is not part of a {arch} model")
     layer, base, leaf = parts[1], parts[2], parts[3]
     prefix = f"model.layers.{layer}."
-    if arch in ("qwen3moe", "qwen2moe") and base in _EXPERTS:
+    if arch in ("qwen3moe", "qwen2moe", "gpt-oss") and base in _EXPERTS:
         return [
             (f"{prefix}mlp.experts.{e}.{_EXPERTS[base]}.{leaf}", np.ascontiguousarray(data[e]))
             for e in range(data.shape[0])
@@ -261,6 +298,8 @@ def hf_tensors(
     elif arch == "llama" and base in ("attn_q", "attn_k") and leaf == "weight":
         heads = config["num_attention_heads" if base == "attn_q" else "num_key_value_heads"]
         data = unpermute(data, heads)
+    elif base == "attn_sinks":
+        return [(f"{prefix}{names[base]}", data)]  # a parameter of its own, no .weight
     return [(f"{prefix}{names[base]}.{leaf}", data)]
 
 

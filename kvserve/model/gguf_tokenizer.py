@@ -1,9 +1,11 @@
 """A GGUF file's tokenizer metadata → ``tokenizer.json`` + ``tokenizer_config.json``.
 
 Byte-level BPE with GPT-2's pre-tokenization (``tokenizer.ggml.model`` ``gpt2`` and
-``tokenizer.ggml.pre`` absent, ``default``, ``gpt2`` or ``smollm``) is converted here:
-the vocabulary, merges and token types become a ``tokenizers`` BPE model with byte-level
-pre-tokenization and decoding; control tokens become special added tokens, user-defined
+``tokenizer.ggml.pre`` absent, ``default``, ``gpt2`` or ``smollm``) or with GPT-4o's
+(``gpt-4o``: the o200k split gpt-oss files use, which transformers' GGUF loading does not
+read) is converted here: the vocabulary, merges and token types become a ``tokenizers``
+BPE model with byte-level pre-tokenization (after the o200k split for ``gpt-4o``) and
+decoding; control tokens become special added tokens, user-defined
 ones plain added tokens. The chat template, BOS/EOS and ``add_bos_token`` go to
 ``tokenizer_config.json``.
 
@@ -32,14 +34,33 @@ def _get(reader: Any, key: str, default: Any = None) -> Any:
 
 
 _GPT2_SPLITS = (None, "default", "gpt2", "smollm")  # GPT-2's own pre-tokenizer regex
+# tokenizer.ggml.pre -> the regex that splits the text before byte-level BPE
+# (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O: tiktoken's o200k_base pattern)
+_LETTERS_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LETTERS_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_SPLITS = {
+    "gpt-4o": "|".join(
+        (
+            rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS_UPPER}*{_LETTERS_LOWER}+{_CONTRACTION}",
+            rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS_UPPER}+{_LETTERS_LOWER}*{_CONTRACTION}",
+            r"\p{N}{1,3}",
+            r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+            r"\s*[\r\n]+",
+            r"\s+(?!\S)",
+            r"\s+",
+        )
+    ),
+}
 
 
 def write_tokenizer(reader: Any, out: Path, path: Path) -> None:
     """Write the tokenizer files of GGUF file ``path`` (read by ``reader``) into ``out``.
     Raises GGUFError when its tokenizer cannot be converted."""
     kind = _get(reader, "tokenizer.ggml.model")
-    if kind == "gpt2" and _get(reader, "tokenizer.ggml.pre") in _GPT2_SPLITS:
-        _write_gpt2_bpe(reader, out)
+    pre = _get(reader, "tokenizer.ggml.pre")
+    if kind == "gpt2" and (pre in _GPT2_SPLITS or pre in _SPLITS):
+        _write_gpt2_bpe(reader, out, _SPLITS.get(pre))
     else:
         _write_with_transformers(path, out, kind)
 
@@ -66,8 +87,10 @@ def _write_with_transformers(path: Path, out: Path, kind: str) -> None:
     config_path.write_text(json.dumps(config, indent=1))
 
 
-def _write_gpt2_bpe(reader: Any, out: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def _write_gpt2_bpe(reader: Any, out: Path, split: str | None) -> None:
+    """Byte-level BPE; ``split``: a regex whose matches are pre-tokenized apart first
+    (None: GPT-2's own, inside the byte-level step)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tokens: list[str] = _get(reader, "tokenizer.ggml.tokens")
     types: list[int] = _get(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -75,7 +98,14 @@ def _write_gpt2_bpe(reader: Any, out: Path) -> None:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     prefix = bool(_get(reader, "tokenizer.ggml.add_space_prefix", False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=prefix, use_regex=split is None)
+    tok.pre_tokenizer = (
+        byte_level
+        if split is None
+        else pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+        )
+    )
     tok.decoder = decoders.ByteLevel()
     added = [
         AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
