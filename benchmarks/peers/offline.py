@@ -33,6 +33,7 @@ from kvserve.testing.models import build_bench_model as build_model
 HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent  # benchmarks/
 
+
 # ---- workers (run in subprocesses) -------------------------------------------------------
 def worker_kvserve(a: argparse.Namespace) -> dict:
     from kvserve import LLM, SamplingParams
@@ -154,6 +155,8 @@ def run_worker(name: str, a: argparse.Namespace) -> dict:
         kv, name = name.removeprefix("kvserve-kv-"), "kvserve"
     if name.startswith("kvserve-tp"):  # this tree's kvserve over N tensor-parallel ranks
         tp, name = int(name.removeprefix("kvserve-tp")), "kvserve"
+    if name == "baseline-int8":  # the baseline checkout with --quantization int8
+        quant, name = "int8", "baseline"
     if name == "baseline":  # kvserve from another checkout (a git worktree of an older commit)
         if not a.baseline:
             raise SystemExit("engine 'baseline' needs --baseline PATH")
@@ -282,7 +285,7 @@ def main() -> None:
         "--engines",
         default="kvserve,vllm,hf",
         help="of kvserve, kvserve-tpN (N ranks), kvserve-kv-DTYPE (--kv-cache-dtype DTYPE), "
-        "kvserve-int8 (--quantization int8), baseline, vllm, hf",
+        "kvserve-int8 (--quantization int8), baseline, baseline-int8, vllm, hf",
     )
     p.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
