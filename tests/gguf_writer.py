@@ -48,18 +48,17 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if arch == "gpt-oss":  # convert_hf_to_gguf's GptOssModel and TextModel's YaRN keys
+    if arch == "gpt-oss":  # convert_hf_to_gguf's GptOssModel
         w.add_expert_count(cfg["num_local_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
         w.add_sliding_window(cfg["sliding_window"])
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type") == "yarn":
-            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            w.add_rope_scaling_factor(rope["factor"])
-            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-            w.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
-            w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
+    if rope.get("rope_type") == "yarn":  # TextModel's YaRN keys
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+        w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch in ("gemma2", "gemma3") or (arch == "phi3" and cfg.get("sliding_window")):

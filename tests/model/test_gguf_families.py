@@ -171,6 +171,31 @@ def test_phi3_longrope_and_window_from_gguf(tmp_path):
     assert outs[0] == outs[1]
 
 
+def test_qwen2_yarn_from_gguf(tmp_path):
+    """YaRN in a file's metadata (rope.scaling.type yarn, factor, original context, betas)
+    gives the source checkpoint's rotary parameters and greedy text (kvserve on both)."""
+    import transformers as t
+
+    config = t.Qwen2Config(
+        **COMMON, num_hidden_layers=2, tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0,
+        },
+    )  # fmt: skip
+    model_dir = build_hf_model(config, tmp_path / "hf")
+    converted = convert(write_gguf(model_dir, tmp_path / "qwen2-yarn.gguf", "qwen2"))
+    got, want = load_model_spec(converted).rope, load_model_spec(model_dir).rope
+    assert got == want and got.rope_type == "yarn" and got.beta_fast == 16.0
+    outs = []
+    for d in (model_dir, converted):
+        engine = make_engine(d, dtype="float32", kv_cache_memory="64MiB")
+        for i, p in enumerate(random_prompts([20, 45], seed=6)):
+            engine.add_request(f"r{i}", p, greedy(16))
+        outs.append(run_to_end(engine))
+    assert outs[0] == outs[1]
+
+
 def test_a_tensor_the_architecture_lacks_is_named(tmp_path):
     import numpy as np
 
