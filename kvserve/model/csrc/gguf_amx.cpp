@@ -61,7 +61,7 @@ struct alignas(64) Sums {
 
 template <int KIND, bool TWO, int NG>
 void tile(const QAct& a, int64_t r0, int n0, int n1, const QWeight& w, int64_t g,
-          float (*acc)[kAmxRows][16]) {
+          float (*acc)[kAmxRows][16], const uint8_t* pf) {
   const int qbv = KIND == kC8 ? static_cast<int>(a.ab * kQB) : static_cast<int>(kQB);
   const int kb = qbv % 64 == 0 ? 64 : 32, steps = qbv / kb;
   const int64_t nab = a.nb * kQB / qbv;  // activation blocks a row
@@ -81,6 +81,11 @@ void tile(const QAct& a, int64_t r0, int n0, int n1, const QWeight& w, int64_t g
     }
     for (int s = 0; s < steps; ++s) {
       const int64_t kk = B * qbv + s * kb;  // the weights' chunks of kk..: 16 bytes a K
+      if (pf != nullptr)  // the same chunks of the next pair's two groups, into L2
+        for (int64_t at = kk * 16; at < (kk + kb) * 16; at += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf + at), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(pf + a.nb * w.qbytes + at), _MM_HINT_T1);
+        }
       _tile_loadd(4, x0 + kk, a.k);
       _tile_loadd(6, w0 + kk * 16, 64);
       if constexpr (NG == 2) _tile_loadd(7, w1 + kk * 16, 64);
@@ -144,14 +149,14 @@ void tile(const QAct& a, int64_t r0, int n0, int n1, const QWeight& w, int64_t g
 
 template <int KIND>
 void tile_kind(const QAct& a, int64_t r0, int rows, const QWeight& w, int64_t g, int ng,
-               float (*acc)[kAmxRows][16]) {
+               float (*acc)[kAmxRows][16], const uint8_t* pf) {
   const int n0 = std::min(rows, 16), n1 = rows - n0;
   if (n1 > 0) {
-    if (ng == 2) tile<KIND, true, 2>(a, r0, n0, n1, w, g, acc);
-    else tile<KIND, true, 1>(a, r0, n0, n1, w, g, acc);
+    if (ng == 2) tile<KIND, true, 2>(a, r0, n0, n1, w, g, acc, pf);
+    else tile<KIND, true, 1>(a, r0, n0, n1, w, g, acc, pf);
   } else {
-    if (ng == 2) tile<KIND, false, 2>(a, r0, n0, n1, w, g, acc);
-    else tile<KIND, false, 1>(a, r0, n0, n1, w, g, acc);
+    if (ng == 2) tile<KIND, false, 2>(a, r0, n0, n1, w, g, acc, pf);
+    else tile<KIND, false, 1>(a, r0, n0, n1, w, g, acc, pf);
   }
 }
 
@@ -164,9 +169,9 @@ bool amx_int8_takes(int kind, int64_t m) {
 }
 
 void tile_amx(int kind, const QAct& a, int64_t r0, int rows, const QWeight& w, int64_t g,
-              int ng, float (*acc)[kAmxRows][16]) {
-  if (kind == kC8) tile_kind<kC8>(a, r0, rows, w, g, ng, acc);
-  else tile_kind<kS8>(a, r0, rows, w, g, ng, acc);
+              int ng, float (*acc)[kAmxRows][16], const uint8_t* pf) {
+  if (kind == kC8) tile_kind<kC8>(a, r0, rows, w, g, ng, acc, pf);
+  else tile_kind<kS8>(a, r0, rows, w, g, ng, acc, pf);
 }
 
 void amx_release() {
@@ -183,7 +188,7 @@ namespace kvserve_gguf {
 bool amx_int8_ready() { return false; }
 bool amx_int8_takes(int, int64_t) { return false; }
 void tile_amx(int, const QAct&, int64_t, int, const QWeight&, int64_t, int,
-              float (*)[kAmxRows][16]) {
+              float (*)[kAmxRows][16], const uint8_t*) {
   TORCH_CHECK(false, "this build of the CPU kernels has no AMX-INT8");
 }
 void amx_release() {}

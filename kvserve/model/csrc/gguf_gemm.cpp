@@ -204,7 +204,12 @@ void run_amx(int kind, const QAct& a, int64_t m, const QWeight& w, const float* 
   each_tile<kAmxRows>(m, rc, pairs, span, [&](int64_t r0, int rows, int64_t p) {
     float acc[kAmxGroups][kAmxRows][16];
     const int ng = static_cast<int>(std::min<int64_t>(2, groups - 2 * p));
-    tile_amx(kind, a, r0, rows, w, 2 * p, ng, acc);
+    // a chunk's first row tile brings the next pair's weights into L2, as the bf16 AMX
+    // kernel does (weights streamed from DRAM, a 1B layer's gate/up: 32 rows 2.9 -> 2.5
+    // ms, 256 rows 13.3 -> 11.0; benchmarks/history/notebook.md)
+    const bool next = r0 % rc == 0 && 2 * p + 3 < groups;
+    const uint8_t* pf = next ? w.qs + (2 * p + 2) * a.nb * w.qbytes : nullptr;
+    tile_amx(kind, a, r0, rows, w, 2 * p, ng, acc, pf);
     for (int j = 0; j < ng; ++j)
       store_rows<O>(acc[j], rows, 2 * p + j, w.n, bias, out + r0 * w.n, w.n);
   }, amx_release);
