@@ -62,6 +62,14 @@ _PREFETCH_ARGS = (
 )
 
 
+def _prefetch(capability: str, engine: str, **kw) -> Figure:
+    """A figure of the 1B run beside the int8 tiles' prefetch (c7b7a98, Xeon AMX)."""
+    return _offline(
+        capability, "offline_llama1b_amx_prefetch.json", engine, _PREFETCH_ARGS,
+        "int8 on AMX with the weights in DRAM", machine="Xeon AMX", commit="c7b7a98", **kw,
+    )  # fmt: skip
+
+
 def _int8_rows(d: dict, rows: int) -> float:
     """``gguf_int8_rows.py``'s int8-on-tiles ms a layer at ``rows`` rows."""
     return next(r for r in d["results"] if r["rows"] == rows)["int8 amx"]["ms"]
@@ -352,36 +360,18 @@ FIGURES: tuple[Figure, ...] = (
         commit="ce33a7e",
         peer=f"{VLLM} bf16",
     ),
-    _offline(
+    _prefetch(
         "--quantization int8 on AMX-INT8 tiles, the next weights prefetched, Llama-3.2-1B "
         "shape, offline 32 × 256 → 128 (kvserve bf16 in the same run: 117.4, so int8 is "
         "1.21× of it)",
-        "offline_llama1b_amx_prefetch.json",
         "kvserve-int8",
-        _PREFETCH_ARGS,
-        "int8 on AMX with the weights in DRAM",
-        machine="Xeon AMX",
-        commit="c7b7a98",
         peer=f"{VLLM} bf16",
     ),
-    _offline(
-        "Llama-3.2-1B shape bf16, offline 32 × 256 → 128",
-        "offline_llama1b_amx_prefetch.json",
-        "kvserve",
-        _PREFETCH_ARGS,
-        "int8 on AMX with the weights in DRAM",
-        machine="Xeon AMX",
-        commit="c7b7a98",
-    ),
-    _offline(
+    _prefetch("Llama-3.2-1B shape bf16, offline 32 × 256 → 128", "kvserve"),
+    _prefetch(
         "the int8 tiles' prefetch: --quantization int8, Llama-3.2-1B shape, offline "
         "32 × 256 → 128",
-        "offline_llama1b_amx_prefetch.json",
         "kvserve-int8",
-        _PREFETCH_ARGS,
-        "int8 on AMX with the weights in DRAM",
-        machine="Xeon AMX",
-        commit="c7b7a98",
         peer="kvserve int8 before it (9593e94)",
         theirs=lambda d: _r(d, "baseline-int8"),
     ),
