@@ -41,7 +41,7 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    rope = cfg.get("rope_parameters") or {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5, 4
     rope = rope.get("full_attention", rope)
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     if arch in ("qwen3moe", "qwen2moe"):

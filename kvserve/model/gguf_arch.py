@@ -176,7 +176,9 @@ def hf_config(reader: Any, has_output: bool) -> dict[str, Any]:
         }
     if scaling == "yarn":
         yarn = config["rope_scaling"]
-        yarn["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+        original = get("rope.scaling.original_context_length", None)
+        # absent: the context length, as llama.cpp takes it
+        yarn["original_max_position_embeddings"] = int(original or get("context_length"))
         for key in ("beta_fast", "beta_slow"):
             value = get(f"rope.scaling.yarn_{key}", None)
             if value:
@@ -270,7 +272,9 @@ def hf_tensors(
     arch: str, name: str, data: np.ndarray, config: dict[str, Any]
 ) -> list[tuple[str, np.ndarray]]:
     """The HF tensors GGUF tensor ``name`` (dequantized, in HF's dimension order) holds,
-    with llama.cpp's changes undone; GGUFError for a name the architecture lacks."""
+    with llama.cpp's changes undone; GGUFError for a name the architecture lacks. Stacked
+    experts become each expert's ``[out, in]`` rows (kvserve's layout; for gpt-oss not the
+    stacked tensors HF's own checkpoint has)."""
     if name in _GLOBAL_NAMES:
         hf = _GLOBAL_NAMES[name]
         return [(hf, data - 1 if arch in _GEMMA_NORMS and name == "output_norm.weight" else data)]

@@ -98,7 +98,11 @@ def _write_gpt2_bpe(reader: Any, out: Path, split: str | None) -> None:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     prefix = bool(_get(reader, "tokenizer.ggml.add_space_prefix", False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=prefix, use_regex=split is None)
+    # after a split, ByteLevel would prefix every piece: a file's add_space_prefix applies
+    # to GPT-2's split only (llama.cpp ignores it for BPE vocabularies altogether)
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=prefix and split is None, use_regex=split is None
+    )
     tok.pre_tokenizer = (
         byte_level
         if split is None

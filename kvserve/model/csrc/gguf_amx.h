@@ -36,7 +36,7 @@ bool amx_int8_takes(int kind, int64_t m);
 // Rows [r0, r0 + rows) (rows <= 32) x groups [g, g + ng) (ng 1 or 2) of kind kS8 or kC8:
 // acc[j][r][.] = what the VNNI tile writes for row r0 + r of group g + j. Loads this
 // thread's tile configuration where it differs from the last one loaded. `pf` (or nullptr):
-// weights to prefetch into L2 meanwhile, as many bytes as these groups' (the next pair's).
+// the first of two groups whose weights to prefetch into L2 meanwhile (the next pair).
 void tile_amx(int kind, const QAct& a, int64_t r0, int rows, const QWeight& w, int64_t g,
               int ng, float (*acc)[kAmxRows][16], const uint8_t* pf);
 
