@@ -33,13 +33,14 @@ def _get(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-_GPT2_SPLITS = (None, "default", "gpt2", "smollm")  # GPT-2's own pre-tokenizer regex
-# tokenizer.ggml.pre -> the regex that splits the text before byte-level BPE
-# (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O: tiktoken's o200k_base pattern)
+# tokenizer.ggml.pre -> the regex that splits the text before byte-level BPE; None: GPT-2's
+# own, inside the byte-level step ("gpt-4o": llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O,
+# tiktoken's o200k_base pattern)
 _LETTERS_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _LETTERS_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-_SPLITS = {
+_SPLITS: dict[str | None, str | None] = {
+    **dict.fromkeys((None, "default", "gpt2", "smollm")),
     "gpt-4o": "|".join(
         (
             rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS_UPPER}*{_LETTERS_LOWER}+{_CONTRACTION}",
@@ -59,8 +60,8 @@ def write_tokenizer(reader: Any, out: Path, path: Path) -> None:
     Raises GGUFError when its tokenizer cannot be converted."""
     kind = _get(reader, "tokenizer.ggml.model")
     pre = _get(reader, "tokenizer.ggml.pre")
-    if kind == "gpt2" and (pre in _GPT2_SPLITS or pre in _SPLITS):
-        _write_gpt2_bpe(reader, out, _SPLITS.get(pre))
+    if kind == "gpt2" and pre in _SPLITS:
+        _write_gpt2_bpe(reader, out, _SPLITS[pre])
     else:
         _write_with_transformers(path, out, kind)
 
