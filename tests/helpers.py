@@ -239,3 +239,27 @@ def experts_looped(experts: torch.nn.ModuleList, x: torch.Tensor, counts: list[i
             parts.append(expert(x[start : start + n]))
             start += n
     return torch.cat(parts)
+
+
+def check_every_forward(model) -> list[int]:
+    """Make ``model.forward`` run the Python loop, then the fused stack, on each step's
+    inputs and assert that the stack ran and gave the same output; returns the list that
+    collects each step's token count."""
+    fused, forward, steps = model.fused_stack, model.forward, []
+
+    def stack(*args):
+        out = fused(*args)
+        assert out is not None, "the fused stack refused a step"
+        return out
+
+    def checked(ids, positions, caches, meta):
+        model.fused_stack = None
+        ref = forward(ids, positions, caches, meta)
+        model.fused_stack = stack
+        got = forward(ids, positions, caches, meta)
+        assert torch.equal(ref, got), f"step {len(steps)} of {ids.numel()} tokens differs"
+        steps.append(ids.numel())
+        return got
+
+    model.forward = checked
+    return steps

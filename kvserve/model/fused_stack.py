@@ -39,7 +39,7 @@ class _CacheArgs:
     candidates: int
 
 
-def _runs(linear: nn.Module) -> bool:
+def runs_linear(linear: nn.Module) -> bool:
     """A linear the C++ loop calls: kvserve's bf16 GEMM, or one or two quantized parts."""
     return isinstance(linear, KernelLinear) or (
         isinstance(linear, GGUFLinear) and len(linear.parts) <= 2
@@ -50,7 +50,7 @@ def _runs_gate_up(mlp: nn.Module) -> bool:
     """The gate/up projection with SiLU fused (bf16), or one quantized part before it."""
     if isinstance(mlp.gate_up_proj, KernelGateUpSilu):
         return bool(mlp.gate_up_applies_silu)
-    return _runs(mlp.gate_up_proj) and not mlp.gate_up_applies_silu
+    return runs_linear(mlp.gate_up_proj) and not mlp.gate_up_applies_silu
 
 
 def _weight(linear: nn.Module) -> torch.Tensor:
@@ -73,9 +73,16 @@ def _inter(gate_up: nn.Module) -> int:
 
 class FusedStack:
     """The weights of every layer, in ``decoder_stack``'s order, and the constants of the
-    call. Build it with ``FusedStack.build``; it holds references, not copies."""
+    call. Build it with ``FusedStack.build``; it holds references, not copies. A subclass
+    runs another layer order (``gemma_stack.GemmaStack``): its ``order`` names the layers'
+    ``fused_stack_order`` it accepts, ``layer_weights`` lists a layer's weights."""
 
-    def __init__(self, layers: nn.ModuleList, backend: CpuPagedAttention, dtype: torch.dtype):
+    order = "llama"  # the layers' fused_stack_order this stack runs
+    local_rope = False  # whether it rotates sliding layers with their own tables (Gemma 3)
+
+    def __init__(self, model: nn.Module):
+        layers = model.layers
+        backend = layers[0].self_attn.backend
         self.weights: list[torch.Tensor] = []
         self.biases: list[torch.Tensor | None] = []
         self.qscales: list[torch.Tensor | None] = []  # (d, aux) of each quantized linear
@@ -87,11 +94,7 @@ class FusedStack:
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            w = [_weight(lin) for lin in linears]
-            self.weights += [
-                layer.input_layernorm.weight, w[0], w[1],
-                layer.post_attention_layernorm.weight, w[2], w[3],
-            ]  # fmt: skip
+            self.weights += self.layer_weights(layer, [_weight(lin) for lin in linears])
             for lin in linears:
                 quantized = isinstance(lin, GGUFLinear)
                 self.biases.append(_bias(lin) if quantized else lin.bias)
@@ -114,33 +117,59 @@ class FusedStack:
         self.eps = float(layers[0].input_layernorm.eps)
         self.scale = float(a0.scale)
         self.window, self.sinks = backend.window, backend.sinks
-        self.dtype = dtype
+        self.dtype = layers[0].input_layernorm.weight.dtype
+
+    @staticmethod
+    def layer_weights(layer: nn.Module, linears: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``layer``'s weights in the C++ loop's order, given its four linears' (qkv, o,
+        gate_up, down)."""
+        w = linears
+        return [
+            layer.input_layernorm.weight, w[0], w[1],
+            layer.post_attention_layernorm.weight, w[2], w[3],
+        ]  # fmt: skip
+
+    @classmethod
+    def runs_layer(cls, layer: nn.Module, first: nn.Module) -> bool:
+        """Whether the C++ loop runs ``layer`` as it is (``first``: the model's first layer,
+        whose constants the call takes)."""
+        a, m = layer.self_attn, layer.mlp
+        return (
+            a.backend is first.self_attn.backend
+            and a.q_norm is None
+            and _runs_gate_up(m)
+            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+        )
 
     @classmethod
     def build(cls, model: nn.Module) -> FusedStack | None:
-        """A ``FusedStack`` for ``model`` (a ``LlamaForCausalLM`` after ``prepack_linears``),
-        or None when some part of its layers is not a kernel the C++ loop calls."""
+        """The stack for ``model`` (a ``LlamaForCausalLM`` after ``prepack_linears``; its
+        ``stack_class``, this class by default), or None when some part of its layers is
+        not a kernel the C++ loop calls."""
         layers = getattr(model, "layers", None)
         if not layers or getattr(model, "tp", None) is not None:
             return None
         backend = layers[0].self_attn.backend
         if not isinstance(backend, CpuPagedAttention):
             return None
+        stack: type[FusedStack] = getattr(model, "stack_class", FusedStack)
+        spec = getattr(model, "spec", None)
+        if getattr(spec, "local_rope", None) is not None and not stack.local_rope:
+            return None
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             if (
-                not getattr(layer, "fused_stack_order", False)
+                getattr(layer, "fused_stack_order", None) != stack.order
                 or not hasattr(m, "down_proj")  # a mixture of experts
-                or a.backend is not backend
+                or not isinstance(a.backend, CpuPagedAttention)
+                or getattr(a, "sinks", None) is not None  # learned sinks (gpt-oss)
                 or not isinstance(a.ops, CpuKernelOps)
                 or not isinstance(layer.input_layernorm.ops, CpuKernelOps)
-                or a.q_norm is not None
-                or not all(_runs(x) for x in (a.qkv_proj, a.o_proj, m.down_proj))
-                or not _runs_gate_up(m)
-                or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
+                or not all(runs_linear(x) for x in (a.qkv_proj, a.o_proj, m.down_proj))
+                or not stack.runs_layer(layer, layers[0])
             ):
                 return None
-        return cls(layers, backend, layers[0].input_layernorm.weight.dtype)
+        return stack(model)
 
     def cache_args(self, kv_caches: list) -> _CacheArgs | None:
         """What ``decoder_stack`` needs of ``kv_caches``, or None when a cache is of a kind
@@ -172,10 +201,12 @@ class FusedStack:
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list,
         meta: AttentionMetadata,
+        local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(x, residual)`` after every layer (the stack's output is their normed sum),
         writing this step's K/V; None, with nothing written, when ``cache_args`` refuses
-        the caches or ``x`` is not of the weights' dtype."""
+        the caches or ``x`` is not of the weights' dtype. ``local_rope``: the sliding
+        layers' cos/sin tables, for a stack whose ``local_rope`` is set."""
         args = self.cache_args(kv_caches)
         if args is None or x.dtype != self.dtype or not x.is_contiguous():
             return None

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.gemma_stack import GemmaStack
 from kvserve.model.llama import Attention, LlamaForCausalLM
 from kvserve.model.mlp import make_mlp
 from kvserve.model.ops import TorchOps
@@ -48,7 +49,7 @@ class GemmaRMSNorm(nn.Module):
 class GemmaDecoderLayer(nn.Module):
     """Sandwich-norm block: ``h += post_attn(attn(in(h)))``, ``h += post_ffn(mlp(pre_ffn(h)))``."""
 
-    fused_stack_order = False  # not the order decoder_stack runs
+    fused_stack_order = "gemma"  # gemma_stack (model/gemma_stack.py) runs it in C++
 
     def __init__(
         self,
@@ -93,6 +94,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
+    stack_class = GemmaStack
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = super()._embed(ids)

@@ -56,6 +56,7 @@ SOURCES = (
     "gguf_amx.cpp",
     "moe_experts.cpp",
     "gemma_ops.cpp",
+    "gemma_stack.cpp",
 )
 # -ffast-math but no reassociation: batch invariance rests on it. One source compiled for
 # two element types (an 8-bit decode row reads codes in place, a prefill row reads them

@@ -104,8 +104,8 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block; carries the residual stream separately so adds fuse into norms."""
 
-    # decoder_stack (model/fused_stack.py) runs this block's order in C++
-    fused_stack_order = True
+    # the C++ loop of this block's order: decoder_stack (model/fused_stack.py)
+    fused_stack_order = "llama"
 
     def __init__(
         self,
@@ -162,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
 
     layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[nn.Module] = RMSNorm
+    stack_class: type[FusedStack] = FusedStack  # the layers in one C++ call
 
     def __init__(
         self,
@@ -225,15 +226,15 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "init_rope() must be called before forward()"
         x = self._embed(input_ids)
         tables = self.rope.tables(x.dtype, meta.max_position)
+        local = tables
+        if self.local_rope is not None:
+            local = self.local_rope.tables(x.dtype, meta.max_position)
         fused = None
         if self.fused_stack is not None:
-            fused = self.fused_stack(x, positions, tables, kv_caches, meta)
+            fused = self.fused_stack(x, positions, tables, kv_caches, meta, local)
         if fused is not None:
             x, residual = fused
         else:
-            local = tables
-            if self.local_rope is not None:
-                local = self.local_rope.tables(x.dtype, meta.max_position)
             residual = None
             layers = zip(self.layers, kv_caches, self._local_layers, self._kv_groups, strict=True)
             for layer, cache, sliding, group in layers:

@@ -9,7 +9,7 @@ import gguf
 import pytest
 import torch
 from gguf_writer import write_gguf
-from helpers import greedy, make_engine, random_prompts, run_to_end
+from helpers import check_every_forward, greedy, make_engine, random_prompts, run_to_end
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
@@ -19,30 +19,6 @@ from kvserve.testing.models import build_hf_model
 
 BF16 = torch.bfloat16
 OWN_GEMM = kernel_gemm_preferred(BF16, torch.device("cpu"))  # else oneDNN: nothing to fuse
-
-
-def _check_every_forward(model) -> list[int]:
-    """Make ``model.forward`` run the Python loop, then the fused stack, on each step's
-    inputs and assert that the stack ran and gave the same output; returns the list that
-    collects each step's token count."""
-    fused, forward, steps = model.fused_stack, model.forward, []
-
-    def stack(*args):
-        out = fused(*args)
-        assert out is not None, "the fused stack refused a step"
-        return out
-
-    def checked(ids, positions, caches, meta):
-        model.fused_stack = None
-        ref = forward(ids, positions, caches, meta)
-        model.fused_stack = stack
-        got = forward(ids, positions, caches, meta)
-        assert torch.equal(ref, got), f"step {len(steps)} of {ids.numel()} tokens differs"
-        steps.append(ids.numel())
-        return got
-
-    model.forward = checked
-    return steps
 
 
 @pytest.mark.parametrize(
@@ -60,7 +36,7 @@ def test_fused_stack_equals_the_python_loop_on_every_step(model_dirs, kind, kv):
         assert model.fused_stack is None
         return
     assert model.fused_stack is not None
-    steps = _check_every_forward(model)
+    steps = check_every_forward(model)
     prompts = random_prompts([5, 30, 17, 40], seed=3)
     for i, p in enumerate(prompts):
         engine.add_request(f"a{i}", p, greedy(6))
@@ -82,7 +58,7 @@ def test_gguf_weights_kept_quantized_run_in_the_stack(model_dirs, tmp_path, ggml
     engine = make_engine(convert(path), dtype=dtype, max_num_batched_tokens=16)
     model = engine.runner.model
     assert model.fused_stack is not None and min(model.fused_stack.kinds) >= 0
-    steps = _check_every_forward(model)
+    steps = check_every_forward(model)
     for i, p in enumerate(random_prompts([5, 30, 17], seed=4)):
         engine.add_request(f"q{i}", p, greedy(6))
     assert all(len(v) == 6 for v in run_to_end(engine).values())
@@ -109,7 +85,7 @@ def test_a_quantized_linear_of_two_types_runs_in_the_stack(tmp_path):
     assert stack is not None
     assert stack.kinds[:4] == [3, 3, 3, 4] and stack.tail_kinds[:4] == [4, -1, -1, -1]
     assert stack.tail_rows[0] == 128  # V: 2 KV heads of 64
-    steps = _check_every_forward(model)
+    steps = check_every_forward(model)
     for i, p in enumerate(random_prompts([5, 30, 17], seed=5)):
         engine.add_request(f"k{i}", p, greedy(6))
     assert all(len(v) == 6 for v in run_to_end(engine).values())

@@ -19,6 +19,7 @@
 
 #include "attention_cell.h"
 #include "float_convert.h"
+#include "ops.h"
 #include "rms16.h"
 
 #include <cmath>
@@ -164,6 +165,17 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
 }
 
 }  // namespace
+
+namespace kvserve {  // entry points for C++ callers (ops.h)
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return ::gemma_rms_norm(x, w, eps);
+}
+at::Tensor gemma_add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w,
+                              double eps) {
+  return ::gemma_add_rms_norm(x, residual, w, eps);
+}
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return ::gelu_tanh_and_mul(gate_up); }
+}  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gemma_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

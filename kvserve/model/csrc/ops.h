@@ -27,6 +27,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp,
 at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& wp,
                                 const std::optional<at::Tensor>& bias, int64_t inter);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+// Gemma's (1 + w) RMSNorm of 2-D or 3-D x with a contiguous last dimension.
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+// residual += x (rounded to its dtype); returns gemma_rms_norm(residual).
+at::Tensor gemma_add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w,
+                              double eps);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const at::Tensor& aux, int64_t kind, int64_t n,
                        const std::optional<at::Tensor>& bias);
