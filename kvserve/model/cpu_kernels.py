@@ -45,7 +45,7 @@ _OPS = (
     "paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rope",
     "shm_all_reduce", "shm_gather", "quantize_kv", "write_kv", "bf16_linear",
     "bf16_linear_silu_mul", "argmax_rows", "decoder_stack", "gguf_linear", "gemma_rms_norm",
-    "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul", "gemma_stack",
 )  # fmt: skip
 _loaded: Path | None = None
 
