@@ -263,3 +263,19 @@ def check_every_forward(model) -> list[int]:
 
     model.forward = checked
     return steps
+
+
+def run_checked(engine, seed: int) -> list[int]:
+    """Runs prompts of 5-40 tokens (past the test models' 12-token windows) in the steps
+    ``engine``'s budget allows, then prompts that hit their cached prefixes, every step
+    checked by ``check_every_forward``. Returns the steps' token counts."""
+    steps = check_every_forward(engine.runner.model)
+    prompts = random_prompts([5, 30, 17, 40], seed=seed)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", p, greedy(6))
+    first = run_to_end(engine)
+    for i, p in enumerate(prompts[1:3]):  # same prefix, new tails: cache hits
+        engine.add_request(f"b{i}", [*p[:16], 7, 8, 9], greedy(4))
+    second = run_to_end(engine)
+    assert all(len(v) == 6 for v in first.values()) and all(len(v) == 4 for v in second.values())
+    return steps

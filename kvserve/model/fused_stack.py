@@ -194,6 +194,13 @@ class FusedStack:
         n = len(kv_caches)
         return _CacheArgs(list(kv_caches), [None] * n, [None] * n, _PLAIN, 1)
 
+    def step_args(self, x: torch.Tensor, kv_caches: list) -> _CacheArgs | None:
+        """``cache_args(kv_caches)``, or None also when ``x`` is not a contiguous tensor of
+        the weights' dtype: a step the C++ loop cannot run."""
+        if x.dtype != self.dtype or not x.is_contiguous():
+            return None
+        return self.cache_args(kv_caches)
+
     def __call__(
         self,
         x: torch.Tensor,
@@ -207,8 +214,8 @@ class FusedStack:
         writing this step's K/V; None, with nothing written, when ``cache_args`` refuses
         the caches or ``x`` is not of the weights' dtype. ``local_rope``: the sliding
         layers' cos/sin tables, for a stack whose ``local_rope`` is set."""
-        args = self.cache_args(kv_caches)
-        if args is None or x.dtype != self.dtype or not x.is_contiguous():
+        args = self.step_args(x, kv_caches)
+        if args is None:
             return None
         assert meta.seq_block_tables is not None and meta.seq_lens is not None
         assert meta.query_start is not None

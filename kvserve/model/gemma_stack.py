@@ -80,8 +80,8 @@ class GemmaStack(FusedStack):
         meta: AttentionMetadata,
         local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        args = self.cache_args(kv_caches)
-        if args is None or x.dtype != self.dtype or not x.is_contiguous():
+        args = self.step_args(x, kv_caches)
+        if args is None:
             return None
         metas = [meta, *meta.groups]
         if len(metas) < self.groups:  # the uniform layout: one table for every layer

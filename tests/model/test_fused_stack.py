@@ -9,7 +9,14 @@ import gguf
 import pytest
 import torch
 from gguf_writer import write_gguf
-from helpers import check_every_forward, greedy, make_engine, random_prompts, run_to_end
+from helpers import (
+    check_every_forward,
+    greedy,
+    make_engine,
+    random_prompts,
+    run_checked,
+    run_to_end,
+)
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
@@ -36,15 +43,7 @@ def test_fused_stack_equals_the_python_loop_on_every_step(model_dirs, kind, kv):
         assert model.fused_stack is None
         return
     assert model.fused_stack is not None
-    steps = check_every_forward(model)
-    prompts = random_prompts([5, 30, 17, 40], seed=3)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"a{i}", p, greedy(6))
-    first = run_to_end(engine)
-    for i, p in enumerate(prompts[1:3]):  # same prefix, new tails: cache hits
-        engine.add_request(f"b{i}", [*p[:16], 7, 8, 9], greedy(4))
-    second = run_to_end(engine)
-    assert all(len(v) == 6 for v in first.values()) and all(len(v) == 4 for v in second.values())
+    steps = run_checked(engine, seed=3)
     assert len(steps) > 10 and max(steps) == 16 and min(steps) < 16
 
 

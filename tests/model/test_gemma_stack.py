@@ -10,7 +10,7 @@ import gguf
 import pytest
 import torch
 from gguf_writer import write_gguf
-from helpers import check_every_forward, greedy, make_engine, random_prompts, run_to_end
+from helpers import greedy, make_engine, run_checked, run_to_end
 
 from kvserve.model.cpu_kernels import load_cpu_kernels
 from kvserve.model.fused_stack import FusedStack
@@ -20,21 +20,6 @@ from kvserve.model.linear import kernel_gemm_preferred
 
 BF16 = torch.bfloat16
 OWN_GEMM = kernel_gemm_preferred(BF16, torch.device("cpu"))  # else oneDNN: nothing to fuse
-
-
-def _run_checked(engine, seed: int) -> list[int]:
-    """Prompts longer than the 12-token window in 16-token steps, then cache hits; every
-    step checked (``check_every_forward``). Returns the steps' token counts."""
-    steps = check_every_forward(engine.runner.model)
-    prompts = random_prompts([5, 30, 17, 40], seed=seed)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"a{i}", p, greedy(6))
-    first = run_to_end(engine)
-    for i, p in enumerate(prompts[1:3]):  # same prefix, new tails: cache hits
-        engine.add_request(f"b{i}", [*p[:16], 7, 8, 9], greedy(4))
-    second = run_to_end(engine)
-    assert all(len(v) == 6 for v in first.values()) and all(len(v) == 4 for v in second.values())
-    return steps
 
 
 @pytest.mark.parametrize(
@@ -63,7 +48,7 @@ def test_gemma_stack_equals_the_python_loop_on_every_step(model_dirs, kind, kv, 
     assert stack.layer_info == [1, local, 12, 0, 0, 0, 0, 0]
     assert (stack.qk_norms[0] is not None) == (kind == "gemma3")
     assert stack.softcap == (1.0 if kind == "gemma2" else 0.0)
-    steps = _run_checked(engine, seed=3)
+    steps = run_checked(engine, seed=3)
     assert len(steps) > 10 and max(steps) == 16 and min(steps) < 16
 
 
@@ -74,7 +59,7 @@ def test_gguf_gemma3_weights_kept_quantized_run_in_the_stack(model_dirs, tmp_pat
     engine = make_engine(convert(path), dtype="bfloat16", max_num_batched_tokens=16)
     stack = engine.runner.model.fused_stack
     assert isinstance(stack, GemmaStack) and min(stack.kinds) >= 0
-    assert len(_run_checked(engine, seed=4)) > 10
+    assert len(run_checked(engine, seed=4)) > 10
 
 
 def test_what_the_gemma_stack_cannot_run_takes_the_python_loop(model_dirs):

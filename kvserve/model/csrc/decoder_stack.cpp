@@ -62,9 +62,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
               " scales and shifts");
   const Linears linear{qscales, kinds, tails, tail_kinds, tail_rows};
   linear.check("decoder_stack", layers);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == dm.hidden && x_in.is_contiguous(),
-              "decoder_stack: x must be contiguous [tokens, hidden]");
-  TORCH_CHECK(kv_kind >= -1 && kv_kind <= 2, "decoder_stack: kv_kind must be -1, 0, 1 or 2");
+  kvserve_stack::check_step("decoder_stack", x_in, dm, kv_kind);
   const int64_t t = x_in.size(0), qs = dm.q_size(), kvs = dm.kv_size();
   const int64_t nqkv = qs + 2 * kvs;
   at::Tensor x = x_in, residual, h;

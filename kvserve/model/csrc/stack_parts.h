@@ -31,6 +31,14 @@ inline Dims read_dims(const char* op, c10::IntArrayRef d) {
   return Dims{d[0], d[1], d[2], d[3], d[4], d[5]};
 }
 
+// Checks a step's x [tokens, hidden] (contiguous) and the caches' kv_kind (-1: plain,
+// 0-2: quantize_kv's kinds).
+inline void check_step(const char* op, const at::Tensor& x, const Dims& dm, int64_t kv_kind) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == dm.hidden && x.is_contiguous(), op,
+              ": x must be contiguous [tokens, hidden]");
+  TORCH_CHECK(kv_kind >= -1 && kv_kind <= 2, op, ": kv_kind must be -1, 0, 1 or 2");
+}
+
 // One layer's cache: a plain one [2, slots, H, D] (or its tiles, kv_tiles.h) of the
 // activations' dtype (kind < 0), or the codes [2, slots, H, D] of a token-scale int8/fp8
 // cache with scales [2, slots, H] float16 (or both tiled: [2, slots / 16, H, 16, D] and
