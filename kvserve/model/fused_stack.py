@@ -6,10 +6,10 @@ bit; it saves the Python between the kernels (~70 µs a layer: a tenth of a 32-s
 decode step of SmolLM2 on 2 cores). ``FusedStack.build`` takes a loaded, prepacked model
 and returns None when any part is not one the C++ loop runs: in every linear kvserve's
 bf16 GEMM (with SiLU in the gate/up one) or a GGUF-quantized weight of one or two parts
-(``GGUFLinear``: a Q4_K_M file's Q/K/V is Q4_K then Q6_K), the fused element-wise ops,
-``CpuPagedAttention``, no q/k norms and no tensor parallelism. At call time a cache it
-cannot write in C++ (head scales, calibration pending) sends that step back to the Python
-loop.
+(``GGUFLinear``: a Q4_K_M file's Q/K/V is Q4_K then Q6_K), the fused element-wise ops
+(Qwen3's q/k norms included), ``CpuPagedAttention`` and no tensor parallelism. At call time
+a cache it cannot write in C++ (head scales, calibration pending) sends that step back to
+the Python loop.
 """
 
 from __future__ import annotations
@@ -91,8 +91,12 @@ class FusedStack:
         self.tails: list[torch.Tensor | None] = []
         self.tail_kinds: list[int] = []
         self.tail_rows: list[int] = []
+        self.qk_norms: list[torch.Tensor | None] = []  # per layer: q's, k's (or None, None)
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
+            self.qk_norms += (
+                [None, None] if a.q_norm is None else [a.q_norm.weight, a.k_norm.weight]
+            )
             linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             self.weights += self.layer_weights(layer, [_weight(lin) for lin in linears])
             for lin in linears:
@@ -134,11 +138,14 @@ class FusedStack:
         """Whether the C++ loop runs ``layer`` as it is (``first``: the model's first layer,
         whose constants the call takes)."""
         a, m = layer.self_attn, layer.mlp
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if a.q_norm is not None:  # Qwen3's, on the kernels: one eps for every norm
+            norms += [a.q_norm, a.k_norm]
         return (
             a.backend is first.self_attn.backend
-            and a.q_norm is None
             and _runs_gate_up(m)
-            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+            and all(isinstance(n.ops, CpuKernelOps) for n in norms)
+            and len({n.eps for n in norms} | {first.input_layernorm.eps}) == 1
         )
 
     @classmethod
@@ -245,4 +252,5 @@ class FusedStack:
             self.tails,
             self.tail_kinds,
             self.tail_rows,
+            self.qk_norms,
         )

@@ -21,24 +21,19 @@ from kvserve.model.mlp import GeluMLP
 
 
 class GemmaStack(FusedStack):
-    """Per layer, besides ``FusedStack``'s weights: its q/k norms (None, None without),
-    and ``layer_info`` = (KV group, 1 if it rotates with the sliding tables, window, sinks)."""
+    """Per layer, besides ``FusedStack``'s weights and q/k norms: ``layer_info`` = (KV
+    group, 1 if it rotates with the sliding tables, window, sinks)."""
 
     order = "gemma"
     local_rope = True
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        self.qk_norms: list[torch.Tensor | None] = []
         self.layer_info: list[int] = []
         local = model._local_layers
         groups = model._kv_groups
         for i, layer in enumerate(model.layers):
             a = layer.self_attn
-            if a.q_norm is not None:
-                self.qk_norms += [a.q_norm.weight, a.k_norm.weight]
-            else:
-                self.qk_norms += [None, None]
             self.layer_info += [groups[i], int(local[i]), a.backend.window, a.backend.sinks]
         self.softcap = float(model.layers[0].self_attn.softcap)
         self.groups = 1 + max(groups)

@@ -84,7 +84,9 @@ class CpuKernelOps(TorchOps):
     """
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if not x.is_contiguous():
+        """One C++ pass for contiguous ``x`` and for 3-D ``x`` whose last dimension is
+        contiguous (Qwen3's q/k views of the qkv output); others as ``TorchOps``."""
+        if not (x.is_contiguous() or (x.dim() == 3 and x.stride(-1) == 1)):
             return super().rms_norm(x, w, eps)
         return torch.ops.kvserve.rms_norm(x, w, eps)
 

@@ -74,6 +74,14 @@ def test_fused_ops_match_pytorch_ops(dtype):
         assert diff <= rel * max(1.0, b.float().abs().max().item()), diff
 
     close(fused.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), max(tol, 1e-6))
+    # Qwen3's q/k norms: per-head rows of a strided [T, H, D] view, each head's row the
+    # bits of the same row normed from a contiguous copy
+    heads = torch.randn(37, 5 * 32 + 16, generator=g).to(dtype)[:, 16:].view(37, 5, 32)
+    hw = w[:32].contiguous()
+    assert not heads.is_contiguous()
+    normed = fused.rms_norm(heads, hw, 1e-6)
+    assert torch.equal(normed, fused.rms_norm(heads.contiguous(), hw, 1e-6))
+    close(normed, ref.rms_norm(heads, hw, 1e-6), max(tol, 1e-6))
     out_f, res_f = fused.add_rms_norm(x, res.clone(), w, 1e-5)
     out_r, res_r = ref.add_rms_norm(x, res.clone(), w, 1e-5)
     assert torch.equal(res_f, res_r)

@@ -30,11 +30,19 @@ OWN_GEMM = kernel_gemm_preferred(BF16, torch.device("cpu"))  # else oneDNN: noth
 
 @pytest.mark.parametrize(
     ("kind", "kv"),
-    [("llama", "auto"), ("llama", "int8"), ("mistral", "fp8_e4m3"), ("qwen2", "auto")],
+    [
+        ("llama", "auto"),
+        ("llama", "int8"),
+        ("mistral", "fp8_e4m3"),
+        ("qwen2", "auto"),
+        ("qwen3", "auto"),
+        ("qwen3", "int8"),
+    ],
 )
 def test_fused_stack_equals_the_python_loop_on_every_step(model_dirs, kind, kv):
     """Chunked prefills beside decodes (16-token budget), then prompts that share a cached
-    prefix; mistral has a sliding window of 12 and one KV head, qwen2 has QKV biases."""
+    prefix; mistral has a sliding window of 12 and one KV head, qwen2 has QKV biases,
+    qwen3 q/k norms and its own LM head."""
     engine = make_engine(
         model_dirs[kind], dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=16
     )
@@ -93,8 +101,15 @@ def test_a_quantized_linear_of_two_types_runs_in_the_stack(tmp_path):
 
 def test_models_and_caches_it_cannot_run_take_the_python_loop(model_dirs):
     assert load_cpu_kernels()
-    qwen3 = make_engine(model_dirs["qwen3"], dtype="bfloat16")  # q/k norms
-    assert qwen3.runner.model.fused_stack is None
+    qwen3 = make_engine(model_dirs["qwen3"], dtype="bfloat16")
+    model = qwen3.runner.model
+    assert (model.fused_stack is not None) == OWN_GEMM
+    if OWN_GEMM:  # q/k norms of another eps than the layer's norms: not one call's constant
+        model.layers[1].self_attn.k_norm.eps = 1e-3
+        assert FusedStack.build(model) is None
+        model.layers[1].self_attn.k_norm.eps = model.layers[1].input_layernorm.eps
+        stack = FusedStack.build(model)
+        assert stack is not None and stack.qk_norms[2] is model.layers[1].self_attn.q_norm.weight
     fp32 = make_engine(model_dirs["llama"], dtype="float32")  # no packed GEMM
     assert fp32.runner.model.fused_stack is None
     head = make_engine(
@@ -118,7 +133,8 @@ def test_bad_arguments_are_refused_with_a_clear_error():
     rest = [torch.zeros(1, 1, dtype=torch.long), idx[:1], torch.tensor([0, 2])]
     dims = [4, 2, 16, 64, 96, 16]
     tails = ([None] * 12, [-1] * 4, [0] * 4)  # no linear has a second part
-    plain = ([None] * 8, [-1] * 4, *tails)  # every linear bf16
+    qk = [None] * 2  # no q/k norms
+    plain = ([None] * 8, [-1] * 4, *tails, qk)  # every linear bf16
     with pytest.raises(RuntimeError, match="decoder_stack: 1 caches need 6 weights"):
         torch.ops.kvserve.decoder_stack(*args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain)
     args[4] = [x] * 6
@@ -128,19 +144,24 @@ def test_bad_arguments_are_refused_with_a_clear_error():
         torch.ops.kvserve.decoder_stack(*args, *rest, dims, 1e-5, 0.25, 0, 0, 5, 1, *plain)
     with pytest.raises(RuntimeError, match="4 linear kinds and 8 quantization scales"):
         torch.ops.kvserve.decoder_stack(
-            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [], [-1], *tails
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [], [-1], *tails, qk
         )
     with pytest.raises(RuntimeError, match="a quantized linear needs its scales"):
         torch.ops.kvserve.decoder_stack(
-            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [None] * 8, [0, -1, -1, -1], *tails
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, [None] * 8, [0, -1, -1, -1], *tails, qk
         )
     with pytest.raises(RuntimeError, match="4 tail kinds and rows and 12 tail tensors"):
         torch.ops.kvserve.decoder_stack(
-            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain[:2], [None] * 3, [-1] * 4, [0] * 4
-        )
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain[:2], [None] * 3, [-1] * 4,
+            [0] * 4, qk,
+        )  # fmt: skip
     with pytest.raises(RuntimeError, match="a tail needs a quantized linear"):
         torch.ops.kvserve.decoder_stack(
             *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain[:2], [None] * 12,
-            [1, -1, -1, -1], [8, 0, 0, 0],
+            [1, -1, -1, -1], [8, 0, 0, 0], qk,
         )  # fmt: skip
+    with pytest.raises(RuntimeError, match="decoder_stack: q and k norms come together"):
+        torch.ops.kvserve.decoder_stack(
+            *args, *rest, dims, 1e-5, 0.25, 0, 0, -1, 1, *plain[:-1], [x[0, :16], None]
+        )
     assert FusedStack.build(torch.nn.Linear(2, 2)) is None

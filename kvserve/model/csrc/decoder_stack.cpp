@@ -5,7 +5,8 @@
 // layer ~10 op calls from Python, their views and the nn.Module calls (~70 µs a layer).
 //
 // Per layer l: h = add_rms_norm(x, residual, in_norm) (layer 0: residual = x,
-// h = rms_norm(x)); qkv = linear(h); rope on q, k; K/V written to the cache (copied,
+// h = rms_norm(x)); qkv = linear(h); q and k normed per head when qk_norms[2l],
+// qk_norms[2l + 1] are given (Qwen3); rope on q, k; K/V written to the cache (copied,
 // or quantized with per-token scales and K's shift); o = paged_attention;
 // h = add_rms_norm(linear(o), residual, post_norm); x = down(gate_up_silu(h)).
 // The linears, the K/V write and the attention are stack_parts.h's (gate/up: bf16_linear_silu_mul,
@@ -49,7 +50,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     c10::IntArrayRef dims, double eps, double scale, int64_t window, int64_t sinks,
     int64_t kv_kind, int64_t candidates, const c10::List<std::optional<at::Tensor>>& qscales,
     c10::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& tails,
-    c10::IntArrayRef tail_kinds, c10::IntArrayRef tail_rows) {
+    c10::IntArrayRef tail_kinds, c10::IntArrayRef tail_rows,
+    const c10::List<std::optional<at::Tensor>>& qk_norms) {
   const Dims dm = kvserve_stack::read_dims("decoder_stack", dims);
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers > 0, "decoder_stack: no layers");
@@ -62,6 +64,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
               " scales and shifts");
   const Linears linear{qscales, kinds, tails, tail_kinds, tail_rows};
   linear.check("decoder_stack", layers);
+  kvserve_stack::check_qk_norms("decoder_stack", qk_norms, layers);
   kvserve_stack::check_step("decoder_stack", x_in, dm, kv_kind);
   const int64_t t = x_in.size(0), qs = dm.q_size(), kvs = dm.kv_size();
   const int64_t nqkv = qs + 2 * kvs;
@@ -79,6 +82,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::Tensor q = qkv.narrow(1, 0, qs).view({t, dm.heads, dm.head_dim});
     at::Tensor k = qkv.narrow(1, qs, kvs).view({t, dm.kv_heads, dm.head_dim});
     at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({t, dm.kv_heads, dm.head_dim});
+    if (const auto q_norm = qk_norms.get(2 * l); q_norm.has_value()) {  // Qwen3
+      q = kvserve::rms_norm(q, *q_norm, eps);
+      k = kvserve::rms_norm(k, *qk_norms.get(2 * l + 1), eps);
+    }
     kvserve::rope(positions, q, k, cos, sin);
     const LayerCache cache{caches[l], scales.get(l), k_shifts.get(l), kv_kind, candidates};
     cache.write(k, v, slots);
@@ -98,6 +105,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor?[] biases, Tensor(a!)[] caches, Tensor(b!)?[] scales, Tensor?[] k_shifts, "
         "Tensor slots, Tensor tables, Tensor lens, Tensor query_start, int[] dims, float eps, "
         "float scale, int window, int sinks, int kv_kind, int candidates, Tensor?[] qscales, "
-        "int[] kinds, Tensor?[] tails, int[] tail_kinds, int[] tail_rows) -> (Tensor, Tensor)");
+        "int[] kinds, Tensor?[] tails, int[] tail_kinds, int[] tail_rows, Tensor?[] qk_norms) "
+        "-> (Tensor, Tensor)");
   m.impl("decoder_stack", c10::DispatchKey::CPU, TORCH_FN(decoder_stack));
 }

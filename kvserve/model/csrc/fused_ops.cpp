@@ -57,32 +57,50 @@ inline void rms_row_bf16(c10::BFloat16* x, const c10::BFloat16* add, const c10::
 }
 #endif
 
+// One row of n values: out = rms_norm(x) (with `add`: x += add first, stored in x).
+template <typename T>
+inline void rms_row(T* x, const T* add, const T* w, T* out, int64_t n, float eps) {
+#ifdef KVSERVE_AVX512_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return rms_row_bf16(x, add, w, out, n, eps);
+#endif
+  const float ss = kvserve_cpu::add_sum_squares(x, add, n);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(x[i]) * inv));
+}
+
 template <typename T>
 void rms_rows(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t n, float eps) {
-#ifdef KVSERVE_AVX512_BF16
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        rms_row_bf16(x + r * n, add ? add + r * n : nullptr, w, out + r * n, n, eps);
-    });
-    return;
-  }
-#endif
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      T* xr = x + r * n;
-      T* orow = out + r * n;
-      const float ss = kvserve_cpu::add_sum_squares(xr, add ? add + r * n : nullptr, n);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) orow[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(xr[i]) * inv));
-    }
+    for (int64_t r = b; r < e; ++r)
+      rms_row<T>(x + r * n, add ? add + r * n : nullptr, w, out + r * n, n, eps);
   });
 }
 
+// x contiguous, or [T, H, D] with unit stride in its last dimension (Qwen3's q/k views of
+// the qkv projection's output: each head's row normed alone). Returns a new contiguous
+// tensor of x's shape; a row's bits are the same in either layout.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rms_norm: contiguous inputs");
+  TORCH_CHECK(w.is_contiguous(), "rms_norm: contiguous inputs");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: dtype mismatch");
+  if (!x.is_contiguous()) {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1,
+                "rms_norm: x must be contiguous, or [T, H, D] with contiguous rows");
+    auto out = at::empty(x.sizes(), x.options());
+    const int64_t heads = x.size(1), n = x.size(2), rows = x.size(0) * heads;
+    const int64_t st = x.stride(0), sh = x.stride(1);
+    KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", {
+      T* xp = const_cast<T*>(x.data_ptr<T>());  // read only: `add` is null
+      T* op = out.data_ptr<T>();
+      const T* wp = w.data_ptr<T>();
+      at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r)
+          rms_row<T>(xp + r / heads * st + r % heads * sh, nullptr, wp, op + r * n, n,
+                     static_cast<float>(eps));
+      });
+    });
+    return out;
+  }
   auto out = at::empty_like(x);
   const int64_t n = x.size(-1), rows = x.numel() / n;
   KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm",

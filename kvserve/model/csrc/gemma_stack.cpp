@@ -61,8 +61,6 @@ void check_lists(int64_t layers, at::TensorList rope, at::TensorList weights,
     const int64_t g = info[kInfoPerLayer * l];
     TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(slots.size()), "gemma_stack: layer ", l,
                 "'s KV group ", g, " has no block table");
-    TORCH_CHECK(qk_norms.get(2 * l).has_value() == qk_norms.get(2 * l + 1).has_value(),
-                "gemma_stack: q and k norms come together");
   }
 }
 
@@ -83,6 +81,7 @@ std::tuple<at::Tensor, at::Tensor> gemma_stack(
               layer_info);
   const Linears linear{qscales, kinds, tails, tail_kinds, tail_rows};
   linear.check("gemma_stack", layers);
+  kvserve_stack::check_qk_norms("gemma_stack", qk_norms, layers);
   kvserve_stack::check_step("gemma_stack", x_in, dm, kv_kind);
   const int64_t t = x_in.size(0), qs = dm.q_size(), kvs = dm.kv_size();
   const int64_t nqkv = qs + 2 * kvs;

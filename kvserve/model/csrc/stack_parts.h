@@ -39,6 +39,16 @@ inline void check_step(const char* op, const at::Tensor& x, const Dims& dm, int6
   TORCH_CHECK(kv_kind >= -1 && kv_kind <= 2, op, ": kv_kind must be -1, 0, 1 or 2");
 }
 
+// Checks the per-head q/k norm weights: 2 per layer, each layer both or neither.
+inline void check_qk_norms(const char* op, const c10::List<std::optional<at::Tensor>>& norms,
+                           int64_t layers) {
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers, op,
+              ": 2 q/k norm entries per layer");
+  for (int64_t l = 0; l < layers; ++l)
+    TORCH_CHECK(norms.get(2 * l).has_value() == norms.get(2 * l + 1).has_value(), op,
+                ": q and k norms come together");
+}
+
 // One layer's cache: a plain one [2, slots, H, D] (or its tiles, kv_tiles.h) of the
 // activations' dtype (kind < 0), or the codes [2, slots, H, D] of a token-scale int8/fp8
 // cache with scales [2, slots, H] float16 (or both tiled: [2, slots / 16, H, 16, D] and
