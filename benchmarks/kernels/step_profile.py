@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--prefill-prompts", type=int, default=8, help="prompts in the prefill step")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantization", default="auto", help="auto, or int8 (per-channel weights)")
     ap.add_argument(
         "--python-layers",
         action="store_true",
@@ -61,6 +62,7 @@ def main() -> None:
         kv_cache_memory="2GiB",
         max_num_batched_tokens=2048,
         kv_cache_dtype=a.kv_cache_dtype,
+        quantization=a.quantization,
     )
     engine = llm.engine
     if a.python_layers:
@@ -113,6 +115,7 @@ def main() -> None:
         "prefill_prompts": a.prefill_prompts,
         "threads": torch.get_num_threads(),
         "kv_cache_dtype": a.kv_cache_dtype,
+        "quantization": a.quantization,
         "fused_stack": engine.runner.model.fused_stack is not None,
         "decode_ops": decode,
         "prefill_ops": prefill,
