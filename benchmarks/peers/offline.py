@@ -300,7 +300,8 @@ def main() -> None:
         choices=sorted(SHAPES),
         default="smol",
         help="the random-weight model: SmolLM2-135M's shape (smol), Gemma 3 270M's (gemma3), "
-        "a Qwen3-MoE (qwen3moe), Llama-3.2-1B's (llama1b), a gpt-oss (gptoss); saved under "
+        "a Qwen3-MoE (qwen3moe), Llama-3.2-1B's (llama1b), a gpt-oss (gptoss), Qwen3-0.6B's "
+        "(qwen3); saved under "
         "benchmarks/.models/SHAPE-bench",
     )
     p.add_argument("--model-dir", type=Path, default=None)

@@ -253,10 +253,17 @@ GPTOSS = dict(
     num_attention_heads=16, num_key_value_heads=2, head_dim=64, num_local_experts=32,
     num_experts_per_tok=4, sliding_window=128, max_position_embeddings=4096,
 )  # fmt: skip
+# Qwen3-0.6B's shape (q/k norms, 128-dim heads, its 151k vocabulary, tied embeddings)
+QWEN3 = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+    tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+)  # fmt: skip
 SHAPES = {"smol": ("LlamaConfig", SMOL), "gemma3": ("Gemma3TextConfig", GEMMA3)}
 SHAPES["qwen3moe"] = ("Qwen3MoeConfig", QWEN3MOE)
 SHAPES["llama1b"] = ("LlamaConfig", LLAMA1B)
 SHAPES["gptoss"] = ("GptOssConfig", GPTOSS)
+SHAPES["qwen3"] = ("Qwen3Config", QWEN3)
 
 
 def build_bench_model(path: Path, shape: str = "smol", **overrides: object) -> Path:
