@@ -339,6 +339,18 @@ FIGURES: tuple[Figure, ...] = (
         "Model families: Gemma's layers in one C++ call", commit="cc66ac1",
     ),
     _offline(
+        "Qwen3-0.6B shape bf16, offline 32 × 256 → 128: q/k norms as one C++ pass and the "
+        "layers in one C++ call (kvserve before it in the same run: 142.0, so 1.19×; 1.02× "
+        "of vLLM-CPU)",
+        "offline_qwen3_amx_stack.json",
+        "kvserve",
+        "--shape qwen3 --engines kvserve,baseline,vllm --baseline <worktree of 75ba130> "
+        "--repeat 2",
+        "Model families: Qwen3's q/k norms",
+        machine="Xeon AMX",
+        commit="cdcab60",
+    ),
+    _offline(
         "Qwen3-MoE (64 experts, top 8, ~0.9B) bf16, offline 32 × 256 → 128: experts, "
         "combine and greedy argmax in C++",
         "offline_qwen3moe_amx_combine.json",
