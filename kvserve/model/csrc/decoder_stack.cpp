@@ -78,10 +78,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       h = kvserve::add_rms_norm(x, residual, w[0], eps);
     }
-    at::Tensor qkv = linear(b, h, w[1], biases.get(b), nqkv);
-    at::Tensor q = qkv.narrow(1, 0, qs).view({t, dm.heads, dm.head_dim});
-    at::Tensor k = qkv.narrow(1, qs, kvs).view({t, dm.kv_heads, dm.head_dim});
-    at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({t, dm.kv_heads, dm.head_dim});
+    const at::Tensor qkv = linear(b, h, w[1], biases.get(b), nqkv);
+    auto [q, k, v] = kvserve_stack::split_qkv(qkv, dm);
     if (const auto q_norm = qk_norms.get(2 * l); q_norm.has_value()) {  // Qwen3
       q = kvserve::rms_norm(q, *q_norm, eps);
       k = kvserve::rms_norm(k, *qk_norms.get(2 * l + 1), eps);

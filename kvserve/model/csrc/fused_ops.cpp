@@ -87,16 +87,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1,
                 "rms_norm: x must be contiguous, or [T, H, D] with contiguous rows");
     auto out = at::empty(x.sizes(), x.options());
-    const int64_t heads = x.size(1), n = x.size(2), rows = x.size(0) * heads;
-    const int64_t st = x.stride(0), sh = x.stride(1);
+    const int64_t n = x.size(2), rows = x.size(0) * x.size(1);
+    const kvserve_cpu::Rows at_row{x.size(1), x.stride(0), x.stride(1)};
     KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", {
       T* xp = const_cast<T*>(x.data_ptr<T>());  // read only: `add` is null
       T* op = out.data_ptr<T>();
       const T* wp = w.data_ptr<T>();
       at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
         for (int64_t r = b; r < e; ++r)
-          rms_row<T>(xp + r / heads * st + r % heads * sh, nullptr, wp, op + r * n, n,
-                     static_cast<float>(eps));
+          rms_row<T>(xp + at_row.at(r), nullptr, wp, op + r * n, n, static_cast<float>(eps));
       });
     });
     return out;

@@ -31,11 +31,7 @@ namespace {
 using kvserve_cpu::from_f;
 using kvserve_cpu::to_f;
 
-// Where row r of x starts: x is [outer, inner, n] with strides (s0, s1, 1) (2-D: inner 1).
-struct Rows {
-  int64_t inner, s0, s1;
-  int64_t at(int64_t r) const { return (r / inner) * s0 + (r % inner) * s1; }
-};
+using kvserve_cpu::Rows;
 
 #ifdef KVSERVE_AVX512_BF16
 // One bf16 row: optionally x = bf16(x + add) (stored), then out = bf16(x · inv · (1 + w)).

@@ -39,7 +39,6 @@ constexpr int64_t kBiasesPerLayer = 4;  // qkv, o, gate_up, down (each may be No
 constexpr int64_t kInfoPerLayer = 4;    // group, local rope, window, sinks
 
 void check_lists(int64_t layers, at::TensorList rope, at::TensorList weights,
-                 const c10::List<std::optional<at::Tensor>>& qk_norms,
                  const c10::List<std::optional<at::Tensor>>& biases,
                  const c10::List<std::optional<at::Tensor>>& scales,
                  const c10::List<std::optional<at::Tensor>>& k_shifts, at::TensorList slots,
@@ -47,14 +46,13 @@ void check_lists(int64_t layers, at::TensorList rope, at::TensorList weights,
   TORCH_CHECK(layers > 0, "gemma_stack: no layers");
   TORCH_CHECK(rope.size() == 4, "gemma_stack: rope must be [cos, sin, local cos, local sin]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers &&
-                  static_cast<int64_t>(qk_norms.size()) == 2 * layers &&
                   static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers &&
                   static_cast<int64_t>(scales.size()) == layers &&
                   static_cast<int64_t>(k_shifts.size()) == layers &&
                   static_cast<int64_t>(info.size()) == kInfoPerLayer * layers,
               "gemma_stack: ", layers, " caches need ", kWeightsPerLayer * layers, " weights, ",
-              2 * layers, " q/k norms, ", kBiasesPerLayer * layers, " biases, ", layers,
-              " scales and shifts and ", kInfoPerLayer * layers, " layer_info values");
+              kBiasesPerLayer * layers, " biases, ", layers, " scales and shifts and ",
+              kInfoPerLayer * layers, " layer_info values");
   TORCH_CHECK(!slots.empty() && slots.size() == tables.size(),
               "gemma_stack: one slot mapping and one block table per KV group");
   for (int64_t l = 0; l < layers; ++l) {
@@ -77,8 +75,7 @@ std::tuple<at::Tensor, at::Tensor> gemma_stack(
     c10::IntArrayRef tail_kinds, c10::IntArrayRef tail_rows) {
   const Dims dm = kvserve_stack::read_dims("gemma_stack", dims);
   const int64_t layers = static_cast<int64_t>(caches.size());
-  check_lists(layers, rope, weights, qk_norms, biases, scales, k_shifts, slots, tables,
-              layer_info);
+  check_lists(layers, rope, weights, biases, scales, k_shifts, slots, tables, layer_info);
   const Linears linear{qscales, kinds, tails, tail_kinds, tail_rows};
   linear.check("gemma_stack", layers);
   kvserve_stack::check_qk_norms("gemma_stack", qk_norms, layers);
@@ -96,10 +93,8 @@ std::tuple<at::Tensor, at::Tensor> gemma_stack(
     } else {
       h = kvserve::gemma_add_rms_norm(x, residual, w[0], eps);
     }
-    at::Tensor qkv = linear(b, h, w[1], biases.get(b), nqkv);
-    at::Tensor q = qkv.narrow(1, 0, qs).view({t, dm.heads, dm.head_dim});
-    at::Tensor k = qkv.narrow(1, qs, kvs).view({t, dm.kv_heads, dm.head_dim});
-    at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({t, dm.kv_heads, dm.head_dim});
+    const at::Tensor qkv = linear(b, h, w[1], biases.get(b), nqkv);
+    auto [q, k, v] = kvserve_stack::split_qkv(qkv, dm);
     const std::optional<at::Tensor> q_norm = qk_norms.get(2 * l);
     if (q_norm.has_value()) {
       q = kvserve::gemma_rms_norm(q, *q_norm, eps);

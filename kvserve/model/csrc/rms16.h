@@ -9,6 +9,13 @@
 
 namespace kvserve_cpu {
 
+// Where row r of x starts: x is [outer, inner, n] with strides (s0, s1, 1) (2-D: inner 1).
+// The norms read q/k views of a qkv projection's output in place this way.
+struct Rows {
+  int64_t inner, s0, s1;
+  int64_t at(int64_t r) const { return (r / inner) * s0 + (r % inner) * s1; }
+};
+
 // With `add`, x = T(x + add), stored in x; returns the sum of x² over the row in float, in
 // a fixed order whatever the batch (bf16 with AVX-512-BF16: 16 lanes, then their sum).
 template <typename T>

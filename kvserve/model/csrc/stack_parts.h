@@ -49,15 +49,27 @@ inline void check_qk_norms(const char* op, const c10::List<std::optional<at::Ten
                 ": q and k norms come together");
 }
 
+// A layer's q, k, v [tokens, heads, head_dim]: views of its qkv projection's output
+// [tokens, (heads + 2 kv_heads) head_dim].
+struct QKV {
+  at::Tensor q, k, v;
+};
+
+inline QKV split_qkv(const at::Tensor& qkv, const Dims& dm) {
+  const int64_t t = qkv.size(0), qs = dm.q_size(), kvs = dm.kv_size();
+  return {qkv.narrow(1, 0, qs).view({t, dm.heads, dm.head_dim}),
+          qkv.narrow(1, qs, kvs).view({t, dm.kv_heads, dm.head_dim}),
+          qkv.narrow(1, qs + kvs, kvs).view({t, dm.kv_heads, dm.head_dim})};
+}
+
 // One layer's cache: a plain one [2, slots, H, D] (or its tiles, kv_tiles.h) of the
 // activations' dtype (kind < 0), or the codes [2, slots, H, D] of a token-scale int8/fp8
 // cache with scales [2, slots, H] float16 (or both tiled: [2, slots / 16, H, 16, D] and
 // [2, slots / 16, H, 16]), quantize_kv's kind and candidates, and K's shift (None, or
 // [H, D] float32).
 struct LayerCache {
-  const at::Tensor& cache;
-  const std::optional<at::Tensor>& scales;
-  const std::optional<at::Tensor>& shift;
+  at::Tensor cache;
+  std::optional<at::Tensor> scales, shift;
   int64_t kind, candidates;
 
   // Stores the step's k, v [tokens, kv_heads, head_dim] at slots (copied, or quantized
