@@ -53,6 +53,15 @@ def _runs_gate_up(mlp: nn.Module) -> bool:
     return runs_linear(mlp.gate_up_proj) and not mlp.gate_up_applies_silu
 
 
+def one_eps(norms: list[nn.Module], layer: nn.Module, first: nn.Module) -> bool:
+    """Whether ``norms`` (a layer's) and ``layer``'s q/k norms, if any, all have the first
+    layer's eps: the C++ loop takes one."""
+    a = layer.self_attn
+    if a.q_norm is not None:
+        norms = [*norms, a.q_norm, a.k_norm]
+    return all(n.eps == first.input_layernorm.eps for n in norms)
+
+
 def _weight(linear: nn.Module) -> torch.Tensor:
     return linear.parts[0].qs if isinstance(linear, GGUFLinear) else linear.packed_weight
 
@@ -139,13 +148,11 @@ class FusedStack:
         whose constants the call takes)."""
         a, m = layer.self_attn, layer.mlp
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if a.q_norm is not None:  # Qwen3's, on the kernels: one eps for every norm
-            norms += [a.q_norm, a.k_norm]
         return (
             a.backend is first.self_attn.backend
             and _runs_gate_up(m)
-            and all(isinstance(n.ops, CpuKernelOps) for n in norms)
-            and len({n.eps for n in norms} | {first.input_layernorm.eps}) == 1
+            and (a.q_norm is None or isinstance(a.q_norm.ops, CpuKernelOps))  # Qwen3's
+            and one_eps(norms, layer, first)
         )
 
     @classmethod

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.fused_stack import FusedStack, runs_linear
+from kvserve.model.fused_stack import FusedStack, one_eps, runs_linear
 from kvserve.model.mlp import GeluMLP
 
 
@@ -56,13 +56,11 @@ class GemmaStack(FusedStack):
             layer.input_layernorm, layer.post_attention_layernorm,
             layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm,
         ]  # fmt: skip
-        if a.q_norm is not None:
-            norms += [a.q_norm, a.k_norm]
         return (
             type(m) is GeluMLP
             and runs_linear(m.gate_up_proj)
             and not m.gate_up_applies_silu
-            and len({n.eps for n in norms} | {first.input_layernorm.eps}) == 1
+            and one_eps(norms, layer, first)
             and (a.scale, a.softcap) == (first.self_attn.scale, first.self_attn.softcap)
         )
 
@@ -78,9 +76,7 @@ class GemmaStack(FusedStack):
         args = self.step_args(x, kv_caches)
         if args is None:
             return None
-        metas = [meta, *meta.groups]
-        if len(metas) < self.groups:  # the uniform layout: one table for every layer
-            metas = [meta] * self.groups
+        metas = [meta.for_group(g) for g in range(self.groups)]  # uniform: all one table
         for m in metas:
             assert m.seq_block_tables is not None
             if m.seq_lens is not meta.seq_lens or m.query_start is not meta.query_start:
