@@ -63,11 +63,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
               " weights, ", kBiasesPerLayer * layers, " biases and ", layers,
               " scales and shifts");
   const Linears linear{qscales, kinds, tails, tail_kinds, tail_rows};
-  linear.check("decoder_stack", layers);
-  kvserve_stack::check_qk_norms("decoder_stack", qk_norms, layers);
-  kvserve_stack::check_step("decoder_stack", x_in, dm, kv_kind);
-  const int64_t t = x_in.size(0), qs = dm.q_size(), kvs = dm.kv_size();
-  const int64_t nqkv = qs + 2 * kvs;
+  kvserve_stack::check_stack("decoder_stack", layers, linear, qk_norms, x_in, dm, kv_kind);
+  const int64_t t = x_in.size(0), qs = dm.q_size();
   at::Tensor x = x_in, residual, h;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &weights[kWeightsPerLayer * l];
@@ -78,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       h = kvserve::add_rms_norm(x, residual, w[0], eps);
     }
-    const at::Tensor qkv = linear(b, h, w[1], biases.get(b), nqkv);
+    const at::Tensor qkv = linear(b, h, w[1], biases.get(b), dm.qkv_size());
     auto [q, k, v] = kvserve_stack::split_qkv(qkv, dm);
     if (const auto q_norm = qk_norms.get(2 * l); q_norm.has_value()) {  // Qwen3
       q = kvserve::rms_norm(q, *q_norm, eps);

@@ -77,11 +77,8 @@ std::tuple<at::Tensor, at::Tensor> gemma_stack(
   const int64_t layers = static_cast<int64_t>(caches.size());
   check_lists(layers, rope, weights, biases, scales, k_shifts, slots, tables, layer_info);
   const Linears linear{qscales, kinds, tails, tail_kinds, tail_rows};
-  linear.check("gemma_stack", layers);
-  kvserve_stack::check_qk_norms("gemma_stack", qk_norms, layers);
-  kvserve_stack::check_step("gemma_stack", x_in, dm, kv_kind);
-  const int64_t t = x_in.size(0), qs = dm.q_size(), kvs = dm.kv_size();
-  const int64_t nqkv = qs + 2 * kvs;
+  kvserve_stack::check_stack("gemma_stack", layers, linear, qk_norms, x_in, dm, kv_kind);
+  const int64_t t = x_in.size(0), qs = dm.q_size();
   at::Tensor x = x_in, residual, h;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &weights[kWeightsPerLayer * l];
@@ -93,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> gemma_stack(
     } else {
       h = kvserve::gemma_add_rms_norm(x, residual, w[0], eps);
     }
-    const at::Tensor qkv = linear(b, h, w[1], biases.get(b), nqkv);
+    const at::Tensor qkv = linear(b, h, w[1], biases.get(b), dm.qkv_size());
     auto [q, k, v] = kvserve_stack::split_qkv(qkv, dm);
     const std::optional<at::Tensor> q_norm = qk_norms.get(2 * l);
     if (q_norm.has_value()) {

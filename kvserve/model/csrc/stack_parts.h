@@ -22,6 +22,7 @@ struct Dims {
   int64_t heads, kv_heads, head_dim, hidden, inter, block_size;
   int64_t q_size() const { return heads * head_dim; }
   int64_t kv_size() const { return kv_heads * head_dim; }
+  int64_t qkv_size() const { return q_size() + 2 * kv_size(); }
 };
 
 inline Dims read_dims(const char* op, c10::IntArrayRef d) {
@@ -29,24 +30,6 @@ inline Dims read_dims(const char* op, c10::IntArrayRef d) {
               "inter, block_size]");
   for (int64_t v : d) TORCH_CHECK(v > 0, op, ": dims must be positive");
   return Dims{d[0], d[1], d[2], d[3], d[4], d[5]};
-}
-
-// Checks a step's x [tokens, hidden] (contiguous) and the caches' kv_kind (-1: plain,
-// 0-2: quantize_kv's kinds).
-inline void check_step(const char* op, const at::Tensor& x, const Dims& dm, int64_t kv_kind) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == dm.hidden && x.is_contiguous(), op,
-              ": x must be contiguous [tokens, hidden]");
-  TORCH_CHECK(kv_kind >= -1 && kv_kind <= 2, op, ": kv_kind must be -1, 0, 1 or 2");
-}
-
-// Checks the per-head q/k norm weights: 2 per layer, each layer both or neither.
-inline void check_qk_norms(const char* op, const c10::List<std::optional<at::Tensor>>& norms,
-                           int64_t layers) {
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers, op,
-              ": 2 q/k norm entries per layer");
-  for (int64_t l = 0; l < layers; ++l)
-    TORCH_CHECK(norms.get(2 * l).has_value() == norms.get(2 * l + 1).has_value(), op,
-                ": q and k norms come together");
 }
 
 // A layer's q, k, v [tokens, heads, head_dim]: views of its qkv projection's output
@@ -159,5 +142,22 @@ struct Linears {
     return at::cat({head, tail}, 1);
   }
 };
+
+// What both stacks check before their first layer: the linears' lists (Linears::check),
+// the per-head q/k norm weights (2 per layer, each layer both or neither), the step's x
+// [tokens, hidden] (contiguous) and the caches' kv_kind (-1: plain, 0-2: quantize_kv's).
+inline void check_stack(const char* op, int64_t layers, const Linears& linear,
+                        const c10::List<std::optional<at::Tensor>>& qk_norms,
+                        const at::Tensor& x, const Dims& dm, int64_t kv_kind) {
+  linear.check(op, layers);
+  TORCH_CHECK(static_cast<int64_t>(qk_norms.size()) == 2 * layers, op,
+              ": 2 q/k norm entries per layer");
+  for (int64_t l = 0; l < layers; ++l)
+    TORCH_CHECK(qk_norms.get(2 * l).has_value() == qk_norms.get(2 * l + 1).has_value(), op,
+                ": q and k norms come together");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == dm.hidden && x.is_contiguous(), op,
+              ": x must be contiguous [tokens, hidden]");
+  TORCH_CHECK(kv_kind >= -1 && kv_kind <= 2, op, ": kv_kind must be -1, 0, 1 or 2");
+}
 
 }  // namespace kvserve_stack
