@@ -20,11 +20,13 @@ Both keep the engine's batch invariance: a row's output never depends on the oth
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import nn
+
+from kvserve.hugepages import huge_arena
 
 QUANT_MANIFEST = "kvserve_quant.json"  # tensor name -> GGML type name, in a converted dir
 
@@ -412,6 +414,45 @@ def weight_bytes(model: nn.Module) -> int:
         packed |= {t.data_ptr(): t for p in parts for t in (p.qs, p.d, p.aux) if t.numel()}
     tensors += packed.values()
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+
+
+# codes moved onto huge pages per mapping of about this many bytes: the copies of one batch
+# exist beside their originals only until the modules take them
+_ARENA_BYTES = 256 << 20
+
+
+def quantized_on_huge_pages(model: nn.Module) -> int:
+    """Move the codes (``qs``) of every ``GGUFLinear`` part of ``model`` into mappings on
+    huge pages (``kvserve/hugepages.py``: ``huge_arena``), in place; a ``GGUFEmbedding``
+    that shares a part (a tied LM head) takes the same copy. A decode step streams these
+    codes from DRAM, and with 4 KiB pages the TLB misses on the way cost ~10 % of a MoE
+    layer's int8 experts here (benchmarks/history/notebook.md). Returns the bytes moved: 0
+    where huge pages do not apply (disabled, too little, another device); then nothing
+    changed."""
+    parts: dict[int, Packed] = {}
+    for m in model.modules():
+        for p in m.parts if isinstance(m, GGUFLinear) else []:
+            parts.setdefault(id(p), p)
+    batches: list[list[Packed]] = [[]]
+    for p in parts.values():
+        if sum(q.qs.nbytes for q in batches[-1]) >= _ARENA_BYTES:
+            batches.append([])
+        batches[-1].append(p)
+    moved_bytes = 0
+    for batch in batches:
+        copies = huge_arena([p.qs for p in batch])
+        moved = {
+            id(p): replace(p, qs=q) for p, q in zip(batch, copies, strict=True) if q is not p.qs
+        }
+        if not moved:
+            continue
+        moved_bytes += sum(p.qs.nbytes for p in moved.values())
+        for m in model.modules():
+            if isinstance(m, GGUFLinear):
+                m.parts = [moved.get(id(p), p) for p in m.parts]
+            elif isinstance(m, GGUFEmbedding):
+                m.packed = moved.get(id(m.packed), m.packed)
+    return moved_bytes
 
 
 class GGUFEmbedding(nn.Module):

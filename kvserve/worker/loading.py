@@ -35,7 +35,7 @@ from kvserve.model.loader import load_kv_scales, load_model
 from kvserve.model.mlp import use_expert_kernels
 from kvserve.model.ops import CpuKernelOps, TorchOps
 from kvserve.model.parallel import ShardPlan, TPGroup
-from kvserve.model.quantized import weight_bytes
+from kvserve.model.quantized import quantized_on_huge_pages, weight_bytes
 from kvserve.model.spec import ModelSpec
 from kvserve.model.triton_backend import TritonPagedAttention, triton_unusable
 from kvserve.utils import cdiv, format_size
@@ -194,6 +194,7 @@ class ShardBuilder:
             triton_ops.make_batch_invariant(self.model)
         elif inp.model_config.attention_backend != "torch":
             prepack_linears(self.model)  # bf16/fp16 on CPU only; a no-op elsewhere
+            quantized_on_huge_pages(self.model)  # a quantized model's codes, on a CPU
             use_expert_kernels(self.model)  # a MoE's experts in one C++ call where they can
             self.model.fused_stack = FusedStack.build(self.model)  # None unless all kernels
         self.kv_spec = rank_kv_spec(

@@ -65,3 +65,39 @@ def test_kv_caches_are_allocated_zeroed_on_the_mapping():
     fmt = kv_format("int8", torch.bfloat16)
     q = KVCacheSpec.for_format(2, 3, 64, fmt, 16, tiled=True).allocate(2048, CPU, fmt)
     assert q[0].data.data_ptr() % HUGE_PAGE == 0 and not q[0].data.any()
+
+
+def test_quantized_codes_move_to_an_arena_and_compute_the_same(monkeypatch):
+    from torch import nn
+
+    from kvserve.model.cpu_kernels import load_cpu_kernels
+    from kvserve.model.quantized import (
+        GGUFEmbedding,
+        GGUFLinear,
+        pack_int8,
+        quantized_on_huge_pages,
+    )
+
+    assert load_cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    shared = pack_int8(torch.randn(2048, 1024, generator=g))  # 2 MiB of codes
+    own = pack_int8(torch.randn(2048, 1024, generator=g))
+    model = nn.ModuleDict(
+        {
+            "embed": GGUFEmbedding(shared, torch.bfloat16),
+            "head": GGUFLinear([shared]),  # a tied LM head: the embedding's part
+            "proj": GGUFLinear([own]),
+        }
+    )
+    x = torch.randn(5, 1024, generator=g).bfloat16()
+    before = [model["head"](x), model["proj"](x)]
+    monkeypatch.setenv("KVSERVE_HUGEPAGES", "0")
+    assert quantized_on_huge_pages(model) == 0 and model["proj"].parts[0] is own
+    monkeypatch.delenv("KVSERVE_HUGEPAGES")
+    assert quantized_on_huge_pages(model) == shared.qs.nbytes + own.qs.nbytes
+    head, proj = model["head"].parts[0], model["proj"].parts[0]
+    assert model["embed"].packed is head  # still one copy of the shared codes
+    assert head.qs.data_ptr() % HUGE_PAGE == 0 and proj.qs.data_ptr() % 64 == 0
+    assert torch.equal(head.qs, shared.qs) and torch.equal(proj.qs, own.qs)
+    assert head.d is shared.d and proj.qs.data_ptr() != own.qs.data_ptr()
+    assert torch.equal(model["head"](x), before[0]) and torch.equal(model["proj"](x), before[1])
