@@ -21,9 +21,6 @@ scale per output row (``quantized.pack_int8``), never holding the model in bf16.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import json
 import logging
 from pathlib import Path
@@ -44,6 +41,7 @@ from kvserve.model.quantized import (
     dequantize,
     pack,
     pack_int8,
+    release_freed_memory,
 )
 
 logger = logging.getLogger(__name__)
@@ -209,22 +207,11 @@ class QuantLoad:
             parent.register_module(leaf, new)
             total += sum(p.nbytes for p in parts)
         if self.pending:
-            _release_freed_memory()  # the raw pieces and packing's temporaries
+            release_freed_memory()  # the raw pieces and packing's temporaries
             types = sorted(set(self.manifest.values()))
             logger.info("%d modules kept quantized (%s): %.1f MiB",
                         len(self.pending), "/".join(types), total / 2**20)  # fmt: skip
         return total
-
-
-def _release_freed_memory() -> None:
-    """Give the heap's free pages back to the system: a garbage collection, then glibc's
-    ``malloc_trim`` (nothing where the C library is not glibc). Packing frees about the
-    model's size in temporaries, which the CPU allocator settings
-    (``engine/cpu_env.tune_malloc``: give back only above 2 GiB) would otherwise keep in the
-    process's resident memory."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _merged(parts: list[Packed]) -> list[Packed]:

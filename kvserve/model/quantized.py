@@ -20,6 +20,9 @@ Both keep the engine's batch invariance: a row's output never depends on the oth
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -416,23 +419,39 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system: a garbage collection, then glibc's
+    ``malloc_trim`` (nothing where the C library is not glibc). Packing frees about the
+    model's size in temporaries, which the CPU allocator settings
+    (``engine/cpu_env.tune_malloc``: give back only above 2 GiB) would otherwise keep in the
+    process's resident memory (as would moving codes onto huge pages)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 # codes moved onto huge pages per mapping of about this many bytes: the copies of one batch
 # exist beside their originals only until the modules take them
 _ARENA_BYTES = 256 << 20
 
 
 def quantized_on_huge_pages(model: nn.Module) -> int:
-    """Move the codes (``qs``) of every ``GGUFLinear`` part of ``model`` into mappings on
-    huge pages (``kvserve/hugepages.py``: ``huge_arena``), in place; a ``GGUFEmbedding``
-    that shares a part (a tied LM head) takes the same copy. A decode step streams these
-    codes from DRAM, and with 4 KiB pages the TLB misses on the way cost ~10 % of a MoE
-    layer's int8 experts here (benchmarks/history/notebook.md). Returns the bytes moved: 0
-    where huge pages do not apply (disabled, too little, another device); then nothing
-    changed."""
+    """Move the codes (``qs``) of every int8 ``GGUFLinear`` part of ``model``
+    (``pack_int8``'s: ``--quantization int8``) into mappings on huge pages
+    (``kvserve/hugepages.py``: ``huge_arena``), in place; a ``GGUFEmbedding`` that shares
+    a part (a tied LM head) takes the same copy. A decode step streams these codes from
+    DRAM; packed by torch at load they sat on 4 KiB pages (a Qwen3-MoE's 2,048 experts'
+    codes: none of 730 MB on huge pages), and the TLB misses on the way cost ~10 % of the
+    int8 decode step (benchmarks/history/notebook.md). A GGUF file's parts are left where
+    they are: numpy packs them and advises its large arrays as huge pages itself (a 1B
+    Q4_K_M file's codes: 99 % on huge pages); a copy gained nothing there. Returns the
+    bytes moved: 0 where huge pages do not apply (disabled, too little, another device);
+    then nothing changed. Gives the freed originals back to the system."""
     parts: dict[int, Packed] = {}
     for m in model.modules():
         for p in m.parts if isinstance(m, GGUFLinear) else []:
-            parts.setdefault(id(p), p)
+            if p.ggml_type == INT8:
+                parts.setdefault(id(p), p)
     batches: list[list[Packed]] = [[]]
     for p in parts.values():
         if sum(q.qs.nbytes for q in batches[-1]) >= _ARENA_BYTES:
@@ -452,6 +471,9 @@ def quantized_on_huge_pages(model: nn.Module) -> int:
                 m.parts = [moved.get(id(p), p) for p in m.parts]
             elif isinstance(m, GGUFEmbedding):
                 m.packed = moved.get(id(m.packed), m.packed)
+    if moved_bytes:
+        del parts, batches, batch  # the last references to the originals
+        release_freed_memory()  # which the allocator would otherwise keep resident
     return moved_bytes
 
 

@@ -67,13 +67,15 @@ def test_kv_caches_are_allocated_zeroed_on_the_mapping():
     assert q[0].data.data_ptr() % HUGE_PAGE == 0 and not q[0].data.any()
 
 
-def test_quantized_codes_move_to_an_arena_and_compute_the_same(monkeypatch):
+def test_int8_codes_move_to_an_arena_and_compute_the_same(monkeypatch):
     from torch import nn
 
     from kvserve.model.cpu_kernels import load_cpu_kernels
+    from kvserve.model.kquants import quantize
     from kvserve.model.quantized import (
         GGUFEmbedding,
         GGUFLinear,
+        pack,
         pack_int8,
         quantized_on_huge_pages,
     )
@@ -81,14 +83,18 @@ def test_quantized_codes_move_to_an_arena_and_compute_the_same(monkeypatch):
     assert load_cpu_kernels()
     g = torch.Generator().manual_seed(0)
     shared = pack_int8(torch.randn(2048, 1024, generator=g))  # 2 MiB of codes
-    own = pack_int8(torch.randn(2048, 1024, generator=g))
+    own_w = torch.randn(2048, 1024, generator=g)
+    own = pack_int8(own_w)
     model = nn.ModuleDict(
         {
             "embed": GGUFEmbedding(shared, torch.bfloat16),
             "head": GGUFLinear([shared]),  # a tied LM head: the embedding's part
             "proj": GGUFLinear([own]),
+            # a GGUF file's part stays: numpy already advises its large arrays as huge pages
+            "gguf": GGUFLinear([pack(quantize(own_w.numpy(), "Q8_0"), "Q8_0", 1024)]),
         }
     )
+    gguf = model["gguf"].parts[0]
     x = torch.randn(5, 1024, generator=g).bfloat16()
     before = [model["head"](x), model["proj"](x)]
     monkeypatch.setenv("KVSERVE_HUGEPAGES", "0")
@@ -101,3 +107,4 @@ def test_quantized_codes_move_to_an_arena_and_compute_the_same(monkeypatch):
     assert torch.equal(head.qs, shared.qs) and torch.equal(proj.qs, own.qs)
     assert head.d is shared.d and proj.qs.data_ptr() != own.qs.data_ptr()
     assert torch.equal(model["head"](x), before[0]) and torch.equal(model["proj"](x), before[1])
+    assert model["gguf"].parts[0] is gguf
