@@ -70,6 +70,17 @@ def _prefetch(capability: str, engine: str, **kw) -> Figure:
     )  # fmt: skip
 
 
+def _huge(capability: str, result: str, args: str, **kw) -> Figure:
+    """A figure of kvserve int8 in a run beside the int8 codes' move onto huge pages
+    (Xeon AMX; the tree before it, e6dd071, as engine baseline-int8)."""
+    return _offline(
+        capability, result, "kvserve-int8",
+        f"{args} --engines kvserve-int8,baseline-int8,kvserve,vllm --baseline "
+        "<worktree of e6dd071> --repeat 2", "int8 codes on huge pages", machine="Xeon AMX",
+        commit="bd4ed92", **kw,
+    )  # fmt: skip
+
+
 def _int8_rows(d: dict, rows: int) -> float:
     """``gguf_int8_rows.py``'s int8-on-tiles ms a layer at ``rows`` rows."""
     return next(r for r in d["results"] if r["rows"] == rows)["int8 amx"]["ms"]
@@ -361,6 +372,21 @@ FIGURES: tuple[Figure, ...] = (
         commit="1dc8420",
     ),
     _shape_serving("qwen3moe", "Qwen3-MoE shape", commit="1dc8420"),
+    _huge(
+        "Qwen3-MoE --quantization int8, its codes on huge pages, offline 32 × 256 → 128 "
+        "(kvserve bf16 in the same run: 269.7, 0.93× vLLM-CPU on this instance)",
+        "offline_qwen3moe_amx_huge.json",
+        "--shape qwen3moe",
+        peer=f"{VLLM} bf16",
+    ),
+    _huge(
+        "the int8 codes on huge pages: --quantization int8, Qwen3-MoE shape, offline "
+        "32 × 256 → 128 (decode step 76.1 → 72.6 ms, median of the two runs)",
+        "offline_qwen3moe_amx_huge.json",
+        "--shape qwen3moe",
+        peer="kvserve int8 before it (e6dd071)",
+        theirs=lambda d: _r(d, "baseline-int8"),
+    ),
     _offline(
         "Qwen3-MoE --quantization int8 on AMX-INT8 tiles, offline 32 × 256 → 128 "
         "(kvserve bf16 in the same run: 323.9)",
@@ -382,6 +408,21 @@ FIGURES: tuple[Figure, ...] = (
         machine="Xeon AMX",
         commit="ce33a7e",
         peer=f"{VLLM} bf16",
+    ),
+    _huge(
+        "Llama-3.2-1B shape --quantization int8, its codes on huge pages, offline "
+        "32 × 256 → 128 (kvserve bf16 in the same run: 138.9, so int8 is 1.24× of it)",
+        "offline_llama1b_amx_huge.json",
+        "--shape llama1b",
+        peer=f"{VLLM} bf16",
+    ),
+    _huge(
+        "the int8 codes on huge pages: --quantization int8, Llama-3.2-1B shape, offline "
+        "32 × 256 → 128",
+        "offline_llama1b_amx_huge.json",
+        "--shape llama1b",
+        peer="kvserve int8 before it (e6dd071)",
+        theirs=lambda d: _r(d, "baseline-int8"),
     ),
     _prefetch(
         "--quantization int8 on AMX-INT8 tiles, the next weights prefetched, Llama-3.2-1B "
