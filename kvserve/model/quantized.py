@@ -472,7 +472,7 @@ def quantized_on_huge_pages(model: nn.Module) -> int:
             elif isinstance(m, GGUFEmbedding):
                 m.packed = moved.get(id(m.packed), m.packed)
     if moved_bytes:
-        del parts, batches, batch  # the last references to the originals
+        del parts, batches, batch, p  # the last references to the originals
         release_freed_memory()  # which the allocator would otherwise keep resident
     return moved_bytes
 
