@@ -83,28 +83,15 @@ void rms_rows(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t n, f
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(w.is_contiguous(), "rms_norm: contiguous inputs");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: dtype mismatch");
-  if (!x.is_contiguous()) {
-    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1,
-                "rms_norm: x must be contiguous, or [T, H, D] with contiguous rows");
-    auto out = at::empty(x.sizes(), x.options());
-    const int64_t n = x.size(2), rows = x.size(0) * x.size(1);
-    const kvserve_cpu::Rows at_row{x.size(1), x.stride(0), x.stride(1)};
-    KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", {
-      T* xp = const_cast<T*>(x.data_ptr<T>());  // read only: `add` is null
-      T* op = out.data_ptr<T>();
-      const T* wp = w.data_ptr<T>();
-      at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r)
-          rms_row<T>(xp + at_row.at(r), nullptr, wp, op + r * n, n, static_cast<float>(eps));
-      });
+  TORCH_CHECK(x.is_contiguous() || (x.dim() == 3 && x.stride(2) == 1),
+              "rms_norm: x must be contiguous, or [T, H, D] with contiguous rows");
+  auto out = at::empty(x.sizes(), x.options());
+  KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", {
+    const T* wp = w.data_ptr<T>();
+    kvserve_cpu::each_row<T>(x, out, [&](T* xr, T* orow, int64_t n) {
+      rms_row<T>(xr, nullptr, wp, orow, n, static_cast<float>(eps));
     });
-    return out;
-  }
-  auto out = at::empty_like(x);
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm",
-              rms_rows<T>(const_cast<T*>(x.data_ptr<T>()), nullptr, w.data_ptr<T>(),
-                          out.data_ptr<T>(), rows, n, static_cast<float>(eps)));
+  });
   return out;
 }
 

@@ -31,8 +31,6 @@ namespace {
 using kvserve_cpu::from_f;
 using kvserve_cpu::to_f;
 
-using kvserve_cpu::Rows;
-
 #ifdef KVSERVE_AVX512_BF16
 // One bf16 row: optionally x = bf16(x + add) (stored), then out = bf16(x · inv · (1 + w)).
 inline void gemma_row_bf16(c10::BFloat16* x, const c10::BFloat16* add, const c10::BFloat16* w,
@@ -75,16 +73,10 @@ at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
               "gemma_rms_norm: x must be 2-D or 3-D with a contiguous last dimension");
   check_weight("gemma_rms_norm", x, w);
   auto out = at::empty(x.sizes(), x.options());
-  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
-  const Rows at_row = x.dim() == 2 ? Rows{1, x.stride(0), 0}
-                                   : Rows{x.size(1), x.stride(0), x.stride(1)};
   KVSERVE_DISPATCH_FLOAT(x.scalar_type(), "gemma_rms_norm", {
-    T* xp = const_cast<T*>(x.data_ptr<T>());  // read only: `add` is null
-    T* op = out.data_ptr<T>();
     const T* wp = w.data_ptr<T>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        gemma_row<T>(xp + at_row.at(r), nullptr, wp, op + r * n, n, static_cast<float>(eps));
+    kvserve_cpu::each_row<T>(x, out, [&](T* xr, T* orow, int64_t n) {
+      gemma_row<T>(xr, nullptr, wp, orow, n, static_cast<float>(eps));
     });
   });
   return out;
