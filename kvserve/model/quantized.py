@@ -447,33 +447,38 @@ def quantized_on_huge_pages(model: nn.Module) -> int:
     Q4_K_M file's codes: 99 % on huge pages); a copy gained nothing there. Returns the
     bytes moved: 0 where huge pages do not apply (disabled, too little, another device);
     then nothing changed. Gives the freed originals back to the system."""
-    parts: dict[int, Packed] = {}
-    for m in model.modules():
-        for p in m.parts if isinstance(m, GGUFLinear) else []:
-            if p.ggml_type == INT8:
-                parts.setdefault(id(p), p)
+    moved = _move_int8_codes(model)
+    if moved:  # the originals, which the allocator would otherwise keep resident
+        release_freed_memory()
+    return moved
+
+
+def _move_int8_codes(model: nn.Module) -> int:
+    """``quantized_on_huge_pages``' copies, in batches of ``_ARENA_BYTES``; returns the
+    bytes moved. The originals' last references go with this frame."""
+    parts = {id(p): p for m in model.modules() if isinstance(m, GGUFLinear) for p in m.parts}
     batches: list[list[Packed]] = [[]]
+    size = 0
     for p in parts.values():
-        if sum(q.qs.nbytes for q in batches[-1]) >= _ARENA_BYTES:
+        if p.ggml_type != INT8:
+            continue
+        if size >= _ARENA_BYTES:
             batches.append([])
+            size = 0
         batches[-1].append(p)
+        size += p.qs.nbytes
     moved_bytes = 0
     for batch in batches:
         copies = huge_arena([p.qs for p in batch])
         moved = {
             id(p): replace(p, qs=q) for p, q in zip(batch, copies, strict=True) if q is not p.qs
         }
-        if not moved:
-            continue
         moved_bytes += sum(p.qs.nbytes for p in moved.values())
-        for m in model.modules():
+        for m in model.modules() if moved else []:
             if isinstance(m, GGUFLinear):
                 m.parts = [moved.get(id(p), p) for p in m.parts]
             elif isinstance(m, GGUFEmbedding):
                 m.packed = moved.get(id(m.packed), m.packed)
-    if moved_bytes:
-        del parts, batches, batch, p  # the last references to the originals
-        release_freed_memory()  # which the allocator would otherwise keep resident
     return moved_bytes
 
 
