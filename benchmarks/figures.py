@@ -410,6 +410,15 @@ FIGURES: tuple[Figure, ...] = (
         peer=f"{VLLM} bf16",
     ),
     _huge(
+        "the int8 codes on huge pages: --quantization int8, real SmolLM2-135M, offline "
+        "32 × 256 → 128 (kvserve bf16 in the same run: 700.9, so int8 is 0.75× of it; "
+        "vLLM-CPU bf16: 427.9)",
+        "offline_real_amx_huge.json",
+        "--real",
+        peer="kvserve int8 before it (e6dd071)",
+        theirs=lambda d: _r(d, "baseline-int8"),
+    ),
+    _huge(
         "Llama-3.2-1B shape --quantization int8, its codes on huge pages, offline "
         "32 × 256 → 128 (kvserve bf16 in the same run: 138.9, so int8 is 1.24× of it)",
         "offline_llama1b_amx_huge.json",
