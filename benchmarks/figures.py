@@ -70,9 +70,12 @@ def _prefetch(capability: str, engine: str, **kw) -> Figure:
     )  # fmt: skip
 
 
-def _huge(capability: str, result: str, args: str, **kw) -> Figure:
+def _huge(capability: str, result: str, args: str, before: bool = False, **kw) -> Figure:
     """A figure of kvserve int8 in a run beside the int8 codes' move onto huge pages
-    (Xeon AMX; the tree before it, e6dd071, as engine baseline-int8)."""
+    (Xeon AMX; the tree before it, e6dd071, as engine baseline-int8): against vLLM-CPU (or
+    the ``peer`` given), or with ``before`` against that tree's int8."""
+    if before:
+        kw.update(peer="kvserve int8 before it (e6dd071)", theirs=lambda d: _r(d, "baseline-int8"))
     return _offline(
         capability, result, "kvserve-int8",
         f"{args} --engines kvserve-int8,baseline-int8,kvserve,vllm --baseline "
@@ -384,8 +387,7 @@ FIGURES: tuple[Figure, ...] = (
         "32 × 256 → 128 (decode step 76.1 → 72.6 ms, median of the two runs)",
         "offline_qwen3moe_amx_huge.json",
         "--shape qwen3moe",
-        peer="kvserve int8 before it (e6dd071)",
-        theirs=lambda d: _r(d, "baseline-int8"),
+        before=True,
     ),
     _offline(
         "Qwen3-MoE --quantization int8 on AMX-INT8 tiles, offline 32 × 256 → 128 "
@@ -415,8 +417,7 @@ FIGURES: tuple[Figure, ...] = (
         "vLLM-CPU bf16: 427.9)",
         "offline_real_amx_huge.json",
         "--real",
-        peer="kvserve int8 before it (e6dd071)",
-        theirs=lambda d: _r(d, "baseline-int8"),
+        before=True,
     ),
     _huge(
         "Llama-3.2-1B shape --quantization int8, its codes on huge pages, offline "
@@ -430,8 +431,7 @@ FIGURES: tuple[Figure, ...] = (
         "32 × 256 → 128",
         "offline_llama1b_amx_huge.json",
         "--shape llama1b",
-        peer="kvserve int8 before it (e6dd071)",
-        theirs=lambda d: _r(d, "baseline-int8"),
+        before=True,
     ),
     _prefetch(
         "--quantization int8 on AMX-INT8 tiles, the next weights prefetched, Llama-3.2-1B "

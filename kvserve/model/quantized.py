@@ -456,12 +456,16 @@ def quantized_on_huge_pages(model: nn.Module) -> int:
 def _move_int8_codes(model: nn.Module) -> int:
     """``quantized_on_huge_pages``' copies, in batches of ``_ARENA_BYTES``; returns the
     bytes moved. The originals' last references go with this frame."""
-    parts = {id(p): p for m in model.modules() if isinstance(m, GGUFLinear) for p in m.parts}
+    parts = {
+        id(p): p
+        for m in model.modules()
+        if isinstance(m, GGUFLinear)
+        for p in m.parts
+        if p.ggml_type == INT8
+    }
     batches: list[list[Packed]] = [[]]
     size = 0
     for p in parts.values():
-        if p.ggml_type != INT8:
-            continue
         if size >= _ARENA_BYTES:
             batches.append([])
             size = 0
