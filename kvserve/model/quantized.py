@@ -456,13 +456,8 @@ def quantized_on_huge_pages(model: nn.Module) -> int:
 def _move_int8_codes(model: nn.Module) -> int:
     """``quantized_on_huge_pages``' copies, in batches of ``_ARENA_BYTES``; returns the
     bytes moved. The originals' last references go with this frame."""
-    parts = {
-        id(p): p
-        for m in model.modules()
-        if isinstance(m, GGUFLinear)
-        for p in m.parts
-        if p.ggml_type == INT8
-    }
+    linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    parts = {id(p): p for m in linears for p in m.parts if p.ggml_type == INT8}
     batches: list[list[Packed]] = [[]]
     size = 0
     for p in parts.values():
